@@ -1,0 +1,136 @@
+"""The two contracts between the supervisor and the ranks, in one place.
+
+Environment names (supervisor -> ranks) and the heartbeat message schema with its signing
+(ranks -> supervisor). This module imports only the standard library: it is the one piece of
+`supervisor/` that `worker/` imports, so neither side can drift from the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# --- supervisor -> ranks: environment ---------------------------------------------------------
+ENV_JOB_ID = "ES_JOB_ID"
+ENV_ATTEMPT = "ES_ATTEMPT"
+ENV_HEARTBEAT_ADDR = "ES_HEARTBEAT_ADDR"
+ENV_HEARTBEAT_KEY = "ES_HEARTBEAT_KEY"
+ENV_ATTEMPT_DIR = "ES_ATTEMPT_DIR"
+# Optional: seconds between liveness beats (the supervisor passes its [heartbeat] interval_s).
+ENV_HEARTBEAT_INTERVAL = "ES_HEARTBEAT_INTERVAL"
+
+# --- ranks -> supervisor: messages --------------------------------------------------------------
+VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024
+
+KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done"})
+PHASES = ("init", "load", "train", "save", "done")
+CKPT_STATES = frozenset({"staged", "written", "complete"})
+
+COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "v": int,
+    "job": str,
+    "attempt": int,
+    "rank": int,
+    "world": int,
+    "host": str,
+    "pid": int,
+    "t": (int, float),
+    "kind": str,
+}
+NUMBER = (int, float)
+KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "hello": {"phase": str},
+    "beat": {"phase": str, "step": int},
+    "step": {"step": int, "loss": NUMBER, "dt": NUMBER},
+    "phase": {"phase": str, "step": int},
+    "ckpt": {"step": int, "state": str},
+    "resumed": {"step": int, "restart_seconds": NUMBER},
+    "error": {"message": str},
+    "done": {"step": int},
+}
+
+
+class BadMessage(ValueError):
+    """A message that is unsigned, wrongly signed, malformed, oversized or of another job."""
+
+
+def sign(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+
+
+def encode(key: bytes, message: dict[str, Any]) -> list[bytes]:
+    """Two ZeroMQ frames: the JSON body and its hex HMAC-SHA256."""
+    body = json.dumps(message, separators=(",", ":"), allow_nan=True).encode()
+    return [body, sign(key, body)]
+
+
+def decode(key: bytes, frames: list[bytes], job: str | None = None) -> dict[str, Any]:
+    """Check size, signature and schema; return the message or raise BadMessage."""
+    if len(frames) != 2:
+        raise BadMessage(f"expected 2 frames, got {len(frames)}")
+    body, mac = frames
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"oversized message ({len(body)} bytes)")
+    if not hmac.compare_digest(sign(key, body), mac):
+        raise BadMessage("bad signature")
+    try:
+        message = json.loads(body)
+    except ValueError as exc:
+        raise BadMessage(f"not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise BadMessage("not a JSON object")
+    validate(message)
+    if job is not None and message["job"] != job:
+        raise BadMessage(f"message of another job {message['job']!r}")
+    return message
+
+
+def validate(message: dict[str, Any]) -> None:
+    for name, kind in COMMON_FIELDS.items():
+        _check_field(message, name, kind)
+    if message["v"] != VERSION:
+        raise BadMessage(f"unknown protocol version {message['v']}")
+    fields = KIND_FIELDS.get(message["kind"])
+    if fields is None:
+        raise BadMessage(f"unknown kind {message['kind']!r}")
+    for name, kind in fields.items():
+        _check_field(message, name, kind)
+    if message["kind"] == "ckpt" and message["state"] not in CKPT_STATES:
+        raise BadMessage(f"unknown checkpoint state {message['state']!r}")
+
+
+def _check_field(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> None:
+    value = message.get(name)
+    # bool is an int subclass; a flag where a number belongs is malformed.
+    if value is None or isinstance(value, bool) or not isinstance(value, kind):
+        raise BadMessage(f"field {name!r} missing or of the wrong type")
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who sends: fixed for the life of a rank process."""
+
+    job: str
+    attempt: int
+    rank: int
+    world: int
+    host: str
+    pid: int
+
+    def message(self, kind: str, t: float, **fields: Any) -> dict[str, Any]:
+        return {
+            "v": VERSION,
+            "job": self.job,
+            "attempt": self.attempt,
+            "rank": self.rank,
+            "world": self.world,
+            "host": self.host,
+            "pid": self.pid,
+            "t": t,
+            "kind": kind,
+            **fields,
+        }
