@@ -1,18 +1,54 @@
 """Heartbeats from a rank to the supervisor (DESIGN.md: ranks -> supervisor).
 
-STUB: the interface the training loop calls. Without ES_HEARTBEAT_ADDR every call is a no-op.
-The ZeroMQ implementation (background thread, bounded queue, HMAC-signed JSON) replaces this.
+The training loop calls a `Beacon`; every call returns at once. A background thread owns the
+ZeroMQ PUSH socket (sockets are not thread-safe), drains a bounded queue, sends with NOBLOCK and
+linger 0, and sends a `beat` every `interval_s` carrying the latest phase and step, so liveness
+(beats) and progress (steps) can be judged apart. When the queue or the socket is full, messages
+are dropped and counted: training never waits for the supervisor. Without `ES_HEARTBEAT_ADDR`
+`Beacon.from_env` returns a beacon that does nothing.
+
+This module must not import torch: the supervisor's tests and benchmarks use it as is.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from supervisor import protocol
+
+QUEUE_SIZE = 1024
+_STOP = object()
+
 
 class Beacon:
-    """What the training loop tells the supervisor. Every method returns at once."""
+    """What the training loop tells the supervisor. This base class is the no-op beacon."""
 
     @classmethod
     def from_env(cls, rank: int, world: int) -> Beacon:
-        return cls()
+        env = os.environ
+        addr = env.get(protocol.ENV_HEARTBEAT_ADDR)
+        if not addr:
+            return cls()
+        identity = protocol.RankIdentity(
+            job=env.get(protocol.ENV_JOB_ID, ""),
+            attempt=int(env.get(protocol.ENV_ATTEMPT, "0")),
+            rank=rank,
+            world=world,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        key = env.get(protocol.ENV_HEARTBEAT_KEY, "").encode()
+        interval = float(env.get(protocol.ENV_HEARTBEAT_INTERVAL, "1.0"))
+        if env.get(protocol.ENV_EXIT_WITH_PARENT) == "1":
+            _die_with_parent()
+        return ZmqBeacon(addr, key, identity, interval)
 
     def hello(self, phase: str) -> None: ...
 
@@ -29,3 +65,129 @@ class Beacon:
     def done(self, step: int) -> None: ...
 
     def close(self) -> None: ...
+
+    @property
+    def dropped(self) -> int:
+        """Messages not sent because the queue or the socket was full."""
+        return 0
+
+
+class ZmqBeacon(Beacon):
+    """The real beacon: a bounded queue in front of one sender thread."""
+
+    def __init__(
+        self, addr: str, key: bytes, identity: protocol.RankIdentity, interval_s: float
+    ) -> None:
+        self._addr = addr
+        self._key = key
+        self._id = identity
+        self._interval = max(0.01, interval_s)
+        self._queue: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
+        # Read by the sender thread for beats; plain attribute writes are atomic under the GIL.
+        self._phase = "init"
+        self._step = 0
+        self._dropped = 0
+        self._closed = False
+        self._parent = os.getppid()
+        self._watch_parent = os.environ.get(protocol.ENV_EXIT_WITH_PARENT) == "1"
+        self._thread = threading.Thread(target=self._run, name="es-beacon", daemon=True)
+        self._thread.start()
+
+    # --- called by the training loop -----------------------------------------------------
+    def hello(self, phase: str) -> None:
+        self._phase = phase
+        self._put("hello", phase=phase)
+
+    def phase(self, phase: str, step: int) -> None:
+        self._phase, self._step = phase, int(step)
+        self._put("phase", phase=phase, step=int(step))
+
+    def step(self, step: int, loss: float, dt: float) -> None:
+        self._step = int(step)
+        self._put("step", step=int(step), loss=float(loss), dt=float(dt))
+
+    def ckpt(self, step: int, state: str) -> None:
+        self._put("ckpt", step=int(step), state=state)
+
+    def resumed(self, step: int, restart_seconds: float) -> None:
+        self._put("resumed", step=int(step), restart_seconds=float(restart_seconds))
+
+    def error(self, message: str) -> None:
+        # Leave room for the envelope under the protocol's size limit.
+        self._put("error", message=str(message)[: protocol.MAX_MESSAGE_BYTES // 2])
+
+    def done(self, step: int) -> None:
+        self._phase, self._step = "done", int(step)
+        self._put("done", step=int(step))
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Flush what is queued (bounded by `timeout`) and stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    # --- internals -----------------------------------------------------------------------
+    def _put(self, kind: str, **fields: Any) -> None:
+        if self._closed:
+            return
+        try:
+            self._queue.put_nowait((kind, time.time(), fields))
+        except queue.Full:
+            self._dropped += 1
+
+    def _run(self) -> None:
+        import zmq  # imported here so that an unsupervised rank never loads it
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, QUEUE_SIZE)
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        sock.connect(self._addr)
+        next_beat = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._send(sock, zmq, "beat", time.time(), phase=self._phase, step=self._step)
+                    next_beat = now + self._interval
+                    if self._watch_parent and os.getppid() != self._parent:
+                        # Our launcher died without taking us along: do not train on alone.
+                        os.kill(os.getpid(), signal.SIGKILL)
+                try:
+                    item = self._queue.get(timeout=max(0.0, next_beat - time.monotonic()))
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    break
+                kind, t, fields = item
+                self._send(sock, zmq, kind, t, **fields)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:
+        frames = protocol.encode(self._key, self._id.message(kind, t, **fields))
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped += 1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return

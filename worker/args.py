@@ -1,0 +1,140 @@
+"""Command-line flags of `python -m worker.train` (ezpz fsdp_tp's names where they overlap)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from worker.errors import UsageError
+from worker.model import PRESETS
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    model: str
+    dim: int | None
+    n_layers: int | None
+    n_heads: int | None
+    n_kv_heads: int | None
+    ffn_dim: int | None
+    vocab_size: int | None
+    seq_len: int | None
+    batch_size: int
+    tp: int
+    replicate: int
+    device: str
+    meta_init: str
+    train_iters: int
+    lr: float
+    min_lr_ratio: float
+    warmup_iters: int | None
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    data_path: str | None
+    data_dtype: str
+    outdir: str
+    pg_timeout: float
+    log_every: int
+    ckpt_dir: str | None
+    save_interval: int
+    no_resume: bool
+    ckpt_keep: int
+    ckpt_verify: str
+    save_on_exit: bool
+    async_ckpt: bool
+    ckpt_stage_dir: str | None
+    metrics_all_ranks: bool
+    inject_rank: int
+    inject_raise_at_step: int | None
+    inject_stall_at_step: int | None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Turns argparse's exit into a UsageError, so only rank 0 prints it, on one line."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m worker.train", description=__doc__)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="debug", help=f"preset: {', '.join(PRESETS)}")
+    for name in ("dim", "n-layers", "n-heads", "n-kv-heads", "ffn-dim", "vocab-size", "seq-len"):
+        m.add_argument(f"--{name}", type=int, default=None, help="overrides the preset")
+    m.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    par.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
+    par.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto")
+    par.add_argument(
+        "--meta-init",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="build on the meta device and materialise only local shards "
+        "(auto: on from ~6e9 parameters)",
+    )
+    par.add_argument(
+        "--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds"
+    )
+    t = p.add_argument_group("training")
+    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--min-lr-ratio", type=float, default=0.1)
+    t.add_argument("--warmup-iters", type=int, default=None, help="default: 10%% of train-iters")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data-path", default=None, help="flat binary file of token ids")
+    t.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
+    t.add_argument("--outdir", default="outputs", help="metrics when ES_ATTEMPT_DIR is unset")
+    t.add_argument("--log-every", type=int, default=1, help="human line every N steps (rank 0)")
+    t.add_argument("--metrics-all-ranks", action="store_true")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--ckpt-dir", default=None)
+    c.add_argument("--save-interval", type=int, default=0, help="0: no periodic saves")
+    c.add_argument(
+        "--no-resume", action="store_true", help="start fresh even if a checkpoint exists"
+    )
+    c.add_argument("--ckpt-keep", type=int, default=3)
+    c.add_argument("--ckpt-verify", choices=("size", "crc"), default="size")
+    c.add_argument(
+        "--save-on-exit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="checkpoint at the last step and on SIGTERM/SIGUSR1",
+    )
+    c.add_argument("--async-ckpt", action="store_true")
+    c.add_argument("--ckpt-stage-dir", default=None)
+    i = p.add_argument_group("fault injection (tests)")
+    i.add_argument("--inject-rank", type=int, default=0)
+    i.add_argument("--inject-raise-at-step", type=int, default=None)
+    i.add_argument("--inject-stall-at-step", type=int, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> TrainArgs:
+    ns = build_parser().parse_args(argv)
+    args = TrainArgs(**{f.name: getattr(ns, f.name) for f in fields(TrainArgs)})
+    check_args(args)
+    return args
+
+
+def check_args(a: TrainArgs) -> None:
+    """Pure checks of values that no layout or file can make right."""
+    if a.model not in PRESETS:
+        raise UsageError(f"unknown model preset {a.model!r}; choose one of {', '.join(PRESETS)}")
+    positive = {
+        "--batch-size": a.batch_size,
+        "--train-iters": a.train_iters,
+        "--ckpt-keep": a.ckpt_keep,
+        "--log-every": a.log_every,
+    }
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if a.save_interval < 0:
+        raise UsageError(f"--save-interval must be 0 (off) or positive, got {a.save_interval}")
+    if (a.save_interval or a.async_ckpt) and not a.ckpt_dir:
+        raise UsageError("--save-interval and --async-ckpt need --ckpt-dir")

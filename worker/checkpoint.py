@@ -1,0 +1,214 @@
+"""Sharded checkpoints with PyTorch Distributed Checkpoint, and automatic resume.
+
+Every rank writes its own shards (no gather to rank 0) into `ckpt-dir/step-N/`; rank 0 then
+writes `meta.json` (what the run needs besides tensors: step, tokens, RNG, data position,
+scheduler, fingerprints, file sizes) and `.complete`, last and atomically. Resume takes the
+newest complete checkpoint whose files verify and loads it into the already-sharded model and
+optimizer, resharding through DCP when the world size or mesh differs.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from worker import ckpt_files as files
+from worker.errors import UsageError
+
+WRITER_THREADS = 4
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint must match (model) or may differ in (mesh: DCP reshards)."""
+
+    model_fingerprint: str
+    model_description: str
+    world: int
+    mesh: str
+
+
+@dataclass
+class Resumed:
+    step: int
+    tokens_seen: int
+    path: Path
+
+
+def _encode(obj: Any) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _decode(text: str) -> Any:
+    return pickle.loads(base64.b64decode(text))
+
+
+def capture_rng(device_type: str) -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if device_type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    elif device_type == "xpu":
+        state["xpu"] = torch.xpu.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    if "xpu" in state:
+        torch.xpu.set_rng_state(state["xpu"])
+
+
+def prefill_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter empty Adam moments so DCP sees the shapes to load into; a dummy
+    optimizer step would compute a whole update only to throw it away."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in optimizer.state:
+                continue
+            optimizer.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.empty_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.empty_like(param, memory_format=torch.preserve_format),
+            }
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world: int,
+        device_type: str,
+        identity: RunIdentity,
+        keep: int,
+        verify: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        log: Callable[[str], None],
+    ):
+        self.root = root
+        self.rank, self.world = rank, world
+        self.device_type = device_type
+        self.identity = identity
+        self.keep = keep
+        self.verify = verify
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.log = log
+        self.last_saved_step = -1
+
+    # ---- saving ---------------------------------------------------------------------------
+    def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> float:
+        """Write step-N on every rank, then mark it. Returns the seconds the loop was blocked."""
+        started = time.perf_counter()
+        directory = files.step_dir(self.root, step)
+        if self.rank == 0:
+            files.prepare_step_dir(directory)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        writer = dcp.FileSystemWriter(directory, thread_count=WRITER_THREADS, sync_files=True)
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+        rngs = self._gather(_encode(capture_rng(self.device_type)))
+        crcs = self._checksums(directory) if self.verify == "crc" else None
+        if self.rank == 0:
+            meta = {
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "world": self.world,
+                "mesh": self.identity.mesh,
+                "model_fingerprint": self.identity.model_fingerprint,
+                "model": self.identity.model_description,
+                "data": data,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rngs,
+                "saved_at": time.time(),
+            }
+            files.fsync_dir(directory)
+            meta["files"] = files.record_files(directory, crcs)
+            files.mark_complete(directory, meta)
+            files.remove(files.retention_plan(files.scan(self.root), self.keep))
+        self.last_saved_step = step
+        return time.perf_counter() - started
+
+    def _gather(self, item: Any) -> list[Any] | None:
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(item, out, dst=0)
+        return out
+
+    def _checksums(self, directory: Path) -> dict[str, int]:
+        """Each rank checksums every world-th file, so the cost is spread like the writes."""
+        names = sorted(p.name for p in directory.iterdir() if p.is_file())
+        mine = {n: files.file_crc(directory / n) for n in names[self.rank :: self.world]}
+        parts: list[dict[str, int]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
+
+    # ---- resuming ---------------------------------------------------------------------------
+    def choose(self) -> Path | None:
+        """Rank 0 picks the newest complete checkpoint whose files verify; all ranks learn it."""
+        choice = [None]
+        if self.rank == 0:
+            for found in files.resume_candidates(files.scan(self.root)):
+                problem = self._problem(found.path)
+                if problem is None:
+                    choice[0] = str(found.path)
+                    break
+                self.log(
+                    f"WARNING: skipping checkpoint {found.path.name}: {problem}; "
+                    "trying the one before"
+                )
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def _problem(self, directory: Path) -> str | None:
+        try:
+            meta = files.read_meta(directory)
+        except (OSError, ValueError) as exc:
+            return f"unreadable {files.META}: {exc}"
+        return files.verify_problem(directory, meta.get("files", {}), self.verify == "crc")
+
+    def load(self, directory: Path) -> Resumed:
+        meta = files.read_meta(directory)
+        if meta["model_fingerprint"] != self.identity.model_fingerprint:
+            raise UsageError(
+                f"checkpoint {directory} is of another model ({meta['model']}); this run builds "
+                f"{self.identity.model_description}. Point --ckpt-dir elsewhere, or pass "
+                "--no-resume to start fresh"
+            )
+        prefill_adamw_state(self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.scheduler.load_state_dict(meta["scheduler"])
+        rngs = meta.get("rng") or []
+        if self.rank < len(rngs) and meta["world"] == self.world:
+            restore_rng(_decode(rngs[self.rank]))
+        self.last_saved_step = meta["step"]
+        return Resumed(step=meta["step"], tokens_seen=meta["tokens_seen"], path=directory)

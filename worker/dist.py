@@ -1,0 +1,162 @@
+"""Who this rank is, on which device, and the process group it trains in.
+
+Rank and world come from whatever launcher started the process; MPI, when it started us,
+is used only to agree on a rendezvous address and to bring the whole job down on an error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+# (rank, world, local rank, local world) variable names per launcher, most specific first.
+LAUNCHER_VARS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("pals", "PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("hydra", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("pmix", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+MPI_LAUNCHERS = frozenset({"pals", "openmpi", "hydra", "pmix"})
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    launcher: str
+    host: str
+
+    @property
+    def under_mpi(self) -> bool:
+        return self.launcher in MPI_LAUNCHERS
+
+
+def detect_rank(env: Mapping[str, str], host: str | None = None) -> RankInfo:
+    """Pure: this process's place in the job from its environment; a lone process is rank 0 of 1."""
+    host = host or socket.gethostname()
+    for launcher, rank_var, world_var, local_var, local_world_var in LAUNCHER_VARS:
+        if rank_var in env and (world_var in env or launcher == "pmix"):
+            world = int(env.get(world_var) or env.get("PMI_SIZE") or 1)
+            local_world_raw = env.get(local_world_var, "")
+            # Slurm writes e.g. "4(x2)"; the leading count is this node's.
+            local_world = int(local_world_raw.split("(")[0]) if local_world_raw else world
+            return RankInfo(
+                rank=int(env[rank_var]),
+                world=world,
+                local_rank=int(env.get(local_var, 0)),
+                local_world=local_world,
+                launcher=launcher,
+                host=host,
+            )
+    return RankInfo(0, 1, 0, 1, "single", host)
+
+
+def select_device(requested: str):
+    """`auto` takes CUDA, then XPU, then CPU; returns (torch.device type, backend name)."""
+    import torch
+
+    if requested == "auto":
+        if torch.cuda.is_available():
+            requested = "cuda"
+        elif hasattr(torch, "xpu") and torch.xpu.is_available():
+            requested = "xpu"
+        else:
+            requested = "cpu"
+    if requested == "cuda":
+        return "cuda", "nccl"
+    if requested == "xpu":
+        try:  # oneCCL bindings register the "ccl" backend when imported
+            import oneccl_bindings_for_pytorch  # noqa: F401
+
+            return "xpu", "ccl"
+        except ImportError:
+            return "xpu", "xccl"
+    return "cpu", "gloo"
+
+
+def set_threads(info: RankInfo) -> int:
+    """Honour OMP_NUM_THREADS; else share this node's cores among its ranks (under mpiexec
+    torch otherwise drops silently to one thread)."""
+    import torch
+
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
+    if threads <= 0:
+        threads = max(1, (os.cpu_count() or 1) // max(1, info.local_world))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_address(info: RankInfo) -> tuple[str, int]:
+    """MASTER_ADDR/PORT when given; under MPI, rank 0 picks a port and tells the others."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        return addr, int(port)
+    if info.world == 1:
+        return "127.0.0.1", _free_port()
+    if not info.under_mpi:
+        raise RuntimeError(
+            f"launched by {info.launcher} without MASTER_ADDR/MASTER_PORT; set both, "
+            "or launch with mpiexec or torchrun"
+        )
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 0:
+        single_node = info.local_world == info.world
+        choice = ("127.0.0.1" if single_node else socket.getfqdn(), _free_port())
+    else:
+        choice = None
+    return comm.bcast(choice, root=0)
+
+
+def init_process_group(info: RankInfo, backend: str, device_type: str, timeout_s: float):
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    elif device_type == "xpu":
+        torch.xpu.set_device(info.local_rank)
+    addr, port = rendezvous_address(info)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=info.rank,
+        world_size=info.world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, info.local_rank)
+
+
+def abort_job(info: RankInfo, code: int) -> None:
+    """End this rank so that its peers cannot hang: MPI_Abort under MPI (the launcher then
+    kills every rank), else a hard exit that skips process-group and MPI finalizers."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if info.under_mpi and info.world > 1 and "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)

@@ -1,0 +1,134 @@
+"""One DeviceMesh for the job, and the FSDP2 / HSDP / FSDP+TP layouts applied on it.
+
+Mesh dimensions, outermost first: `dp_replicate` (HSDP replicas), `dp_shard` (FSDP), `tp`.
+Dimensions of size 1 are left out, so a plain FSDP job has a 1-D mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from worker.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `world` ranks divide into replicas, shards and tensor-parallel groups."""
+
+    world: int
+    replicate: int
+    shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+    def dims(self) -> list[tuple[str, int]]:
+        named = [("dp_replicate", self.replicate), ("dp_shard", self.shard), ("tp", self.tp)]
+        kept = [(name, size) for name, size in named if size > 1]
+        return kept or [("dp_shard", 1)]
+
+    def describe(self) -> str:
+        return "x".join(f"{name}={size}" for name, size in self.dims())
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel rank: ranks of one tensor-parallel group see the same batch."""
+        return rank // self.tp
+
+
+def plan_layout(world: int, tp: int, replicate: int) -> Layout:
+    """Pure: the layout for these flags, or a UsageError that names the sizes."""
+    if tp < 1 or replicate < 1:
+        raise UsageError(f"--tp ({tp}) and --replicate ({replicate}) must be at least 1")
+    if world % (tp * replicate):
+        raise UsageError(
+            f"world size {world} is not divisible by --tp {tp} x --replicate {replicate}"
+            f" = {tp * replicate}; choose sizes whose product divides {world}"
+        )
+    return Layout(world=world, replicate=replicate, shard=world // (tp * replicate), tp=tp)
+
+
+def check_model_fits(layout: Layout, n_heads: int, n_kv_heads: int, ffn_dim: int) -> None:
+    if layout.tp == 1:
+        return
+    for name, size in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim)):
+        if size % layout.tp:
+            raise UsageError(f"--tp {layout.tp} does not divide {name}={size}")
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    names, sizes = zip(*layout.dims(), strict=True)
+    return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    names = [n for n in mesh.mesh_dim_names if n in ("dp_replicate", "dp_shard")]
+    if not names:  # tp only: FSDP over a group of one
+        return mesh["tp"]
+    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+
+
+TP_PLAN = {
+    "attention.wq": ColwiseParallel(),
+    "attention.wk": ColwiseParallel(),
+    "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module:
+    """Tensor-parallel the blocks (column-wise in, row-wise out), then FSDP2 each block and
+    the root over the data-parallel dimensions (2-D mesh for HSDP: replicate x shard)."""
+    if layout.tp > 1:
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], TP_PLAN)
+    dp_mesh = _dp_mesh(mesh) if layout.tp == 1 or layout.dp > 1 else None
+    if dp_mesh is None:
+        return model
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Meta-init: allocate only this rank's shards, then give them their initial values."""
+    model.to_empty(device=device)
+    model.init_weights()
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ for parameters on several meshes (FSDP+TP: the blocks live on
+    the 2-D mesh, embeddings and norms on the data-parallel one): one norm per mesh, combined."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad.mul_(scale.to(grad.device))
+    return total
