@@ -24,6 +24,7 @@ from typing import Any
 from supervisor import protocol
 
 QUEUE_SIZE = 1024
+CLOSE_LINGER_S = 0.5
 _STOP = object()
 
 
@@ -172,7 +173,8 @@ class ZmqBeacon(Beacon):
                 kind, t, fields = item
                 self._send(sock, zmq, kind, t, **fields)
         finally:
-            sock.close(linger=0)
+            # Give the last messages (`done` above all) a bounded moment to leave.
+            sock.close(linger=int(CLOSE_LINGER_S * 1000))
             ctx.term()
 
     def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:

@@ -1,0 +1,277 @@
+"""`python -m supervisor run|validate|tail|status`: the supervisor's commands.
+
+User errors (bad config, bad flags, a missing launcher) print one line and exit 2, without a
+traceback. The supervisor never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import tomllib
+
+from supervisor import config as config_mod
+from supervisor import events as events_mod
+from supervisor import job as job_mod
+from supervisor.decisions import ExitCode
+
+EXIT_CODES = """exit status:
+  0  done: the worker finished
+  1  internal error
+  2  bad config or usage, missing launcher, or the worker rejected its flags
+  3  restart budget exhausted ([restart] max_restarts)
+  4  no progress: [restart] max_same_resume attempts in a row resumed from the same step
+  5  interrupted: SIGINT/SIGTERM to the supervisor (the ranks were asked to save and stop)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="python -m supervisor",
+        description="Keeps a distributed training job making progress: launches its ranks, "
+        "watches exits and heartbeats, tears down and relaunches until done.",
+        epilog=EXIT_CODES,
+        formatter_class=fmt,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="run a job until done",
+        epilog=EXIT_CODES,
+        formatter_class=fmt,
+        description="Launch the job of CONFIG and keep it going until done.",
+    )
+    run.add_argument("config", metavar="CONFIG", help="the job's TOML file")
+    _add_set(run)
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and the launch command; start nothing",
+    )
+    run.add_argument("--quiet", action="store_true", help="no events on the console")
+
+    val = sub.add_parser(
+        "validate",
+        help="check a config; launch nothing",
+        epilog=EXIT_CODES,
+        formatter_class=fmt,
+        description="Check CONFIG (keys, types, values, launcher); exit 2 on "
+        "the first problem, naming the file and the key.",
+    )
+    val.add_argument("config", metavar="CONFIG")
+    _add_set(val)
+
+    tail = sub.add_parser(
+        "tail", help="show a run's events", description="Render RUN_DIR/events.jsonl for people."
+    )
+    tail.add_argument("run_dir", metavar="RUN_DIR")
+    tail.add_argument("-f", "--follow", action="store_true", help="keep following new events")
+    tail.add_argument("--json", action="store_true", help="print the raw JSON lines")
+    tail.add_argument("-n", "--lines", type=int, default=0, help="only the last N events")
+
+    st = sub.add_parser(
+        "status",
+        help="where a run stands",
+        description="Attempts, restarts left, current step, newest complete "
+        "checkpoint, last failure and why.",
+    )
+    st.add_argument("run_dir", metavar="RUN_DIR")
+    return p
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set worker.train_iters=50 (repeatable)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "validate":
+            return cmd_validate(args)
+        if args.command == "tail":
+            return cmd_tail(args)
+        if args.command == "status":
+            return cmd_status(args)
+    except config_mod.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+    return ExitCode.USAGE
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config, args.set)
+    r = job_mod.resolve(cfg)
+    print(
+        f"{args.config}: ok ({cfg.launch.launcher} [{r.flavor}], {len(r.nodes)} node(s) x "
+        f"{cfg.launch.ranks_per_node} ranks = {r.world}, worker {cfg.worker.module})"
+    )
+    return ExitCode.DONE
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config, args.set)
+    r = job_mod.resolve(cfg)
+    if args.dry_run:
+        print(f"# resolved config ({args.config})")
+        print(config_mod.dumps(r.resolved_dict()))
+        env = {
+            "ES_JOB_ID": "<job>",
+            "ES_ATTEMPT": "0",
+            "ES_HEARTBEAT_ADDR": "<addr>",
+            "ES_HEARTBEAT_KEY": "<secret>",
+            "ES_ATTEMPT_DIR": str(r.run_dir / "attempts" / "000"),
+        }
+        print("# launch command (attempt 0)")
+        print(r.plan({**cfg.launch.env, **env}, master_port=0).text(), end="")
+        return ExitCode.DONE
+    job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
+    return int(asyncio.run(job.run()))
+
+
+# --- tail / status --------------------------------------------------------------------------------
+def cmd_tail(args: argparse.Namespace) -> int:
+    path = _events_path(args.run_dir)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if args.lines:
+        lines = lines[-args.lines :]
+    offset = path.stat().st_size
+    for line in lines:
+        _print_event_line(line, args.json)
+    if not args.follow:
+        return ExitCode.DONE
+    pending = b""
+    while True:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        offset += len(chunk)
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            _print_event_line(line.decode(errors="replace"), args.json)
+        sys.stdout.flush()
+        time.sleep(0.25)
+
+
+def _print_event_line(line: str, raw: bool) -> None:
+    if not line.strip():
+        return
+    if raw:
+        print(line)
+        return
+    import json
+
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return
+    if isinstance(event, dict):
+        print(events_mod.render(event))
+
+
+def _events_path(run_dir: str) -> Path:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        raise config_mod.ConfigError(run_dir, "", "not a run directory (no events.jsonl)")
+    return path
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    path = _events_path(args.run_dir)
+    run_dir = Path(args.run_dir)
+    events = list(events_mod.read_events(path))
+    try:
+        resolved = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        resolved = {}
+    for line in status_lines(events, resolved, run_dir):
+        print(line)
+    return ExitCode.DONE
+
+
+def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]:
+    """The status report (pure over the events and the resolved config, plus a ckpt scan)."""
+    starts = [e for e in events if e.get("event") == "start"]
+    launches = [e for e in events if e.get("event") == "launch"]
+    ends = [e for e in events if e.get("event") == "supervisor_exit"]
+    max_restarts = resolved.get("restart", {}).get("max_restarts")
+    restarts = sum(1 for e in events if e.get("event") == "relaunch")
+    last_start = starts[-1] if starts else {}
+    name = resolved.get("job", {}).get("name", "?")
+    if ends and (not starts or ends[-1].get("ts", 0) >= last_start.get("ts", 0)):
+        end = ends[-1]
+        state = f"finished: {end.get('code_name')} (exit {end.get('code')}): {end.get('reason')}"
+    elif last_start and _alive(last_start.get("pid")):
+        state = f"running (supervisor pid {last_start.get('pid')})"
+    elif last_start:
+        state = "ended without a final event (the supervisor was killed?)"
+    else:
+        state = "not started"
+    out = [f"run:      {run_dir}", f"job:      {name}", f"state:    {state}"]
+    left = "?" if max_restarts is None else max(0, max_restarts - restarts)
+    out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
+    step_events = [
+        e
+        for e in events
+        if e.get("event") in ("progress", "first_step", "done") and e.get("step") is not None
+    ]
+    if step_events:
+        e = step_events[-1]
+        out.append(f"step:     {e['step']} (attempt {e.get('attempt')})")
+    ckpt = _newest_checkpoint(resolved, events)
+    out.append(f"checkpoint: {ckpt}")
+    failures = [
+        e for e in events if e.get("event") == "attempt_end" and e.get("outcome") != "success"
+    ]
+    if failures:
+        f = failures[-1]
+        out.append(
+            f"last failure: attempt {f.get('attempt')}: {f.get('detail')} "
+            f"(detected by {f.get('detected_by')}; resumed from {f.get('resume_step')}, "
+            f"reached {f.get('max_step')})"
+        )
+    else:
+        out.append("last failure: none")
+    return out
+
+
+def _newest_checkpoint(resolved: dict, events: list[dict]) -> str:
+    ckpt_dir = resolved.get("worker", {}).get("ckpt_dir")
+    if ckpt_dir and Path(ckpt_dir).is_dir():
+        steps = []
+        for d in Path(ckpt_dir).glob("step-*"):
+            suffix = d.name.removeprefix("step-")
+            if suffix.isdigit() and (d / ".complete").exists():
+                steps.append(int(suffix))
+        if steps:
+            return f"step {max(steps)} ({ckpt_dir}/step-{max(steps)})"
+    marks = [e["step"] for e in events if e.get("event") == "ckpt_complete" and "step" in e]
+    return f"step {max(marks)} (from events)" if marks else "none"
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return False
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

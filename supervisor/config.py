@@ -1,0 +1,437 @@
+"""The job's TOML config: typed dataclasses, strict loading, `--set` overrides, resolved dump.
+
+Every error names the file, the key and what was expected, so `validate` and `run` can exit 2
+with one line and launch nothing. Unknown keys are errors (with a suggestion), never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import sys
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    sys.exit("elastic-supervisor needs Python 3.11 or newer (for tomllib)")
+
+LAUNCHERS = ("mpiexec", "srun", "local")
+FLAVORS = ("auto", "hydra", "pals")
+PHASE_NAMES = ("init", "load", "train", "save")
+# Worker flags that default on: `key = false` becomes `--no-key` (argparse BooleanOptionalAction).
+# Any other `key = false` is left out, `key = true` becomes `--key`.
+DEFAULT_ON_FLAGS = frozenset({"save_on_exit"})
+_FLAG_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class ConfigError(ValueError):
+    """A user error in the config: reported as `file: key: message`, exit status 2."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        self.source, self.key, self.message = source, key, message
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + message)
+
+
+@dataclass
+class JobConfig:
+    name: str = "job"
+    # `{name}` and `{time}` (UTC, YYYYmmdd-HHMMSS) are expanded once, at start.
+    run_dir: str = "runs/{name}-{time}"
+
+
+@dataclass
+class LaunchConfig:
+    launcher: Literal["mpiexec", "srun", "local"] = "local"
+    # mpiexec only: MPICH Hydra or Cray PALS; auto asks `mpiexec --version`.
+    flavor: Literal["auto", "hydra", "pals"] = "auto"
+    # The launcher program; default: the launcher's name, found on PATH.
+    executable: str = ""
+    # "auto" (PBS_NODEFILE, SLURM_JOB_NODELIST, else this host) or a list of host names.
+    nodes: str | list[str] = "auto"
+    hostfile: str = ""
+    ranks_per_node: int = 1
+    # Extra launcher arguments, e.g. ["--cpu-bind", "depth", "-d", "8"].
+    args: list[str] = field(default_factory=list)
+    # Extra environment for the ranks.
+    env: dict[str, str] = field(default_factory=dict)
+    # The ranks' Python; default: the supervisor's own interpreter.
+    python: str = ""
+    cwd: str = ""
+
+
+@dataclass
+class WorkerConfig:
+    module: str = "worker.train"
+    # Every other key of [worker]: a flag of the worker (`save_interval = 100`).
+    flags: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RestartConfig:
+    max_restarts: int = 10
+    # Delay before relaunch, indexed by consecutive failed attempts without progress; the last
+    # value repeats. A productive attempt starts the schedule over.
+    backoff_s: list[float] = field(default_factory=lambda: [0.0, 1.0, 5.0, 15.0, 30.0])
+    # An attempt made progress when its ranks stepped this many steps past where they resumed.
+    min_progress_steps: int = 1
+    # Stop (no progress) when this many attempts in a row resumed from the same step.
+    max_same_resume: int = 3
+    # After SIGTERM to a failed attempt, before SIGKILL.
+    teardown_grace_s: float = 3.0
+    # On the supervisor's own SIGINT/SIGTERM: time for the ranks to checkpoint and exit.
+    stop_grace_s: float = 60.0
+
+
+@dataclass
+class ProgressConfig:
+    """Seconds a rank may stay in a phase without its step or phase moving."""
+
+    init: float = 120.0
+    load: float = 300.0
+    train: float = 120.0
+    save: float = 600.0
+
+
+@dataclass
+class HeartbeatConfig:
+    interval_s: float = 1.0
+    # Liveness: no message from a rank for this long means it is lost.
+    timeout_s: float = 10.0
+    # How often the supervisor judges liveness and progress.
+    check_s: float = 0.1
+    # Where to bind: "auto" is loopback when every node is this host, else all interfaces.
+    bind: str = "auto"
+    port: int = 0
+    # Host name the ranks connect to; "auto": this host's name (loopback when local).
+    advertise: str = "auto"
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    source: str = "<config>"
+
+    def worker_flags(self) -> list[str]:
+        """The worker's command-line flags from [worker], in the table's order."""
+        return flags_from_table(self.worker.flags)
+
+
+# --- loading ------------------------------------------------------------------------------------
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read, override, and check a config file; raise ConfigError on any user error."""
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(source, "", "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(source, "", "is a directory, expected a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    for item in overrides or []:
+        apply_override(raw, item, source)
+    return from_dict(raw, source)
+
+
+def apply_override(raw: dict[str, Any], item: str, source: str = "--set") -> None:
+    """`key.sub=value`: value is read as a TOML value, else taken as a plain string."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError("--set", item, "expected key.sub=value")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    table = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        nxt = table.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError("--set", ".".join(parts[: i + 1]), "is not a table")
+        table = nxt
+    table[parts[-1]] = value
+
+
+def from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
+    raw = dict(raw)
+    worker_raw = raw.pop("worker", {})
+    faults = raw.pop("faults", [])
+    cfg = _build(Config, raw, "", source, skip={"worker", "faults", "source"})
+    cfg.source = source
+    cfg.worker = _worker(worker_raw, source)
+    cfg.faults = _faults(faults, source)
+    check(cfg)
+    return cfg
+
+
+def _worker(raw: Any, source: str) -> WorkerConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "worker", "expected a table")
+    raw = dict(raw)
+    module = raw.pop("module", "worker.train")
+    if not isinstance(module, str) or not module:
+        raise ConfigError(source, "worker.module", "expected a module name string")
+    for key, value in raw.items():
+        where = f"worker.{key}"
+        if not _FLAG_NAME.match(key):
+            raise ConfigError(source, where, "expected a flag name in snake_case")
+        scalar = (str, int, float, bool)
+        if isinstance(value, list):
+            if not all(isinstance(v, scalar) and not isinstance(v, bool) for v in value):
+                raise ConfigError(source, where, "expected a list of strings or numbers")
+        elif not isinstance(value, scalar):
+            raise ConfigError(source, where, "expected a string, number, boolean or list")
+    return WorkerConfig(module=module, flags=raw)
+
+
+def _faults(raw: Any, source: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(source, "faults", "expected [[faults]] tables")
+    if raw:
+        raise ConfigError(source, "faults", "fault schedules are not supported by this version")
+    return raw
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str, skip: frozenset | set = frozenset()):
+    where = prefix.rstrip(".") or cls.__name__
+    if not isinstance(raw, dict):
+        raise ConfigError(source, where, "expected a table")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    for key in raw:
+        if key not in names:
+            hint = difflib.get_close_matches(key, names, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            known = ", ".join(names)
+            raise ConfigError(source, prefix + key, f"unknown key{suggestion}; known: {known}")
+    values = {}
+    for name in names:
+        if name in raw:
+            values[name] = _convert(raw[name], hints[name], prefix + name, source)
+    return cls(**values)
+
+
+def _convert(value: Any, hint: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", source)
+    if origin is Literal:
+        if value not in args:
+            choices = " | ".join(repr(a) for a in args)
+            raise ConfigError(source, key, f"expected one of {choices}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return _convert(value, option, key, source)
+            except ConfigError:
+                continue
+        raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
+        return [_convert(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
+        return {str(k): _convert(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(source, key, f"expected a number, got {_show(value)}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(source, key, f"expected an integer, got {_show(value)}")
+        return value
+    if hint is bool or hint is str:
+        if not isinstance(value, hint):
+            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
+        return value
+    if hint is Any:
+        return value
+    raise TypeError(f"unsupported config type {hint!r}")  # a bug here, not the user's
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "a table"
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}.get(
+        hint, str(hint)
+    )
+
+
+def _show(value: Any) -> str:
+    kind = {str: "string", bool: "boolean", int: "integer", float: "number"}.get(type(value))
+    kind = kind or ("list" if isinstance(value, list) else "table")
+    return f"{kind} {value!r}" if kind != "table" else "a table"
+
+
+# --- semantic checks ------------------------------------------------------------------------------
+def check(cfg: Config) -> None:
+    """Values that parse but cannot work."""
+    src = cfg.source
+
+    def need(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(src, key, message)
+
+    need(bool(cfg.job.name.strip()), "job.name", "expected a non-empty name")
+    need(bool(cfg.job.run_dir.strip()), "job.run_dir", "expected a directory path")
+    la = cfg.launch
+    need(la.ranks_per_node >= 1, "launch.ranks_per_node", "expected an integer >= 1")
+    if isinstance(la.nodes, str):
+        need(la.nodes == "auto", "launch.nodes", 'expected "auto" or a list of host names')
+    else:
+        need(len(la.nodes) >= 1, "launch.nodes", "expected at least one host name")
+        need(all(n.strip() for n in la.nodes), "launch.nodes", "expected non-empty host names")
+        need(not la.hostfile, "launch.hostfile", "give either launch.nodes or launch.hostfile")
+    if la.launcher == "local":
+        need(not la.hostfile, "launch.hostfile", "the local launcher runs on this host only")
+    rs = cfg.restart
+    need(rs.max_restarts >= 0, "restart.max_restarts", "expected an integer >= 0")
+    need(len(rs.backoff_s) >= 1, "restart.backoff_s", "expected at least one delay")
+    for i, d in enumerate(rs.backoff_s):
+        need(_finite(d) and d >= 0, f"restart.backoff_s[{i}]", "expected a delay >= 0 seconds")
+    need(rs.min_progress_steps >= 1, "restart.min_progress_steps", "expected an integer >= 1")
+    need(rs.max_same_resume >= 2, "restart.max_same_resume", "expected an integer >= 2")
+    for name in ("teardown_grace_s", "stop_grace_s"):
+        v = getattr(rs, name)
+        need(_finite(v) and v >= 0, f"restart.{name}", "expected seconds >= 0")
+    hb = cfg.heartbeat
+    need(_finite(hb.interval_s) and hb.interval_s > 0, "heartbeat.interval_s", "expected > 0")
+    need(
+        _finite(hb.timeout_s) and hb.timeout_s >= 2 * hb.interval_s,
+        "heartbeat.timeout_s",
+        f"expected at least twice interval_s ({2 * hb.interval_s:g} s), got {hb.timeout_s:g}",
+    )
+    need(_finite(hb.check_s) and 0 < hb.check_s <= 5, "heartbeat.check_s", "expected 0 < s <= 5")
+    need(0 <= hb.port <= 65535, "heartbeat.port", "expected 0 (any) or a port number")
+    for phase in PHASE_NAMES:
+        v = getattr(hb.progress, phase)
+        need(
+            _finite(v) and v > hb.interval_s,
+            f"heartbeat.progress.{phase}",
+            f"expected seconds > interval_s ({hb.interval_s:g}), got {v:g}",
+        )
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# --- worker flags ------------------------------------------------------------------------------
+def flags_from_table(table: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in table.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            if key in DEFAULT_ON_FLAGS:
+                out.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [flag, *(str(v) for v in value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+# --- resolution and dump -------------------------------------------------------------------------
+def expand_run_dir(cfg: Config, now: float | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    try:
+        text = cfg.job.run_dir.format(name=cfg.job.name, time=stamp)
+    except (KeyError, IndexError, ValueError) as exc:
+        message = f"bad placeholder {exc}; use {{name}} and {{time}}"
+        raise ConfigError(cfg.source, "job.run_dir", message) from None
+    return Path(text).expanduser().absolute()
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d.pop("source")
+    worker = d.pop("worker")
+    d["worker"] = {"module": worker["module"], **worker["flags"]}
+    faults = d.pop("faults")
+    if faults:
+        d["faults"] = faults
+    return d
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """TOML text for the resolved config (tables, arrays of tables, scalars, lists)."""
+    lines: list[str] = []
+    _dump_table(data, [], lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _dump_table(table: dict[str, Any], path: list[str], lines: list[str]) -> None:
+    scalars = {k: v for k, v in table.items() if not _is_table(v) and not _is_table_list(v)}
+    if path and (scalars or not any(_is_table(v) for v in table.values())):
+        lines += ["", f"[{'.'.join(_key(p) for p in path)}]"]
+    lines += [f"{_key(k)} = {_value(v)}" for k, v in scalars.items()]
+    for k, v in table.items():
+        if _is_table(v):
+            _dump_table(v, [*path, k], lines)
+        elif _is_table_list(v):
+            for item in v:
+                lines += ["", f"[[{'.'.join(_key(p) for p in [*path, k])}]]"]
+                lines += [f"{_key(ik)} = {_value(iv)}" for ik, iv in item.items()]
+
+
+def _is_table(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+def _is_table_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(i, dict) for i in v)
+
+
+def _key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _string(k)
+
+
+def _string(s: str) -> str:
+    escaped = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{escaped}"'
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return "nan" if math.isnan(v) else repr(v)
+    if isinstance(v, str):
+        return _string(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(i) for i in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(i)}" for k, i in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")

@@ -1,0 +1,249 @@
+"""What the supervisor decides, as pure functions over observed facts.
+
+Nothing here touches a process, a socket or the clock: every input (exit codes, the ranks' last
+beats and steps, `now`, the attempts so far) is passed in, so each rule is unit-tested with plain
+values. `job.py` gathers the facts and acts on the answers.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from supervisor.config import HeartbeatConfig, RestartConfig
+
+
+class ExitCode(enum.IntEnum):
+    """The supervisor's own exit status (documented in `--help` and the README)."""
+
+    DONE = 0
+    ERROR = 1  # a bug or an unexpected environment failure
+    USAGE = 2  # bad config, bad flags, missing launcher, or the worker rejected its input
+    BUDGET = 3  # restart budget exhausted
+    NO_PROGRESS = 4  # the same resume step too many attempts in a row
+    INTERRUPTED = 5  # stopped by SIGINT/SIGTERM (after a graceful stop of the ranks)
+
+
+# --- ranks: liveness and progress ----------------------------------------------------------------
+@dataclass(slots=True)
+class RankState:
+    """What the supervisor knows of one rank in the current attempt (monotonic times)."""
+
+    rank: int
+    last_seen: float
+    last_progress: float
+    host: str = ""
+    pid: int = 0
+    phase: str = "init"
+    step: int = -1
+    exited: bool = False
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A rank judged unhealthy: `hang` (liveness lost) or `no_progress` (beating, not moving)."""
+
+    kind: Literal["hang", "no_progress"]
+    ranks: tuple[int, ...]
+    reason: str
+    phase: str
+    step: int
+    # When the worst rank's deadline passed: detection latency is measured from here.
+    deadline: float
+
+
+def judge_ranks(
+    ranks: Mapping[int, RankState],
+    world: int,
+    now: float,
+    launched_at: float,
+    hb: HeartbeatConfig,
+) -> Finding | None:
+    """Liveness first (no message for `timeout_s`), then progress (phase timeout)."""
+    lost: list[RankState] = []
+    stalled: list[tuple[RankState, float]] = []
+    missing: list[int] = []
+    liveness_deadline = now - hb.timeout_s
+    for r in range(world):
+        st = ranks.get(r)
+        if st is None:
+            if now - launched_at > hb.progress.init:
+                missing.append(r)
+            continue
+        if st.exited or st.phase == "done":
+            continue
+        if st.last_seen < liveness_deadline:
+            lost.append(st)
+            continue
+        limit = getattr(hb.progress, st.phase, hb.progress.train)
+        if now - st.last_progress > limit:
+            stalled.append((st, limit))
+    if lost:
+        worst = min(lost, key=lambda s: s.last_seen)
+        return Finding(
+            kind="hang",
+            ranks=tuple(s.rank for s in lost),
+            reason=f"no heartbeat for {now - worst.last_seen:.1f} s (timeout {hb.timeout_s:g} s)",
+            phase=worst.phase,
+            step=worst.step,
+            deadline=worst.last_seen + hb.timeout_s,
+        )
+    if stalled:
+        worst, limit = min(stalled, key=lambda p: p[0].last_progress + p[1])
+        return Finding(
+            kind="no_progress",
+            ranks=tuple(s.rank for s, _ in stalled),
+            reason=(
+                f"step {worst.step} has not moved in phase {worst.phase!r} for "
+                f"{now - worst.last_progress:.1f} s (timeout {limit:g} s)"
+            ),
+            phase=worst.phase,
+            step=worst.step,
+            deadline=worst.last_progress + limit,
+        )
+    if missing:
+        return Finding(
+            kind="no_progress",
+            ranks=tuple(missing),
+            reason=f"no hello within the init timeout ({hb.progress.init:g} s)",
+            phase="init",
+            step=-1,
+            deadline=launched_at + hb.progress.init,
+        )
+    return None
+
+
+# --- the launcher's exit -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended. Only `failure` is worth another attempt."""
+
+    kind: Literal["success", "stopped", "bad_input", "failure"]
+    detail: str
+
+
+def describe_returncode(rc: int) -> str:
+    """`exit 1`, `killed by SIGKILL`, `exit 137 (SIGKILL)`: launchers report signals as 128+N."""
+    if rc < 0:
+        return f"killed by {_signame(-rc)}"
+    if rc > 128 and _signame(rc - 128, None):
+        return f"exit {rc} ({_signame(rc - 128)})"
+    return f"exit {rc}"
+
+
+def _signame(n: int, default: str | None = "signal") -> str | None:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"{default} {n}" if default else None
+
+
+def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool) -> Outcome:
+    """The attempt's outcome from the launcher's exit status and what the ranks said.
+
+    - 0 and a rank said `done`: success.
+    - 0 after the supervisor asked the ranks to stop: a graceful stop.
+    - 2 before any step: the worker rejected its flags or inputs; relaunching cannot help.
+    - anything else (a signal, a code, or 0 without `done`): a failure.
+    """
+    what = describe_returncode(returncode)
+    if returncode == 0 and done:
+        return Outcome("success", "the worker finished")
+    if returncode == 0 and stopping:
+        return Outcome("stopped", "the ranks stopped gracefully")
+    if returncode == 2 and not stepped and not stopping:
+        return Outcome("bad_input", "the worker rejected its input (exit 2)")
+    if returncode == 0:
+        return Outcome("failure", "exit 0 before the worker said done")
+    return Outcome("failure", what)
+
+
+# --- across attempts ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One finished attempt: where it resumed and how far it got (None: never got there)."""
+
+    attempt: int
+    resume_step: int | None
+    max_step: int | None
+    outcome: str = "failure"
+
+
+def made_progress(rec: AttemptRecord, min_steps: int) -> bool:
+    if rec.max_step is None:
+        return False
+    return rec.max_step - (rec.resume_step or 0) >= min_steps
+
+
+def consecutive_unproductive(history: Sequence[AttemptRecord], min_steps: int) -> int:
+    """Failed attempts in a row, counted back from the last, that made no progress."""
+    n = 0
+    for rec in reversed(history):
+        if made_progress(rec, min_steps):
+            break
+        n += 1
+    return n
+
+
+def backoff_delay(unproductive: int, schedule: Sequence[float]) -> float:
+    """The schedule's entry for this many unproductive attempts in a row; the last repeats."""
+    return float(schedule[min(max(unproductive, 0), len(schedule) - 1)])
+
+
+def stuck_resume(history: Sequence[AttemptRecord], times: int) -> int | None:
+    """The step the last `times` attempts all resumed from, if they did; else None."""
+    if len(history) < times:
+        return None
+    steps = {rec.resume_step for rec in history[-times:]}
+    if len(steps) == 1:
+        (step,) = steps
+        return step
+    return None
+
+
+def restarts_left(max_restarts: int, restarts_done: int) -> int:
+    return max(0, max_restarts - restarts_done)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["done", "relaunch", "stop"]
+    exit_code: ExitCode
+    reason: str
+    delay_s: float = 0.0
+    facts: dict = field(default_factory=dict)
+
+
+def decide(
+    outcome: Outcome,
+    history: Sequence[AttemptRecord],
+    restarts_done: int,
+    cfg: RestartConfig,
+    interrupted: bool = False,
+) -> Decision:
+    """After an attempt ended (`history` includes it): finish, relaunch, or stop, and why."""
+    if outcome.kind == "success":
+        return Decision("done", ExitCode.DONE, outcome.detail)
+    if interrupted or outcome.kind == "stopped":
+        return Decision("stop", ExitCode.INTERRUPTED, "interrupted: " + outcome.detail)
+    if outcome.kind == "bad_input":
+        return Decision("stop", ExitCode.USAGE, outcome.detail)
+    step = stuck_resume(history, cfg.max_same_resume)
+    if step is not None:
+        return Decision(
+            "stop",
+            ExitCode.NO_PROGRESS,
+            f"no progress: {cfg.max_same_resume} attempts in a row resumed from step {step}",
+            facts={"resume_step": step},
+        )
+    if restarts_done >= cfg.max_restarts:
+        return Decision(
+            "stop",
+            ExitCode.BUDGET,
+            f"restart budget exhausted ({cfg.max_restarts} restarts)",
+        )
+    delay = backoff_delay(consecutive_unproductive(history, cfg.min_progress_steps), cfg.backoff_s)
+    return Decision("relaunch", ExitCode.DONE, outcome.detail, delay_s=delay)

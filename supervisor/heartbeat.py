@@ -1,0 +1,205 @@
+"""The supervisor's end of the heartbeat channel: one PULL socket and a table of ranks.
+
+`HeartbeatServer` binds the socket, verifies each message (size, HMAC, schema, job; never
+unpickles), drops and counts bad ones, and hands good ones on. It drains everything that is
+waiting at each wake-up, so thousands of ranks at 1 Hz cost one event-loop wake-up per batch
+rather than one per message. `AttemptTable` turns one attempt's messages into rank states for
+`decisions.judge_ranks` and into the few notes worth an event (hello, first step, checkpoint
+complete, resumed, error, done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from supervisor import protocol
+from supervisor.decisions import RankState
+
+RCV_HWM = 200_000
+BATCH = 2_000  # messages handled before yielding to the event loop
+
+
+class HeartbeatServer:
+    """Binds `tcp://bind:port` and serves until closed; `address` is what ranks connect to."""
+
+    def __init__(
+        self,
+        key: bytes,
+        job: str,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+    ) -> None:
+        self.key = key
+        self.job = job
+        self.dropped: Counter[str] = Counter()
+        self.received = 0
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        # A peer cannot make us buffer a huge message: cap it (frames + a little framing).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_MESSAGE_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{bind}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{bind}")
+        self.port = port
+        host = advertise or ("127.0.0.1" if bind in ("0.0.0.0", "*") else bind)
+        self.address = f"tcp://{host}:{port}"
+        self._sync = zmq.Socket.shadow(self._sock.underlying)
+
+    async def serve(self, handle: Callable[[dict[str, Any], float], None]) -> None:
+        """Call `handle(message, monotonic_now)` for every good message, forever."""
+        while True:
+            events = await self._sock.poll(1000, zmq.POLLIN)
+            if events:
+                self.drain(handle)
+                await asyncio.sleep(0)
+
+    def drain(self, handle: Callable[[dict[str, Any], float], None]) -> int:
+        """Handle up to BATCH waiting messages without blocking; return how many."""
+        n = 0
+        recv = self._sync.recv_multipart
+        key, job = self.key, self.job
+        while n < BATCH:
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            try:
+                message = protocol.decode(key, frames, job)
+            except protocol.BadMessage as exc:
+                self.dropped[exc.reason] += 1
+                continue
+            self.received += 1
+            handle(message, time.monotonic())
+        return n
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+@dataclass
+class Note:
+    """Something an attempt's messages revealed that is worth one event."""
+
+    event: str
+    fields: dict[str, Any]
+
+
+@dataclass
+class AttemptTable:
+    """Rank states of one attempt, and what its ranks have said so far."""
+
+    attempt: int
+    world: int
+    launched_at: float
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    first_step: int | None = None
+    max_step: int | None = None
+    resume_step: int | None = None
+    restart_seconds: float | None = None
+    done_ranks: set[int] = field(default_factory=set)
+    ckpt_complete: int | None = None
+    errors: dict[int, str] = field(default_factory=dict)
+    stale: int = 0
+
+    def update(self, msg: dict[str, Any], now: float) -> list[Note]:
+        """Fold one verified message into the table; return the notes it produced."""
+        if msg["attempt"] != self.attempt:
+            self.stale += 1  # a straggler of an earlier attempt
+            return []
+        rank = msg["rank"]
+        if not 0 <= rank < self.world or msg["world"] != self.world:
+            self.stale += 1
+            return []
+        kind = msg["kind"]
+        st = self.ranks.get(rank)
+        notes: list[Note] = []
+        if st is None:
+            st = RankState(rank=rank, last_seen=now, last_progress=now)
+            self.ranks[rank] = st
+        st.last_seen = now
+        if kind == "beat":
+            self._move(st, msg["phase"], msg["step"], now)
+        elif kind == "step":
+            step = msg["step"]
+            self._move(st, st.phase, step, now)
+            if self.first_step is None:
+                self.first_step = step
+                notes.append(Note("first_step", {"rank": rank, "step": step, "t": msg["t"]}))
+            if self.max_step is None or step > self.max_step:
+                self.max_step = step
+        elif kind == "phase":
+            old = st.phase
+            self._move(st, msg["phase"], msg["step"], now)
+            if rank == 0 and old != msg["phase"]:
+                notes.append(Note("phase", {"phase": msg["phase"], "step": msg["step"]}))
+        elif kind == "hello":
+            st.host, st.pid = msg["host"], msg["pid"]
+            self._move(st, msg["phase"], st.step, now)
+            notes.append(
+                Note(
+                    "rank_hello",
+                    {"rank": rank, "host": st.host, "pid": st.pid, "phase": msg["phase"]},
+                )
+            )
+        elif kind == "ckpt":
+            if msg["state"] == "complete" and (
+                self.ckpt_complete is None or msg["step"] > self.ckpt_complete
+            ):
+                self.ckpt_complete = msg["step"]
+                notes.append(Note("ckpt_complete", {"step": msg["step"], "rank": rank}))
+        elif kind == "resumed":
+            if self.resume_step is None:
+                self.resume_step = msg["step"]
+                self.restart_seconds = msg["restart_seconds"]
+                notes.append(
+                    Note(
+                        "resumed",
+                        {
+                            "step": msg["step"],
+                            "restart_seconds": msg["restart_seconds"],
+                            "rank": rank,
+                        },
+                    )
+                )
+        elif kind == "error":
+            self.errors[rank] = msg["message"]
+            notes.append(Note("rank_error", {"rank": rank, "message": msg["message"]}))
+        elif kind == "done":
+            self._move(st, "done", msg["step"], now)
+            first = not self.done_ranks
+            self.done_ranks.add(rank)
+            if first:
+                notes.append(Note("rank_done", {"rank": rank, "step": msg["step"]}))
+        return notes
+
+    @staticmethod
+    def _move(st: RankState, phase: str, step: int, now: float) -> None:
+        if phase != st.phase or step != st.step:
+            st.phase, st.step, st.last_progress = phase, step, now
+
+    @property
+    def stepped(self) -> bool:
+        return self.first_step is not None
+
+    def effective_resume_step(self) -> int | None:
+        """Where this attempt started: its `resumed` step, 0 if it stepped without one."""
+        if self.resume_step is not None:
+            return self.resume_step
+        return 0 if self.stepped else None
+
+    def local_pids(self, host: str) -> list[int]:
+        return [st.pid for st in self.ranks.values() if st.pid and st.host == host]
