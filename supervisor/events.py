@@ -61,7 +61,11 @@ def render(event: dict[str, Any], renderer: Any = None) -> str:
     ts = event.get("ts")
     if isinstance(ts, (int, float)):
         shown["timestamp"] = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 10)}"
-    shown["level"] = _LEVELS.get(str(event.get("event")), "info")
+    name = str(event.get("event"))
+    level = _LEVELS.get(name, "info")
+    if name == "exit" and event.get("returncode") == 0:
+        level = "info"
+    shown["level"] = level
     return renderer(None, shown["level"], shown)
 
 

@@ -72,7 +72,11 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
     """Fix run dir, nodes, launcher and its flavor; raise ConfigError / LauncherMissing."""
     environ = dict(os.environ if environ is None else environ)
     run_dir = config_mod.expand_run_dir(cfg)
-    cfg.worker.flags.setdefault("ckpt_dir", str(run_dir / "ckpt"))
+    flags = cfg.worker.flags
+    flags.setdefault("ckpt_dir", str(run_dir / "ckpt"))
+    for key, value in flags.items():
+        if isinstance(value, str):
+            flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)
     nodes = launcher.resolve_nodes(cfg.launch, environ, cfg.source)
     executable = launcher.find_executable(cfg)
     flavor = "local"

@@ -171,8 +171,7 @@ def detect_flavor(executable: str) -> str:
 
 
 def worker_argv(cfg: Config, run_dir: Path) -> list[str]:
-    flags = [f.replace("{run_dir}", str(run_dir)) for f in cfg.worker_flags()]
-    return [python_of(cfg.launch), "-u", "-m", cfg.worker.module, *flags]
+    return [python_of(cfg.launch), "-m", cfg.worker.module, *cfg.worker_flags()]
 
 
 def build_plan(
@@ -315,7 +314,6 @@ class Launched:
         log = open(output, "ab", buffering=0)  # noqa: SIM115 - closed by the last pump
         lock = threading.Lock()
         popens: list[subprocess.Popen] = []
-        pgid = 0
         started, started_wall = time.monotonic(), time.time()
         try:
             for spec in plan.procs:
@@ -326,11 +324,9 @@ class Launched:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
-                    start_new_session=not pgid,
-                    process_group=pgid or None,
+                    start_new_session=True,  # its own session and group: killpg reaches all
                     preexec_fn=_child_setup,
                 )
-                pgid = pgid or popen.pid
                 popens.append(popen)
         except OSError:
             for p in popens:

@@ -1,0 +1,152 @@
+"""Config loading: defaults, overrides, worker flags, the resolved dump, and every user error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from supervisor import cli
+from supervisor import config as C
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_worker_flags(tmp_path):
+    cfg = C.load(
+        write(
+            tmp_path,
+            """
+[worker]
+model = "debug"
+save_interval = 100
+async_ckpt = true
+no_resume = false
+save_on_exit = false
+lr = 0.001
+""",
+        )
+    )
+    assert cfg.launch.launcher == "local" and cfg.restart.max_restarts == 10
+    assert cfg.worker.module == "worker.train"
+    assert cfg.worker_flags() == [
+        "--model", "debug", "--save-interval", "100", "--async-ckpt",
+        "--no-save-on-exit", "--lr", "0.001",
+    ]  # fmt: skip
+
+
+def test_overrides_parse_toml_values_or_strings(tmp_path):
+    path = write(tmp_path, "[worker]\ntrain_iters = 10\n")
+    cfg = C.load(
+        path,
+        [
+            "worker.train_iters=50",
+            "job.run_dir=/tmp/some where",
+            "restart.backoff_s=[0, 2]",
+            "heartbeat.progress.train=30",
+        ],
+    )
+    assert cfg.worker.flags["train_iters"] == 50
+    assert cfg.job.run_dir == "/tmp/some where"
+    assert cfg.restart.backoff_s == [0.0, 2.0]
+    assert cfg.heartbeat.progress.train == 30.0
+
+
+def test_dump_round_trips():
+    cfg = C.from_dict(
+        {
+            "job": {"name": "x"},
+            "launch": {"env": {"A": "1"}, "args": ["--cpu-bind", "depth"], "nodes": ["h1", "h2"]},
+            "worker": {"model": "debug", "async_ckpt": True},
+        }
+    )
+    data = C.to_dict(cfg)
+    assert tomllib.loads(C.dumps(data)) == data
+
+
+def test_shipped_configs_validate():
+    for name in ("debug.toml", "agpt2b.toml", "agpt20b.toml"):
+        cfg = C.load(REPO / "configs" / name)
+        assert cfg.worker.module == "worker.train"
+
+
+BAD = [
+    ("[job]\nnmae = 'x'\n", "job.nmae", "did you mean 'name'"),
+    ("[launch]\nlauncher = 'ssh'\n", "launch.launcher", "expected one of"),
+    ("[launch]\nranks_per_node = 0\n", "launch.ranks_per_node", ">= 1"),
+    ("[launch]\nranks_per_node = '2'\n", "launch.ranks_per_node", "expected an integer"),
+    ("[launch]\nnodes = 'some'\n", "launch.nodes", '"auto" or a list'),
+    ("[launch]\nnodes = []\n", "launch.nodes", "at least one"),
+    ("[restart]\nmax_restarts = -1\n", "restart.max_restarts", ">= 0"),
+    ("[restart]\nbackoff_s = [1, -2]\n", "restart.backoff_s[1]", ">= 0"),
+    ("[restart]\nmax_same_resume = 1\n", "restart.max_same_resume", ">= 2"),
+    ("[heartbeat]\ntimeout_s = 1.0\n", "heartbeat.timeout_s", "at least twice"),
+    ("[heartbeat]\ninterval_s = true\n", "heartbeat.interval_s", "expected a number"),
+    ("[heartbeat.progress]\ntrain = 0.5\n", "heartbeat.progress.train", "> interval_s"),
+    ("[heartbeat.progress]\nfoo = 1\n", "heartbeat.progress.foo", "unknown key"),
+    ("[worker]\nsave_interval = {a = 1}\n", "worker.save_interval", "expected a string"),
+    ("[worker]\n'Bad-Name' = 1\n", "worker.Bad-Name", "snake_case"),
+    ("[[faults]]\nat_s = [10]\n", "faults", "not supported"),
+    ("[nope]\nx = 1\n", "nope", "unknown key"),
+    ("launch = 3\n", "launch", "expected a table"),
+    ("[job\n", "", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,key,fragment", BAD)
+def test_bad_configs_name_file_key_and_expectation(tmp_path, capsys, text, key, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(C.ConfigError) as err:
+        C.load(path)
+    assert err.value.key == key
+    assert fragment in str(err.value)
+    for command in ("validate", "run"):
+        assert cli.main([command, str(path)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"error: {path}: {key}")
+        assert fragment in line and "\n" not in line
+
+
+def test_missing_file_and_bad_set(tmp_path, capsys):
+    assert cli.main(["validate", str(tmp_path / "none.toml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    path = write(tmp_path, "")
+    assert cli.main(["validate", str(path), "--set", "novalue"]) == 2
+    assert "expected key.sub=value" in capsys.readouterr().err
+
+
+def test_user_errors_print_one_line_without_traceback(tmp_path):
+    path = write(tmp_path, "[launch]\nlauncher = 'mpiexec'\nexecutable = 'no-such-mpiexec'\n")
+    errors = []
+    for args in (["run", str(path)], ["validate", str(path)], ["run", "--bogus", str(path)]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "supervisor", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        errors.append(proc.stderr.strip())
+    expected = f"error: {path}: launch.executable: launcher program 'no-such-mpiexec' not found"
+    assert errors[0].startswith(expected) and "\n" not in errors[0]
+    assert errors[1] == errors[0]
+    assert "unrecognized arguments: --bogus" in errors[2]
+
+
+def test_supervisor_never_imports_torch():
+    code = "import sys, supervisor.cli, supervisor.job; sys.exit('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60, cwd=REPO)
+    assert proc.returncode == 0

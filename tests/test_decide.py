@@ -1,0 +1,139 @@
+"""The supervisor's decisions, as pure functions over plain facts (no processes, no clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.config import HeartbeatConfig, ProgressConfig, RestartConfig
+from supervisor.decisions import (
+    AttemptRecord,
+    ExitCode,
+    Outcome,
+    RankState,
+    backoff_delay,
+    classify_exit,
+    consecutive_unproductive,
+    decide,
+    describe_returncode,
+    judge_ranks,
+    made_progress,
+    restarts_left,
+    stuck_resume,
+)
+
+HB = HeartbeatConfig(
+    interval_s=1.0,
+    timeout_s=10.0,
+    progress=ProgressConfig(init=60, load=100, train=30, save=200),
+)
+
+
+def rank(r, seen, progress, phase="train", step=5, **kw):
+    return RankState(rank=r, last_seen=seen, last_progress=progress, phase=phase, step=step, **kw)
+
+
+def test_healthy_ranks_give_no_finding():
+    ranks = {0: rank(0, 99, 90), 1: rank(1, 99.5, 95)}
+    assert judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB) is None
+
+
+def test_liveness_lost_after_timeout():
+    ranks = {0: rank(0, 99, 95), 1: rank(1, 89.5, 89.5)}
+    f = judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB)
+    assert f.kind == "hang" and f.ranks == (1,)
+    assert f.deadline == pytest.approx(99.5)
+    assert judge_ranks(ranks, 2, now=99.4, launched_at=0, hb=HB) is None
+
+
+def test_liveness_beats_progress_when_both():
+    ranks = {0: rank(0, 99, 50), 1: rank(1, 80, 80)}
+    assert judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB).kind == "hang"
+
+
+def test_no_progress_uses_the_phase_timeout():
+    # Beating (seen now) but the step has not moved for 31 s in train (timeout 30).
+    ranks = {0: rank(0, 100, 69), 1: rank(1, 100, 99)}
+    f = judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB)
+    assert f.kind == "no_progress" and f.ranks == (0,) and f.phase == "train"
+    assert f.deadline == pytest.approx(99)
+    # The same stillness is fine while saving (timeout 200).
+    ranks = {0: rank(0, 100, 69, phase="save"), 1: rank(1, 100, 99)}
+    assert judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB) is None
+
+
+def test_missing_rank_judged_by_init_timeout():
+    ranks = {0: rank(0, 100, 99)}
+    assert judge_ranks(ranks, 2, now=59, launched_at=0, hb=HB) is None
+    f = judge_ranks(ranks, 2, now=61, launched_at=0, hb=HB)
+    assert f.kind == "no_progress" and f.ranks == (1,) and "no hello" in f.reason
+
+
+def test_done_and_exited_ranks_are_not_judged():
+    ranks = {0: rank(0, 0, 0, phase="done"), 1: rank(1, 0, 0, exited=True)}
+    assert judge_ranks(ranks, 2, now=1000, launched_at=0, hb=HB) is None
+
+
+@pytest.mark.parametrize(
+    "rc,done,stopping,stepped,kind",
+    [
+        (0, True, False, True, "success"),
+        (0, False, True, True, "stopped"),
+        (0, False, False, True, "failure"),
+        (2, False, False, False, "bad_input"),
+        (2, False, False, True, "failure"),
+        (137, False, False, True, "failure"),
+        (-9, False, False, True, "failure"),
+        (1, True, False, True, "failure"),
+    ],
+)
+def test_classify_exit(rc, done, stopping, stepped, kind):
+    assert classify_exit(rc, done=done, stopping=stopping, stepped=stepped).kind == kind
+
+
+def test_describe_returncode():
+    assert describe_returncode(-9) == "killed by SIGKILL"
+    assert describe_returncode(137) == "exit 137 (SIGKILL)"
+    assert describe_returncode(1) == "exit 1"
+
+
+def rec(attempt, resume, reached):
+    return AttemptRecord(attempt, resume, reached)
+
+
+def test_progress_and_backoff():
+    assert made_progress(rec(0, 0, 3), 1)
+    assert not made_progress(rec(0, 10, 10), 1)
+    assert not made_progress(rec(0, None, None), 1)
+    history = [rec(0, 0, 20), rec(1, 20, 20), rec(2, None, None)]
+    assert consecutive_unproductive(history, 1) == 2
+    schedule = [0, 1, 5]
+    assert [backoff_delay(n, schedule) for n in range(5)] == [0, 1, 5, 5, 5]
+
+
+def test_stuck_resume():
+    assert stuck_resume([rec(0, 10, 12), rec(1, 10, 13), rec(2, 10, 11)], 3) == 10
+    assert stuck_resume([rec(0, 5, 12), rec(1, 10, 13), rec(2, 10, 11)], 3) is None
+    assert stuck_resume([rec(0, 10, 12), rec(1, 10, 13)], 3) is None
+    assert stuck_resume([rec(0, None, None)] * 3, 3) is None
+
+
+CFG = RestartConfig(max_restarts=3, backoff_s=[0, 2, 10], max_same_resume=3)
+FAIL = Outcome("failure", "exit 9")
+
+
+def test_decide_paths():
+    assert decide(Outcome("success", ""), [rec(0, 0, 30)], 0, CFG).exit_code == ExitCode.DONE
+    d = decide(FAIL, [rec(0, 0, 12)], 0, CFG)
+    assert d.action == "relaunch" and d.delay_s == 0
+    d = decide(FAIL, [rec(0, 0, 12), rec(1, 10, 10)], 1, CFG)
+    assert d.action == "relaunch" and d.delay_s == 2
+    d = decide(FAIL, [rec(0, 0, 12), rec(1, 10, 11)], 3, CFG)
+    assert d.action == "stop" and d.exit_code == ExitCode.BUDGET
+    stuck = [rec(0, 10, 12), rec(1, 10, 13), rec(2, 10, 11)]
+    d = decide(FAIL, stuck, 2, CFG)
+    assert d.exit_code == ExitCode.NO_PROGRESS and d.facts["resume_step"] == 10
+    assert decide(Outcome("bad_input", ""), [rec(0, None, None)], 0, CFG).exit_code == 2
+    d = decide(Outcome("stopped", ""), [rec(0, 0, 5)], 0, CFG)
+    assert d.exit_code == ExitCode.INTERRUPTED
+    assert decide(FAIL, [rec(0, 0, 5)], 0, CFG, interrupted=True).exit_code == 5
+    assert restarts_left(3, 5) == 0 and restarts_left(3, 1) == 2

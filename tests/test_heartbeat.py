@@ -1,0 +1,200 @@
+"""Heartbeats over real ZeroMQ sockets: the beacon, the server, and what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import zmq
+
+from supervisor import protocol as P
+from supervisor.heartbeat import AttemptTable, HeartbeatServer
+from worker.beat import Beacon, ZmqBeacon
+
+KEY = "s3cret" * 8
+JOB = "job-1"
+
+
+def beacon_env(monkeypatch, addr, attempt=0, interval=0.1):
+    monkeypatch.setenv(P.ENV_HEARTBEAT_ADDR, addr)
+    monkeypatch.setenv(P.ENV_HEARTBEAT_KEY, KEY)
+    monkeypatch.setenv(P.ENV_JOB_ID, JOB)
+    monkeypatch.setenv(P.ENV_ATTEMPT, str(attempt))
+    monkeypatch.setenv(P.ENV_HEARTBEAT_INTERVAL, str(interval))
+    monkeypatch.delenv(P.ENV_EXIT_WITH_PARENT, raising=False)
+
+
+async def collect(server, until, timeout=10.0):
+    """Serve until `until(messages)` holds (bounded by timeout); return the messages."""
+    got: list[dict] = []
+    task = asyncio.create_task(server.serve(lambda m, now: got.append(m)))
+    deadline = time.monotonic() + timeout
+    try:
+        while not until(got) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+    return got
+
+
+def test_no_address_means_a_silent_beacon(monkeypatch):
+    monkeypatch.delenv(P.ENV_HEARTBEAT_ADDR, raising=False)
+    b = Beacon.from_env(0, 1)
+    assert type(b) is Beacon
+    b.hello("init")
+    b.step(1, 1.0, 0.1)
+    b.close()
+
+
+def test_beacon_to_server_in_order_with_beats(monkeypatch):
+    async def main():
+        server = HeartbeatServer(KEY.encode(), JOB)
+        beacon_env(monkeypatch, server.address)
+        b = Beacon.from_env(1, 2)
+        assert isinstance(b, ZmqBeacon)
+        b.hello("init")
+        b.phase("load", 0)
+        b.resumed(10, 2.5)
+        b.phase("train", 10)
+        b.step(11, 3.25, 0.05)
+        b.ckpt(15, "complete")
+        b.error("boom")
+        b.done(20)
+
+        def enough(got):
+            return (
+                any(m["kind"] == "done" for m in got) and sum(m["kind"] == "beat" for m in got) >= 3
+            )
+
+        got = await collect(server, enough)
+        b.close()
+        server.close()
+        return got
+
+    got = asyncio.run(main())
+    kinds = [m["kind"] for m in got if m["kind"] != "beat"]
+    assert kinds == ["hello", "phase", "resumed", "phase", "step", "ckpt", "error", "done"]
+    step = next(m for m in got if m["kind"] == "step")
+    assert step["rank"] == 1 and step["world"] == 2 and step["pid"] == os.getpid()
+    assert step["loss"] == 3.25 and step["job"] == JOB
+    beats = [m for m in got if m["kind"] == "beat"]
+    assert beats[-1]["phase"] == "done" and beats[-1]["step"] == 20
+
+
+def test_bad_messages_dropped_counted_and_server_keeps_working(monkeypatch):
+    async def main():
+        server = HeartbeatServer(KEY.encode(), JOB)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(server.address)
+        ident = P.RankIdentity(JOB, 0, 0, 1, "h", 1)
+        good = ident.message("beat", time.time(), phase="train", step=1)
+        body = json.dumps(good).encode()
+        push.send_multipart([body])  # unsigned
+        push.send_multipart([body, P.sign(b"wrong key", body)])  # wrongly signed
+        bad_json = b'{"v": 1, "kind":'
+        push.send_multipart([bad_json, P.sign(KEY.encode(), bad_json)])  # malformed
+        big = json.dumps({**good, "pad": "x" * (P.MAX_MESSAGE_BYTES + 10)}).encode()
+        push.send_multipart([big, P.sign(KEY.encode(), big)])  # oversized
+        other = P.RankIdentity("other-job", 0, 0, 1, "h", 1).message(
+            "beat", time.time(), phase="train", step=1
+        )
+        push.send_multipart(P.encode(KEY.encode(), other))  # replayed from another job
+        push.send_multipart(P.encode(b"other job key", other))  # another job's own key
+        push.send_multipart(P.encode(KEY.encode(), good))  # and one good one
+        got = await collect(server, lambda g: len(g) >= 1 and sum(server.dropped.values()) >= 6)
+        push.close()
+        ctx.term()
+        server.close()
+        return got, dict(server.dropped)
+
+    got, dropped = asyncio.run(main())
+    assert [m["kind"] for m in got] == ["beat"]
+    assert dropped == {"frames": 1, "signature": 2, "json": 1, "oversized": 1, "other_job": 1}
+
+
+def test_sends_never_block_without_a_receiver(monkeypatch):
+    beacon_env(monkeypatch, "tcp://127.0.0.1:9")  # nobody listens there
+    b = Beacon.from_env(0, 1)
+    t0 = time.monotonic()
+    for i in range(20_000):
+        b.step(i, 1.0, 0.01)
+    spent = time.monotonic() - t0
+    t1 = time.monotonic()
+    b.close()
+    assert spent < 2.0, f"20k sends took {spent:.2f} s"
+    assert time.monotonic() - t1 < 2.0
+    assert b.dropped > 0
+
+
+def test_attempt_table_notes_and_stale_messages():
+    t = AttemptTable(attempt=1, world=2, launched_at=0.0)
+    ident = P.RankIdentity(JOB, 1, 0, 2, "h", 7)
+    m = ident.message
+    assert [n.event for n in t.update(m("hello", 1.0, phase="init"), 1.0)] == ["rank_hello"]
+    assert t.update(m("phase", 1.0, phase="train", step=10), 2.0)[0].event == "phase"
+    assert t.update(m("resumed", 1.0, step=10, restart_seconds=3.0), 2.0)[0].event == "resumed"
+    assert t.update(m("step", 1.0, step=11, loss=1.0, dt=0.1), 3.0)[0].event == "first_step"
+    assert t.update(m("step", 1.0, step=12, loss=1.0, dt=0.1), 4.0) == []
+    assert t.ranks[0].step == 12 and t.ranks[0].last_progress == 4.0
+    t.update(m("beat", 1.0, phase="train", step=12), 9.0)
+    assert t.ranks[0].last_seen == 9.0 and t.ranks[0].last_progress == 4.0
+    assert t.update(m("ckpt", 1.0, step=15, state="complete"), 10.0)[0].event == "ckpt_complete"
+    old = P.RankIdentity(JOB, 0, 1, 2, "h", 8).message("beat", 1.0, phase="train", step=99)
+    assert t.update(old, 11.0) == [] and t.stale == 1 and 1 not in t.ranks
+    assert t.effective_resume_step() == 10 and t.max_step == 12
+    assert t.local_pids("h") == [7]
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from worker.beat import Beacon
+    b = Beacon.from_env(0, 1)
+    b.hello("init")
+    print(os.getpid(), flush=True)
+    time.sleep(120)
+    """
+)
+PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=sys.stdout)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_rank_dies_with_its_parent(monkeypatch, tmp_path):
+    """ES_EXIT_WITH_PARENT: a rank whose launcher was SIGKILLed does not train on alone."""
+    beacon_env(monkeypatch, "tcp://127.0.0.1:9")
+    monkeypatch.setenv(P.ENV_EXIT_WITH_PARENT, "1")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child_pid = int(parent.stdout.readline())
+        child = psutil.Process(child_pid)
+        assert child.is_running()
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        gone, alive = psutil.wait_procs([child], timeout=10)
+        assert not alive, "the rank survived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_beat_module_does_not_import_torch():
+    code = "import sys, worker.beat; sys.exit('torch' in sys.modules or 'zmq' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -1,0 +1,58 @@
+"""The message contract: signing, schema, and the reason each bad message is dropped for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from supervisor import protocol as P
+
+KEY = b"k" * 32
+ID = P.RankIdentity(job="j", attempt=0, rank=1, world=2, host="h", pid=42)
+
+
+def frames(kind="step", key=KEY, **fields):
+    fields = fields or {"step": 3, "loss": 1.5, "dt": 0.1}
+    return P.encode(key, ID.message(kind, 1.0, **fields))
+
+
+def test_round_trip():
+    msg = P.decode(KEY, frames(), job="j")
+    assert msg["kind"] == "step" and msg["step"] == 3 and msg["rank"] == 1
+
+
+def body_frames(body: bytes):
+    return [body, P.sign(KEY, body)]
+
+
+@pytest.mark.parametrize(
+    "make,reason",
+    [
+        (lambda: [frames()[0]], "frames"),
+        (lambda: frames(key=b"other"), "signature"),
+        (lambda: [frames()[0], b""], "signature"),
+        (lambda: body_frames(b"{not json"), "json"),
+        (lambda: body_frames(b"[1, 2]"), "json"),
+        (lambda: body_frames(json.dumps({"v": 1}).encode()), "schema"),
+        (lambda: frames(kind="nope", step=1), "schema"),
+        (lambda: frames(kind="ckpt", step=1, state="half"), "schema"),
+        (lambda: frames(kind="step", step=True, loss=1.0, dt=0.1), "schema"),
+        (lambda: body_frames(b"x" * (P.MAX_MESSAGE_BYTES + 1)), "oversized"),
+    ],
+)
+def test_bad_messages_have_a_reason(make, reason):
+    with pytest.raises(P.BadMessage) as err:
+        P.decode(KEY, make(), job="j")
+    assert err.value.reason == reason
+
+
+def test_other_job_and_version():
+    with pytest.raises(P.BadMessage) as err:
+        P.decode(KEY, frames(), job="another")
+    assert err.value.reason == "other_job"
+    msg = ID.message("beat", 1.0, phase="train", step=1)
+    msg["v"] = 99
+    with pytest.raises(P.BadMessage) as err:
+        P.decode(KEY, P.encode(KEY, msg))
+    assert err.value.reason == "version"
