@@ -1,0 +1,128 @@
+"""Launch commands (pure) and the real process handling: exit detection, teardown, no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import config as C
+from supervisor import launcher as L
+
+
+def cfg(**launch):
+    return C.from_dict({"launch": launch, "worker": {"model": "debug", "async_ckpt": True}})
+
+
+def test_hydra_command(tmp_path):
+    c = cfg(launcher="mpiexec", ranks_per_node=12, args=["--cpu-bind", "depth"])
+    plan = L.build_plan(c, ["x1", "x2"], "/bin/mpiexec", "hydra", {"A": "1"}, tmp_path,
+                        tmp_path / "hosts")  # fmt: skip
+    (proc,) = plan.procs
+    assert proc.argv[:9] == ["/bin/mpiexec", "-n", "24", "-ppn", "12", "-f",
+                             str(tmp_path / "hosts"), "-genvall", "-prepend-rank"]  # fmt: skip
+    assert proc.argv[9:11] == ["--cpu-bind", "depth"]
+    assert proc.argv[11:] == [sys.executable, "-m", "worker.train", "--model", "debug",
+                              "--async-ckpt"]  # fmt: skip
+    assert proc.env == {"A": "1"} and plan.world == 24 and plan.stop_signal.name == "SIGUSR1"
+
+
+def test_pals_and_srun_commands(tmp_path):
+    c = cfg(launcher="mpiexec", ranks_per_node=2)
+    plan = L.build_plan(c, ["a", "b"], "mpiexec", "pals", {}, tmp_path, tmp_path / "h")
+    argv = plan.procs[0].argv
+    assert argv[:10] == ["mpiexec", "-n", "4", "--ppn", "2", "--hostfile", str(tmp_path / "h"),
+                         "--envall", "--label", sys.executable]  # fmt: skip
+    c = cfg(launcher="srun", ranks_per_node=4)
+    argv = L.build_plan(c, ["a", "b"], "srun", "srun", {}, tmp_path).procs[0].argv
+    assert argv[:5] == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--nodelist=a,b"]
+
+
+def test_local_plan_sets_torchrun_variables(tmp_path):
+    plan = L.build_plan(cfg(ranks_per_node=2), ["h"], "", "local", {"ES_ATTEMPT": "0"}, tmp_path,
+                        master_port=1234)  # fmt: skip
+    assert len(plan.procs) == 2
+    env = plan.procs[1].env
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "1234"
+    assert env["OMP_NUM_THREADS"] == "1" and env["ES_ATTEMPT"] == "0"
+    text = L.build_plan(cfg(ranks_per_node=1), ["h"], "", "local",
+                        {"ES_HEARTBEAT_KEY": "abc"}, tmp_path).text()  # fmt: skip
+    assert "abc" not in text and "ES_HEARTBEAT_KEY='<secret>'" in text
+
+
+def test_nodes_from_pbs_nodefile_and_lists(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x1\nx1\nx2\nx2\n")
+    la = cfg(launcher="mpiexec").launch
+    assert L.resolve_nodes(la, {"PBS_NODEFILE": str(nodefile)}, "f") == ["x1", "x2"]
+    assert L.resolve_nodes(la, {"SLURM_JOB_NODELIST": "n1,n2"}, "f") == ["n1", "n2"]
+    assert L.resolve_nodes(la, {}, "f") == [L.this_host()]
+    la = cfg(launcher="mpiexec", nodes=["a", "b"]).launch
+    assert L.resolve_nodes(la, {"PBS_NODEFILE": str(nodefile)}, "f") == ["a", "b"]
+    la = cfg(launcher="mpiexec", hostfile=str(tmp_path / "missing")).launch
+    with pytest.raises(C.ConfigError, match="cannot read host file"):
+        L.resolve_nodes(la, {}, "f")
+    la = cfg(launcher="local", nodes=["elsewhere"]).launch
+    with pytest.raises(C.ConfigError, match="this host only"):
+        L.resolve_nodes(la, {}, "f")
+
+
+def test_missing_launcher_is_a_config_error():
+    c = cfg(launcher="srun", executable="no-such-srun")
+    with pytest.raises(L.LauncherMissing, match="'no-such-srun' not found"):
+        L.find_executable(c)
+
+
+# --- real processes -------------------------------------------------------------------------------
+STUBBORN = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A grandchild in its own session: only the pid snapshot and the subreaper can find it.
+    subprocess.Popen([sys.executable, "-c",
+                      "import os,signal,time; os.setsid(); "
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[1]))
+    sys.exit(int(sys.argv[2]))
+    """
+)
+
+
+def plan_of(*procs: list[str]) -> L.LaunchPlan:
+    specs = [L.ProcSpec(argv, {}, label=f"[{i}] ", rank=i) for i, argv in enumerate(procs)]
+    return L.LaunchPlan("local", specs, len(specs), ["h"])
+
+
+@pytest.mark.timeout(60)
+def test_exit_is_seen_at_once_and_teardown_leaves_nothing(tmp_path: Path):
+    async def main():
+        plan = plan_of(
+            [sys.executable, "-c", STUBBORN, "1.0", "3"],
+            [sys.executable, "-c", STUBBORN, "300", "0"],
+        )
+        launched = await L.Launched.start(plan, tmp_path / "out.log")
+        await asyncio.sleep(0.5)
+        launched.refresh()
+        known = list(launched._known.values())
+        ex = await asyncio.wait_for(launched.wait(), 20)
+        seen = time.monotonic()
+        result = await launched.teardown(grace=0.5)
+        return ex, seen, result, known
+
+    ex, seen, result, known = asyncio.run(main())
+    assert len(known) == 4  # two ranks, two grandchildren
+    assert not [p for p in known if p.is_running() and p.status() != "zombie"]
+    assert ex.returncode == 3 and ex.rank == 0
+    assert seen - ex.mono < 0.2, "the exit was noticed late"
+    assert result.survivors == [] and result.killed >= 2
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    assert leftovers == []
+    log = (tmp_path / "out.log").read_text()
+    assert "[0] ready" in log and "[1] ready" in log
