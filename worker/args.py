@@ -48,6 +48,7 @@ class TrainArgs:
     inject_rank: int
     inject_raise_at_step: int | None
     inject_stall_at_step: int | None
+    inject_kill_in_save_at_step: int | None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--inject-rank", type=int, default=0)
     i.add_argument("--inject-raise-at-step", type=int, default=None)
     i.add_argument("--inject-stall-at-step", type=int, default=None)
+    i.add_argument("--inject-kill-in-save-at-step", type=int, default=None,
+                   help="SIGKILL the rank after its shards are written, before the marker")
     return p
 
 

@@ -107,6 +107,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         log: Callable[[str], None],
+        after_write: Callable[[int], None] = lambda step: None,
     ):
         self.root = root
         self.rank, self.world = rank, world
@@ -116,6 +117,7 @@ class Checkpointer:
         self.verify = verify
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.log = log
+        self.after_write = after_write  # test hook: runs between the shards and the marker
         self.last_saved_step = -1
 
     # ---- saving ---------------------------------------------------------------------------
@@ -129,6 +131,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         writer = dcp.FileSystemWriter(directory, thread_count=WRITER_THREADS, sync_files=True)
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+        self.after_write(step)
         rngs = self._gather(_encode(capture_rng(self.device_type)))
         crcs = self._checksums(directory) if self.verify == "crc" else None
         if self.rank == 0:

@@ -68,6 +68,7 @@ def check_paths(args: TrainArgs) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     info = detect_rank(os.environ)
+    stop = StopRequest()  # early: a stop asked for during start-up is honoured after step one
     say = print if info.rank == 0 else (lambda *a, **k: None)
     try:
         args = parse_args(argv)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     beacon = Beacon.from_env(info.rank, info.world)
     beacon.hello("init")
     try:
-        return run(args, info, setup, beacon, say)
+        return run(args, info, setup, beacon, say, stop)
     except UsageError as exc:
         say(f"error: {exc}", file=sys.stderr, flush=True)
         beacon.error(str(exc))
@@ -136,7 +137,7 @@ def lr_lambda(args: TrainArgs):
     return factor
 
 
-def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say) -> int:
+def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopRequest) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -151,7 +152,6 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say) -> int:
     cfg, layout = setup
     # DTensor warns on every step that a 2-D grad norm takes two all-reduces; known, harmless.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    stop = StopRequest()
     device_type, backend = select_device(args.device)
     threads = set_threads(info)
     device = init_process_group(info, backend, device_type, args.pg_timeout)
@@ -212,6 +212,7 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say) -> int:
             optimizer=optimizer,
             scheduler=scheduler,
             log=lambda m: say(m, flush=True),
+            after_write=lambda step: inject_in_save(args, info, step),
         )
         if not args.no_resume:
             beacon.phase("load", 0)
@@ -293,6 +294,11 @@ def inject(args: TrainArgs, info: RankInfo, step: int) -> None:
     if step == args.inject_stall_at_step:
         while True:  # blocked inside the step; the beat thread keeps beating
             time.sleep(1)
+
+
+def inject_in_save(args: TrainArgs, info: RankInfo, step: int) -> None:
+    if info.rank == args.inject_rank and step == args.inject_kill_in_save_at_step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
