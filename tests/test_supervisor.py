@@ -1,0 +1,288 @@
+"""End to end: the real supervisor runs the real worker (tiny model, 2 ranks) under real launchers.
+
+Failures are real too: SIGKILL and SIGSTOP from the test to a rank's pid (taken from the run's own
+`rank_hello` events), the worker's injected raise and stall, and signals to the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = str(Path(sys.executable).parent)
+JOB_TIMEOUT = 150
+
+TINY = {
+    "model": "debug",
+    "device": "cpu",
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "n_kv_heads": 1,
+    "vocab_size": 256,
+    "seq_len": 32,
+    "batch_size": 2,
+    "train_iters": 30,
+    "save_interval": 5,
+}
+
+pytestmark = pytest.mark.slow
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(i) for i in v) + "]"
+    return str(v)
+
+
+def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, heartbeat=None,
+                 progress=None) -> Path:  # fmt: skip
+    tables = {
+        "job": {"name": "t", "run_dir": str(tmp_path / "run")},
+        "launch": {"launcher": launcher, "ranks_per_node": 2},
+        "worker": {**TINY, **(worker or {})},
+        "restart": {"max_restarts": 3, "teardown_grace_s": 1.0, **(restart or {})},
+        "heartbeat": {"interval_s": 0.25, "timeout_s": 3.0, **(heartbeat or {})},
+        "heartbeat.progress": {"init": 60, "load": 60, "train": 30, "save": 60, **(progress or {})},
+    }
+    text = "".join(
+        f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in t.items()) + "\n"
+        for name, t in tables.items()
+    )
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
+    e["PATH"] = f"{VENV_BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["PYTHONPATH"] = str(REPO)
+    return e
+
+
+def start(config: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", str(config), *args],
+        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"supervisor did not finish in {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def events(run: Path) -> list[dict]:
+    path = run / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def wait_for(run: Path, pred, proc: subprocess.Popen, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in events(run):
+            if pred(e):
+                return e
+        if proc.poll() is not None:
+            pytest.fail(f"supervisor exited ({proc.returncode}) before the awaited event")
+        time.sleep(0.05)
+    pytest.fail("timed out waiting for an event")
+
+
+def names(evs: list[dict]) -> list[str]:
+    return [e["event"] for e in evs]
+
+
+def rank_pid(run: Path, rank: int, attempt: int) -> int:
+    return next(
+        e["pid"] for e in events(run)
+        if e["event"] == "rank_hello" and e["rank"] == rank and e["attempt"] == attempt
+    )  # fmt: skip
+
+
+def assert_in_order(evs: list[str], expected: list[str]) -> None:
+    it = iter(evs)
+    missing = [name for name in expected if name not in it]
+    assert not missing, f"{expected} not in order in {evs}"
+
+
+def test_job_completes_with_the_run_dir_layout(tmp_path):
+    run = tmp_path / "run"
+    rc, out = finish(start(write_config(tmp_path, worker={"train_iters": 12})))
+    assert rc == 0, out
+    assert (run / "config.toml").is_file()
+    a0 = run / "attempts" / "000"
+    assert {"command.txt", "output.log", "metrics-0.jsonl"} <= {p.name for p in a0.iterdir()}
+    assert "-prepend-rank" in (a0 / "command.txt").read_text()
+    evs = events(run)
+    assert_in_order(names(evs), ["start", "launch", "rank_hello", "first_step", "ckpt_complete",
+                                 "exit", "teardown", "done", "supervisor_exit"])  # fmt: skip
+    assert all("ts" in e and "mono" in e for e in evs)
+    done = next(e for e in evs if e["event"] == "done")
+    assert done["step"] == 12
+    status = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run)], cwd=REPO,
+                            env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert status.returncode == 0
+    assert "finished: DONE" in status.stdout and "step 12" in status.stdout
+    tail = subprocess.run([sys.executable, "-m", "supervisor", "tail", str(run)], cwd=REPO,
+                          env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "supervisor_exit" in tail.stdout and "first_step" in tail.stdout
+
+
+def test_killed_rank_relaunch_resume_done(tmp_path):
+    run = tmp_path / "run"
+    proc = start(write_config(tmp_path, worker={"train_iters": 25}))
+    wait_for(run, lambda e: e["event"] == "ckpt_complete" and e["step"] >= 10, proc)
+    os.kill(rank_pid(run, 1, 0), signal.SIGKILL)
+    rc, out = finish(proc)
+    assert rc == 0, out
+    evs = events(run)
+    expected = ["launch", "exit", "teardown", "teardown_done", "attempt_end", "relaunch",
+                "launch", "resumed", "first_step", "exit", "done"]  # fmt: skip
+    assert_in_order(names(evs), expected)
+    exit0 = next(e for e in evs if e["event"] == "exit" and e["attempt"] == 0)
+    assert exit0["returncode"] != 0 and not exit0["said_done"]
+    teardown = next(e for e in evs if e["event"] == "teardown" and e["attempt"] == 0)
+    assert teardown["latency_s"] <= 0.2
+    resumed = next(e for e in evs if e["event"] == "resumed")
+    assert resumed["attempt"] == 1 and resumed["step"] >= 10 and resumed["restart_seconds"] > 0
+    first = next(e for e in evs if e["event"] == "first_step" and e["attempt"] == 1)
+    assert first["step"] == resumed["step"] + 1
+    assert f"RESUMED from step={resumed['step']}" in (run / "attempts/001/output.log").read_text()
+
+
+def test_stopped_rank_is_a_liveness_loss(tmp_path):
+    run = tmp_path / "run"
+    worker = {"train_iters": 300, "save_interval": 50}
+    proc = start(write_config(tmp_path, launcher="local", worker=worker))
+    wait_for(run, lambda e: e["event"] == "first_step", proc)
+    pid = rank_pid(run, 1, 0)
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    hang = wait_for(run, lambda e: e["event"] == "hang", proc, timeout=30)
+    # Detected within timeout + 0.5 s of the last beat (here measured from the SIGSTOP).
+    assert hang["ranks"] == [1] and hang["latency_s"] <= 0.5
+    assert hang["detected_mono"] - stopped_at <= 3.0 + 0.5 + 0.3
+    wait_for(run, lambda e: e["event"] == "launch" and e["attempt"] == 1, proc, timeout=30)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    assert rc == 5, out
+
+
+def test_stall_inside_a_step_is_a_progress_loss_then_no_progress_exit(tmp_path):
+    run = tmp_path / "run"
+    config = write_config(
+        tmp_path,
+        launcher="local",
+        worker={"inject_rank": 1, "inject_stall_at_step": 3, "save_interval": 0},
+        restart={"max_same_resume": 2, "max_restarts": 5, "backoff_s": [0]},
+        progress={"train": 2.5},
+    )
+    rc, out = finish(start(config))
+    assert rc == 4, out  # NO_PROGRESS: two attempts in a row started from step 0
+    evs = events(run)
+    stalls = [e for e in evs if e["event"] == "no_progress"]
+    # Rank 1 stalls inside step 3; rank 0 waits for it in the step's collective.
+    assert len(stalls) == 2 and all(1 in e["ranks"] for e in stalls)
+    assert all(e["phase"] == "train" and e["step"] == 2 for e in stalls)
+    assert all(e["latency_s"] <= 0.5 for e in stalls)
+    give_up = next(e for e in evs if e["event"] == "give_up")
+    assert give_up["code_name"] == "NO_PROGRESS" and give_up["resume_step"] == 0
+    assert not any(e["event"] == "hang" for e in evs)  # it kept beating
+
+
+def test_budget_exhausted(tmp_path):
+    run = tmp_path / "run"
+    config = write_config(
+        tmp_path,
+        launcher="local",
+        worker={"inject_rank": 0, "inject_raise_at_step": 3},
+        restart={"max_restarts": 0},
+    )
+    rc, out = finish(start(config))
+    assert rc == 3, out
+    assert "injected failure at step 3" in out  # the failed attempt's last lines are shown
+    evs = events(run)
+    assert sum(e["event"] == "launch" for e in evs) == 1
+    assert any(e["event"] == "rank_error" and "injected" in e["message"] for e in evs)
+    assert next(e for e in evs if e["event"] == "give_up")["code_name"] == "BUDGET"
+
+
+def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
+    rc, out = finish(start(write_config(tmp_path, launcher="local", worker={"model": "nope"})))
+    assert rc == 2, out
+    assert "unknown model preset" in out
+    assert sum(e["event"] == "launch" for e in events(tmp_path / "run")) == 1
+
+
+def test_supervisor_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    config = write_config(tmp_path, worker={"train_iters": 5000, "save_interval": 0})
+    proc = start(config)
+    first = wait_for(run, lambda e: e["event"] == "first_step", proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = finish(proc)
+    assert rc == 5, out
+    evs = events(run)
+    assert_in_order(names(evs), ["signal", "stop", "exit", "teardown", "give_up",
+                                 "supervisor_exit"])  # fmt: skip
+    stop_exit = next(e for e in evs if e["event"] == "exit")
+    assert stop_exit.get("stopped") and stop_exit["returncode"] == 0
+    marks = sorted(int(p.parent.name[5:]) for p in (run / "ckpt").glob("step-*/.complete"))
+    assert marks and marks[-1] > first["step"]
+    status = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run)], cwd=REPO,
+                            env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert f"checkpoint: step {marks[-1]}" in status.stdout
+    assert "INTERRUPTED" in status.stdout
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "local"])
+def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
+    run = tmp_path / "run"
+    proc = start(write_config(tmp_path, launcher=launcher, worker={"train_iters": 5000}))
+    wait_for(run, lambda e: e["event"] == "first_step", proc)
+    launch = next(e for e in events(run) if e["event"] == "launch")
+    pids = [rank_pid(run, 0, 0), rank_pid(run, 1, 0), *launch["pids"]]
+    procs = [psutil.Process(p) for p in pids]
+    proc.kill()
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    assert not alive, f"survivors after the supervisor's SIGKILL: {alive}"
+
+
+def test_dry_run_starts_nothing(tmp_path):
+    proc = start(write_config(tmp_path), "--dry-run", "--set", "worker.train_iters=7")
+    rc, out = finish(proc, 60)
+    assert rc == 0, out
+    assert "[worker]" in out and "train_iters = 7" in out
+    assert "-m worker.train" in out and "--train-iters 7" in out
+    assert not (tmp_path / "run").exists()
