@@ -39,14 +39,17 @@ class RankState:
     pid: int = 0
     phase: str = "init"
     step: int = -1
+    # The rank's process is gone (seen by the local launcher or a pid check on this host).
     exited: bool = False
+    exited_at: float = 0.0
 
 
 @dataclass(frozen=True)
 class Finding:
-    """A rank judged unhealthy: `hang` (liveness lost) or `no_progress` (beating, not moving)."""
+    """A rank judged unhealthy: `rank_exit` (its process ended before `done`), `hang` (liveness
+    lost) or `no_progress` (beating, not moving)."""
 
-    kind: Literal["hang", "no_progress"]
+    kind: Literal["rank_exit", "hang", "no_progress"]
     ranks: tuple[int, ...]
     reason: str
     phase: str
@@ -62,7 +65,9 @@ def judge_ranks(
     launched_at: float,
     hb: HeartbeatConfig,
 ) -> Finding | None:
-    """Liveness first (no message for `timeout_s`), then progress (phase timeout)."""
+    """A rank gone before `done` first, then liveness (no message for `timeout_s`), then
+    progress (the phase's timeout), then ranks that never said hello (the init timeout)."""
+    gone: list[RankState] = []
     lost: list[RankState] = []
     stalled: list[tuple[RankState, float]] = []
     missing: list[int] = []
@@ -73,7 +78,10 @@ def judge_ranks(
             if now - launched_at > hb.progress.init:
                 missing.append(r)
             continue
-        if st.exited or st.phase == "done":
+        if st.phase == "done":
+            continue
+        if st.exited:
+            gone.append(st)
             continue
         if st.last_seen < liveness_deadline:
             lost.append(st)
@@ -81,6 +89,16 @@ def judge_ranks(
         limit = getattr(hb.progress, st.phase, hb.progress.train)
         if now - st.last_progress > limit:
             stalled.append((st, limit))
+    if gone:
+        first = min(gone, key=lambda s: s.exited_at)
+        return Finding(
+            kind="rank_exit",
+            ranks=tuple(s.rank for s in gone),
+            reason=f"rank {first.rank} ended in phase {first.phase!r} before the job was done",
+            phase=first.phase,
+            step=first.step,
+            deadline=first.exited_at,
+        )
     if lost:
         worst = min(lost, key=lambda s: s.last_seen)
         return Finding(

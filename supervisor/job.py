@@ -27,6 +27,7 @@ from supervisor.heartbeat import AttemptTable, HeartbeatServer
 PROGRESS_EVERY_S = 5.0  # a `progress` event at most this often
 REFRESH_TREE_S = 2.0  # how often the attempt's process tree is re-read (for teardown)
 TAIL_LINES = 15  # rank output shown when an attempt fails
+EXIT_FOLLOW_S = 0.1  # after a rank's process ended, how long to wait for the launcher's exit
 
 
 @dataclass
@@ -304,12 +305,18 @@ class Job:
         elif watch_task in done:
             finding = watch_task.result()
             teardown_reason = finding.kind
+            if finding.kind == "rank_exit":
+                # The launcher usually follows its rank at once: prefer its exit status.
+                with contextlib.suppress(TimeoutError):
+                    exit_info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_FOLLOW_S)
+                    finding, teardown_reason = None, "exit"
         else:
             stopping = True
             teardown_reason = "stop"
             exit_info = await self._graceful_stop(launched, exit_task, attempt)
         watch_task.cancel()
         stop_task.cancel()
+        self.server.drain(self._on_message)  # what the ranks said just before they ended
 
         t_detect = time.monotonic()
         if exit_info is not None and not stopping:
@@ -403,6 +410,7 @@ class Job:
         while True:
             await asyncio.sleep(hb.check_s)
             now = time.monotonic()
+            self._check_local_pids(table, now)
             finding = decisions.judge_ranks(table.ranks, table.world, now, table.launched_at, hb)
             if finding is not None:
                 self.emit(
@@ -421,6 +429,18 @@ class Job:
                 last_refresh = now
                 launched.refresh(self._rank_pids())
             self._maybe_progress(table, now)
+
+    def _check_local_pids(self, table: AttemptTable, now: float) -> None:
+        """A rank on this host whose process is gone (under mpiexec or srun) is seen at once."""
+        host = launcher.this_host()
+        for st in table.ranks.values():
+            if st.pid and not st.exited and st.host == host:
+                try:
+                    os.kill(st.pid, 0)
+                except ProcessLookupError:
+                    st.exited, st.exited_at = True, now
+                except PermissionError:
+                    continue
 
     def _maybe_progress(self, table: AttemptTable, now: float) -> None:
         if now - self._last_progress_event >= PROGRESS_EVERY_S and table.max_step is not None:
@@ -452,12 +472,11 @@ class Job:
         table = self.table
         if table is None:
             return
+        now = time.monotonic()
         st = table.ranks.get(rank)
-        if st is not None:
-            st.exited = True
-        else:
-            now = time.monotonic()
-            table.ranks[rank] = decisions.RankState(rank, now, now, exited=True)
+        if st is None:
+            st = table.ranks[rank] = decisions.RankState(rank, now, now)
+        st.exited, st.exited_at = True, now
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop_requests += 1

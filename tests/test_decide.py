@@ -68,9 +68,12 @@ def test_missing_rank_judged_by_init_timeout():
     assert f.kind == "no_progress" and f.ranks == (1,) and "no hello" in f.reason
 
 
-def test_done_and_exited_ranks_are_not_judged():
-    ranks = {0: rank(0, 0, 0, phase="done"), 1: rank(1, 0, 0, exited=True)}
+def test_done_ranks_are_not_judged_and_gone_ranks_come_first():
+    ranks = {0: rank(0, 0, 0, phase="done"), 1: rank(1, 0, 0, phase="done", exited=True)}
     assert judge_ranks(ranks, 2, now=1000, launched_at=0, hb=HB) is None
+    ranks = {0: rank(0, 50, 50), 1: rank(1, 99, 99, exited=True, exited_at=99.5)}
+    f = judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB)
+    assert f.kind == "rank_exit" and f.ranks == (1,) and f.deadline == 99.5
 
 
 @pytest.mark.parametrize(
