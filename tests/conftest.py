@@ -13,8 +13,20 @@ import pytest
 
 # A model small enough that a 4-rank job on 2 cores takes seconds.
 TINY = [
-    "--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
-    "--ffn-dim", "64", "--vocab-size", "128", "--seq-len", "32",
+    "--dim",
+    "32",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "4",
+    "--n-kv-heads",
+    "2",
+    "--ffn-dim",
+    "64",
+    "--vocab-size",
+    "128",
+    "--seq-len",
+    "32",
 ]
 LAUNCH_TIMEOUT = 180
 
@@ -41,15 +53,23 @@ def worker_cmd(ranks: int, *flags: str) -> list[str]:
 
 def run_worker(ranks: int, *flags: str, timeout: float = LAUNCH_TIMEOUT, **kw):
     return subprocess.run(
-        worker_cmd(ranks, *flags), env=rank_env(), capture_output=True, text=True,
-        timeout=timeout, **kw,
+        worker_cmd(ranks, *flags),
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
     )
 
 
 def start_worker(ranks: int, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        worker_cmd(ranks, *flags), env=rank_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        worker_cmd(ranks, *flags),
+        env=rank_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 

@@ -32,8 +32,9 @@ def test_fsdp_tp_matches_one_process(tmp_path):
     """2-D FSDP+TP computes what one process computes on the same global batch."""
     steps = ["--train-iters", "4"]
     ref = run_worker(1, *TINY, *steps, "--batch-size", "4", "--outdir", str(tmp_path / "one"))
-    par = run_worker(4, *TINY, *steps, "--tp", "2", "--batch-size", "2",
-                     "--outdir", str(tmp_path / "tp"))
+    par = run_worker(
+        4, *TINY, *steps, "--tp", "2", "--batch-size", "2", "--outdir", str(tmp_path / "tp")
+    )
     assert ref.returncode == 0 and par.returncode == 0, ref.stderr + par.stderr
     one, tp = losses(tmp_path / "one/metrics-0.jsonl"), losses(tmp_path / "tp/metrics-0.jsonl")
     assert one.keys() == tp.keys() == {1, 2, 3, 4}
@@ -44,21 +45,34 @@ def test_fsdp_tp_matches_one_process(tmp_path):
 def test_same_seed_is_bit_identical(tmp_path):
     runs = []
     for name in ("a", "b"):
-        out = run_worker(2, *TINY, "--train-iters", "8", "--seed", "7",
-                         "--outdir", str(tmp_path / name))
+        out = run_worker(
+            2, *TINY, "--train-iters", "8", "--seed", "7", "--outdir", str(tmp_path / name)
+        )
         assert out.returncode == 0, out.stderr
         runs.append(losses(tmp_path / name / "metrics-0.jsonl"))
     assert runs[0] == runs[1]
-    other = run_worker(2, *TINY, "--train-iters", "2", "--seed", "8",
-                       "--outdir", str(tmp_path / "c"))
+    other = run_worker(
+        2, *TINY, "--train-iters", "2", "--seed", "8", "--outdir", str(tmp_path / "c")
+    )
     assert other.returncode == 0
     assert losses(tmp_path / "c/metrics-0.jsonl")[1] != runs[0][1]
 
 
 def test_raising_rank_brings_job_down(tmp_path):
     started = time.monotonic()
-    out = run_worker(2, *TINY, "--train-iters", "1000", "--inject-rank", "1",
-                     "--inject-raise-at-step", "3", "--outdir", str(tmp_path), timeout=90)
+    out = run_worker(
+        2,
+        *TINY,
+        "--train-iters",
+        "1000",
+        "--inject-rank",
+        "1",
+        "--inject-raise-at-step",
+        "3",
+        "--outdir",
+        str(tmp_path),
+        timeout=90,
+    )
     elapsed = time.monotonic() - started
     assert out.returncode != 0
     assert "injected failure at step 3" in out.stdout + out.stderr
@@ -95,8 +109,9 @@ def test_token_file_dataset(tmp_path):
     tokens = (np.arange(50_000) * 7 % 128).astype(np.uint16)
     path = tmp_path / "tokens.bin"
     tokens.tofile(path)
-    out = run_worker(2, *TINY, "--train-iters", "20", "--data-path", str(path),
-                     "--outdir", str(tmp_path))
+    out = run_worker(
+        2, *TINY, "--train-iters", "20", "--data-path", str(path), "--outdir", str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr
     records = read_metrics(tmp_path / "metrics-0.jsonl")
     assert records[-1]["loss"] < records[0]["loss"] - 0.5

@@ -16,17 +16,47 @@ from worker.parallel import plan_layout
 @pytest.mark.parametrize(
     "env,expect",
     [
-        ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
-         (3, 4, 1, 2, "hydra")),
-        ({"PALS_RANKID": "5", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "5",
-          "PALS_LOCAL_SIZE": "12"}, (5, 24, 5, 12, "pals")),
-        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-          "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
-         (1, 2, 1, 2, "openmpi")),
-        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
-          "SLURM_NTASKS_PER_NODE": "4(x2)"}, (7, 8, 3, 4, "slurm")),
-        ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-          "PMI_RANK": "0"}, (2, 4, 0, 2, "torchrun")),
+        (
+            {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+            (3, 4, 1, 2, "hydra"),
+        ),
+        (
+            {
+                "PALS_RANKID": "5",
+                "PMI_SIZE": "24",
+                "PALS_LOCAL_RANKID": "5",
+                "PALS_LOCAL_SIZE": "12",
+            },
+            (5, 24, 5, 12, "pals"),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            (1, 2, 1, 2, "openmpi"),
+        ),
+        (
+            {
+                "SLURM_PROCID": "7",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "3",
+                "SLURM_NTASKS_PER_NODE": "4(x2)",
+            },
+            (7, 8, 3, 4, "slurm"),
+        ),
+        (
+            {
+                "RANK": "2",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "2",
+                "PMI_RANK": "0",
+            },
+            (2, 4, 0, 2, "torchrun"),
+        ),
         ({}, (0, 1, 0, 1, "single")),
     ],
 )
@@ -79,8 +109,14 @@ def _make(root, step, complete):
 
 
 def test_resume_order_and_retention(tmp_path):
-    for step, complete in [(10, True), (20, False), (30, True), (40, True), (50, True),
-                           (60, False)]:
+    for step, complete in [
+        (10, True),
+        (20, False),
+        (30, True),
+        (40, True),
+        (50, True),
+        (60, False),
+    ]:
         _make(tmp_path, step, complete)
     found = files.scan(tmp_path)
     assert [f.step for f in files.resume_candidates(found)] == [50, 40, 30, 10]

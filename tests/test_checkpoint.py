@@ -1,0 +1,273 @@
+"""Sharded checkpoints and resume, end to end: real mpiexec, real SIGKILL, real DCP on disk."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import TINY, read_metrics, run_worker, start_worker
+
+from worker import ckpt_files as files
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "fsdp2": (2, []),
+    "hsdp2x2": (4, ["--replicate", "2"]),
+    "fsdp_tp2": (4, ["--tp", "2"]),
+}
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_metrics(metrics)
+        if records and records[-1]["step"] >= step:
+            return records[-1]["step"]
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early: {proc.stdout.read()}")
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def kill_every_rank(proc: subprocess.Popen) -> None:
+    """The study's kill: SIGKILL to every training rank at once; the launcher then tears down."""
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    for p in ranks:
+        if "worker.train" in " ".join(p.cmdline()):
+            p.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    psutil.wait_procs(ranks, timeout=30)
+
+
+def assert_same_run(baseline: Path, resumed: Path) -> None:
+    """Every record of the interrupted run, recomputed steps included, equals the baseline's."""
+    want = {r["step"]: r["loss"] for r in read_metrics(baseline)}
+    got = read_metrics(resumed)
+    assert {r["step"] for r in got} == set(want)
+    for r in got:
+        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_killed_and_resumed_run_is_bit_exact(tmp_path, layout):
+    ranks, flags = LAYOUTS[layout]
+    common = [*TINY, *flags, "--train-iters", "24", "--save-interval", "5"]
+    base = run_worker(
+        ranks,
+        *common,
+        "--outdir",
+        str(tmp_path / "base"),
+        "--ckpt-dir",
+        str(tmp_path / "base-ckpt"),
+    )
+    assert base.returncode == 0, base.stderr
+    out, ckpt = tmp_path / "killed", tmp_path / "killed-ckpt"
+    args = [*common, "--outdir", str(out), "--ckpt-dir", str(ckpt)]
+    killed_at = []
+    for target in (7, 13, 19):
+        proc = start_worker(ranks, *args)
+        killed_at.append(wait_for_step(out / "metrics-0.jsonl", target, proc))
+        kill_every_rank(proc)
+        assert proc.returncode != 0
+    final = run_worker(ranks, *args)
+    assert final.returncode == 0, final.stderr
+    assert "RESUMED from step=" in final.stdout
+    assert_same_run(tmp_path / "base/metrics-0.jsonl", out / "metrics-0.jsonl")
+    restarts = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
+    assert len(restarts) == 3, killed_at
+
+
+def test_kill_during_save_falls_back_to_previous(tmp_path):
+    common = [
+        *TINY,
+        "--train-iters",
+        "12",
+        "--save-interval",
+        "4",
+        "--outdir",
+        str(tmp_path / "m"),
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+    ]
+    died = run_worker(2, *common, "--inject-rank", "1", "--inject-kill-in-save-at-step", "8")
+    assert died.returncode != 0
+    partial = files.step_dir(tmp_path / "ckpt", 8)
+    assert any(partial.glob("*.distcp")) and not (partial / files.MARKER).exists()
+    again = run_worker(2, *common)
+    assert again.returncode == 0, again.stderr
+    assert "RESUMED from step=4" in again.stdout
+    base = run_worker(2, *TINY, "--train-iters", "12", "--outdir", str(tmp_path / "b"))
+    assert base.returncode == 0
+    assert_same_run(tmp_path / "b/metrics-0.jsonl", tmp_path / "m/metrics-0.jsonl")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, damage):
+    ckpt = tmp_path / "ckpt"
+    common = [
+        *TINY,
+        "--save-interval",
+        "3",
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-verify",
+        "crc",
+        "--outdir",
+        str(tmp_path),
+    ]
+    first = run_worker(2, *common, "--train-iters", "6")
+    assert first.returncode == 0, first.stderr
+    shard = sorted(files.step_dir(ckpt, 6).glob("__1_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    again = run_worker(2, *common, "--train-iters", "8")
+    assert again.returncode == 0, again.stderr
+    assert f"skipping checkpoint step-6: {shard}" in again.stdout
+    assert "RESUMED from step=3" in again.stdout
+
+
+def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):
+    out, ckpt = tmp_path / "m", tmp_path / "ckpt"
+    args = [
+        *TINY,
+        "--train-iters",
+        "400",
+        "--save-interval",
+        "1000",
+        "--outdir",
+        str(out),
+        "--ckpt-dir",
+        str(ckpt),
+    ]
+    proc = start_worker(2, *args)
+    wait_for_step(out / "metrics-0.jsonl", 5, proc)
+    proc.send_signal(signal.SIGTERM)  # mpiexec forwards it to every rank
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    stop_step = read_metrics(out / "metrics-0.jsonl")[-1]["step"]
+    assert f"stop requested: exiting after step {stop_step}" in output
+    assert (files.step_dir(ckpt, stop_step) / files.MARKER).exists()
+    resumed = run_worker(
+        2,
+        *args[:-4],
+        "--outdir",
+        str(out),
+        "--ckpt-dir",
+        str(ckpt),
+        "--train-iters",
+        str(stop_step + 3),
+    )
+    assert f"RESUMED from step={stop_step}" in resumed.stdout
+    steps = [r["step"] for r in read_metrics(out / "metrics-0.jsonl")]
+    assert steps == list(range(1, stop_step + 4))  # no step lost, none repeated
+
+
+def test_retention_keeps_exactly_k(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = run_worker(
+        2,
+        *TINY,
+        "--train-iters",
+        "10",
+        "--save-interval",
+        "2",
+        "--ckpt-keep",
+        "2",
+        "--ckpt-dir",
+        str(ckpt),
+        "--outdir",
+        str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert [(f.step, f.complete) for f in files.scan(ckpt)] == [(8, True), (10, True)]
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    made = run_worker(
+        2, *TINY, "--train-iters", "2", "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path)
+    )
+    assert made.returncode == 0
+    other = run_worker(
+        2,
+        *TINY,
+        "--dim",
+        "64",
+        "--train-iters",
+        "4",
+        "--ckpt-dir",
+        str(ckpt),
+        "--outdir",
+        str(tmp_path),
+        timeout=90,
+    )
+    assert other.returncode == 2
+    assert "is of another model (dim=32" in other.stderr
+    assert "this run builds dim=64" in other.stderr
+    assert "Traceback" not in other.stderr + other.stdout
+
+
+@pytest.mark.parametrize(
+    "saved,loaded",
+    [
+        ((4, [], "1"), (2, [], "2")),
+        ((2, [], "2"), (4, [], "1")),
+        ((4, ["--tp", "2"], "2"), (2, [], "2")),
+    ],
+    ids=["fsdp4-to-2", "fsdp2-to-4", "fsdp_tp-to-fsdp"],
+)
+def test_resume_reshards_to_another_world(tmp_path, saved, loaded):
+    """Same global batch before and after, so the resumed losses follow the uninterrupted run
+    to float tolerance (reduction order differs across layouts)."""
+    (r1, f1, b1), (r2, f2, b2) = saved, loaded
+    ckpt = tmp_path / "ckpt"
+    base = run_worker(
+        r1, *TINY, *f1, "--batch-size", b1, "--train-iters", "8", "--outdir", str(tmp_path / "base")
+    )
+    first = run_worker(
+        r1,
+        *TINY,
+        *f1,
+        "--batch-size",
+        b1,
+        "--train-iters",
+        "8",
+        "--save-interval",
+        "4",
+        "--ckpt-dir",
+        str(ckpt),
+        "--outdir",
+        str(tmp_path / "a"),
+    )
+    files.remove([f for f in files.scan(ckpt) if f.step == 8])  # resume from 4 on the new world
+    second = run_worker(
+        r2,
+        *TINY,
+        *f2,
+        "--batch-size",
+        b2,
+        "--train-iters",
+        "8",
+        "--ckpt-dir",
+        str(ckpt),
+        "--outdir",
+        str(tmp_path / "b"),
+    )
+    for out in (base, first, second):
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert "RESUMED from step=4" in second.stdout
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base/metrics-0.jsonl")}
+    got = read_metrics(tmp_path / "b/metrics-0.jsonl")
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    for r in got:
+        assert math.isclose(r["loss"], want[r["step"]], rel_tol=1e-4), r
