@@ -88,6 +88,7 @@ class ZmqBeacon(Beacon):
         self._phase = "init"
         self._step = 0
         self._dropped = 0
+        self._last_step_sent = -float("inf")
         self._closed = False
         self._parent = os.getppid()
         self._watch_parent = os.environ.get(protocol.ENV_EXIT_WITH_PARENT) == "1"
@@ -105,6 +106,13 @@ class ZmqBeacon(Beacon):
 
     def step(self, step: int, loss: float, dt: float) -> None:
         self._step = int(step)
+        if self._id.rank != 0:
+            # Other ranks send at most one `step` per interval (their beats carry the step):
+            # with short steps and many ranks, step messages would outnumber beats.
+            now = time.monotonic()
+            if now - self._last_step_sent < self._interval:
+                return
+            self._last_step_sent = now
         self._put("step", step=int(step), loss=float(loss), dt=float(dt))
 
     def ckpt(self, step: int, state: str) -> None:
