@@ -124,35 +124,48 @@ class Checkpointer:
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> float:
         """Write step-N on every rank, then mark it. Returns the seconds the loop was blocked."""
         started = time.perf_counter()
-        directory = files.step_dir(self.root, step)
-        if self.rank == 0:
-            files.prepare_step_dir(directory)
-        dist.barrier()
+        directory = self.prepare(step)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         writer = dcp.FileSystemWriter(directory, thread_count=WRITER_THREADS, sync_files=True)
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
         self.after_write(step)
-        rngs = self._gather(_encode(capture_rng(self.device_type)))
-        crcs = self._checksums(directory) if self.verify == "crc" else None
+        self.finalize(directory, self.describe(step, tokens_seen, data))
+        return time.perf_counter() - started
+
+    def prepare(self, step: int) -> Path:
+        """Empty the step directory (a stale marker first) before any rank writes into it."""
+        directory = files.step_dir(self.root, step)
         if self.rank == 0:
-            meta = {
-                "step": step,
-                "tokens_seen": tokens_seen,
-                "world": self.world,
-                "mesh": self.identity.mesh,
-                "model_fingerprint": self.identity.model_fingerprint,
-                "model": self.identity.model_description,
-                "data": data,
-                "scheduler": self.scheduler.state_dict(),
-                "rng": rngs,
-                "saved_at": time.time(),
-            }
+            files.prepare_step_dir(directory)
+        dist.barrier()
+        return directory
+
+    def describe(self, step: int, tokens_seen: int, data: dict[str, Any]) -> dict[str, Any]:
+        """Everything besides tensors that the resumed run needs, as of `step` (call it at the
+        step being saved: it captures the scheduler and, on rank 0's record, every rank's RNG)."""
+        return {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "world": self.world,
+            "mesh": self.identity.mesh,
+            "model_fingerprint": self.identity.model_fingerprint,
+            "model": self.identity.model_description,
+            "data": data,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": self._gather(_encode(capture_rng(self.device_type))),
+        }
+
+    def finalize(self, directory: Path, meta: dict[str, Any]) -> None:
+        """Collective: once every rank's shards are durable in `directory`, rank 0 records the
+        files and writes the marker, then applies retention."""
+        crcs = self._checksums(directory) if self.verify == "crc" else None
+        dist.barrier()
+        if self.rank == 0:
             files.fsync_dir(directory)
-            meta["files"] = files.record_files(directory, crcs)
+            meta = {**meta, "saved_at": time.time(), "files": files.record_files(directory, crcs)}
             files.mark_complete(directory, meta)
             files.remove(files.retention_plan(files.scan(self.root), self.keep))
-        self.last_saved_step = step
-        return time.perf_counter() - started
+        self.last_saved_step = meta["step"]
 
     def _gather(self, item: Any) -> list[Any] | None:
         out = [None] * self.world if self.rank == 0 else None

@@ -33,6 +33,23 @@ from worker.errors import UsageError
 META_INIT_AUTO_PARAMS = 6e9
 
 
+class Startup:
+    """Wall-clock marks from the process's own start: where a (re)start's seconds go."""
+
+    def __init__(self):
+        self.last = PROCESS_START
+        self.parts: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self.parts[f"startup/{name}"] = now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - PROCESS_START
+
+
 class StopRequest:
     """SIGTERM / SIGUSR1 ask for a checkpoint at the end of the current step, then exit 0."""
 
@@ -146,9 +163,10 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     from worker.checkpoint import Checkpointer, RunIdentity
     from worker.dist import init_process_group, select_device, set_threads
     from worker.metrics import MetricsLog, human_line
-    from worker.model import Transformer
-    from worker.parallel import build_mesh, clip_grad_norm, materialize, parallelize
+    from worker.parallel import build_mesh, clip_grad_norm
 
+    startup = Startup()
+    startup.mark("imports")
     cfg, layout = setup
     # DTensor warns on every step that a 2-D grad norm takes two all-reduces; known, harmless.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -156,6 +174,7 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     threads = set_threads(info)
     device = init_process_group(info, backend, device_type, args.pg_timeout)
     mesh = build_mesh(layout, device_type)
+    startup.mark("process_group")
     meta_init = args.meta_init == "on" or (
         args.meta_init == "auto" and cfg.num_params() >= META_INIT_AUTO_PARAMS
     )
@@ -166,18 +185,7 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
         flush=True,
     )
 
-    torch.manual_seed(args.seed)
-    if meta_init:
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        parallelize(model, mesh, layout)
-        materialize(model, device)
-    else:
-        with torch.device(device):
-            model = Transformer(cfg)
-            model.init_weights()
-        parallelize(model, mesh, layout)
-
+    model = build_model(cfg, mesh, layout, device, meta_init, args.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
     )
@@ -195,6 +203,7 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     write_metrics = info.rank == 0 or args.metrics_all_ranks
     out_dir = metrics_dir(args)
     metrics = MetricsLog(out_dir / f"metrics-{info.rank}.jsonl" if write_metrics else None)
+    startup.mark("model_build")
 
     ckpt = None
     start_step, tokens_seen, resumed = 0, 0, False
@@ -223,6 +232,8 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
                 state = ckpt.load(directory)
                 start_step, tokens_seen, resumed = state.step, state.tokens_seen, True
                 say(f"RESUMED from step={start_step} ({directory})", flush=True)
+
+    startup.mark("load")
 
     def save(step: int) -> None:
         beacon.phase("save", step)
@@ -256,11 +267,13 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
         tokens_seen += tokens_per_step
         dt = time.perf_counter() - started
         if first:
-            startup = time.time() - PROCESS_START
-            metrics.add_to_next("train/startup_seconds", startup)
+            startup.mark("first_step")
+            for name, seconds in startup.parts.items():
+                metrics.add_to_next(name, seconds)
+            metrics.add_to_next("train/startup_seconds", startup.total)
             if resumed:
-                metrics.add_to_next("train/restart_seconds", startup)
-                beacon.resumed(start_step, startup)
+                metrics.add_to_next("train/restart_seconds", startup.total)
+                beacon.resumed(start_step, startup.total)
             first = False
         entry = metrics.record(step, mean_loss, dt, tokens_per_step)
         beacon.step(step, mean_loss, dt)
@@ -283,6 +296,27 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def build_model(cfg, mesh, layout, device, meta_init: bool, seed: int):
+    """Dense: build whole, initialise, shard (bit-exact with a one-process run). Meta: build
+    shapes only, shard, then allocate and initialise just this rank's shards."""
+    import torch
+
+    from worker.model import Transformer
+    from worker.parallel import materialize, parallelize
+
+    torch.manual_seed(seed)
+    if meta_init:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        parallelize(model, mesh, layout)
+        materialize(model, device)
+        return model
+    with torch.device(device):
+        model = Transformer(cfg)
+        model.init_weights()
+    return parallelize(model, mesh, layout)
 
 
 def inject(args: TrainArgs, info: RankInfo, step: int) -> None:
