@@ -49,6 +49,8 @@ class TrainArgs:
     inject_raise_at_step: int | None
     inject_stall_at_step: int | None
     inject_kill_in_save_at_step: int | None
+    inject_kill_async_phase: str | None
+    inject_fanout_delay_s: float
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,14 +108,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="checkpoint at the last step and on SIGTERM/SIGUSR1",
     )
-    c.add_argument("--async-ckpt", action="store_true")
-    c.add_argument("--ckpt-stage-dir", default=None)
+    c.add_argument(
+        "--async-ckpt",
+        action="store_true",
+        help="stage to host memory, write to --ckpt-stage-dir and copy to --ckpt-dir in the "
+        "background; mark as soon as every rank's copy is done",
+    )
+    c.add_argument(
+        "--ckpt-stage-dir",
+        default=None,
+        help="node-local scratch for --async-ckpt (default: <tmp>/es-ckpt-<job>)",
+    )
     i = p.add_argument_group("fault injection (tests)")
     i.add_argument("--inject-rank", type=int, default=0)
     i.add_argument("--inject-raise-at-step", type=int, default=None)
     i.add_argument("--inject-stall-at-step", type=int, default=None)
-    i.add_argument("--inject-kill-in-save-at-step", type=int, default=None,
-                   help="SIGKILL the rank after its shards are written, before the marker")
+    i.add_argument(
+        "--inject-kill-in-save-at-step",
+        type=int,
+        default=None,
+        help="SIGKILL the rank after its shards are written, before the marker",
+    )
+    i.add_argument(
+        "--inject-kill-async-phase",
+        choices=("stage", "write", "fanout", "marker", "after-marker"),
+        default=None,
+        help="with --async-ckpt: where in the save of --inject-kill-in-save-at-step to SIGKILL",
+    )
+    i.add_argument(
+        "--inject-fanout-delay-s",
+        type=float,
+        default=0.0,
+        help="with --async-ckpt: every rank's fan-out sleeps this long first (slow shared FS)",
+    )
     return p
 
 
@@ -139,5 +166,9 @@ def check_args(a: TrainArgs) -> None:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     if a.save_interval < 0:
         raise UsageError(f"--save-interval must be 0 (off) or positive, got {a.save_interval}")
+    if a.inject_kill_async_phase and not (a.async_ckpt and a.inject_kill_in_save_at_step):
+        raise UsageError(
+            "--inject-kill-async-phase needs --async-ckpt and --inject-kill-in-save-at-step"
+        )
     if (a.save_interval or a.async_ckpt) and not a.ckpt_dir:
         raise UsageError("--save-interval and --async-ckpt need --ckpt-dir")

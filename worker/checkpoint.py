@@ -155,10 +155,15 @@ class Checkpointer:
             "rng": self._gather(_encode(capture_rng(self.device_type))),
         }
 
-    def finalize(self, directory: Path, meta: dict[str, Any]) -> None:
+    def finalize(
+        self, directory: Path, meta: dict[str, Any], local_crcs: dict[str, int] | None = None
+    ) -> None:
         """Collective: once every rank's shards are durable in `directory`, rank 0 records the
-        files and writes the marker, then applies retention."""
-        crcs = self._checksums(directory) if self.verify == "crc" else None
+        files and writes the marker, then applies retention. `local_crcs`: checksums this rank
+        already computed while copying its own files (async path); else they are read here."""
+        crcs = None
+        if self.verify == "crc":
+            crcs = self._checksums(directory) if local_crcs is None else self._merge(local_crcs)
         dist.barrier()
         if self.rank == 0:
             files.fsync_dir(directory)
@@ -175,7 +180,11 @@ class Checkpointer:
     def _checksums(self, directory: Path) -> dict[str, int]:
         """Each rank checksums every world-th file, so the cost is spread like the writes."""
         names = sorted(p.name for p in directory.iterdir() if p.is_file())
-        mine = {n: files.file_crc(directory / n) for n in names[self.rank :: self.world]}
+        return self._merge(
+            {n: files.file_crc(directory / n) for n in names[self.rank :: self.world]}
+        )
+
+    def _merge(self, mine: dict[str, int]) -> dict[str, int]:
         parts: list[dict[str, int]] = [{} for _ in range(self.world)]
         dist.all_gather_object(parts, mine)
         return {k: v for part in parts for k, v in part.items()}

@@ -160,6 +160,7 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     import torch.nn.functional as F
 
     from worker import data as data_mod
+    from worker.async_saves import AsyncSaves
     from worker.checkpoint import Checkpointer, RunIdentity
     from worker.dist import init_process_group, select_device, set_threads
     from worker.metrics import MetricsLog, human_line
@@ -234,9 +235,14 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
                 say(f"RESUMED from step={start_step} ({directory})", flush=True)
 
     startup.mark("load")
+    saver = AsyncSaves(args, info, ckpt, metrics, beacon, say) if ckpt and args.async_ckpt else None
 
     def save(step: int) -> None:
         beacon.phase("save", step)
+        if saver is not None:
+            saver.save(step, tokens_seen, {**data_desc, "next_step": step + 1})
+            beacon.phase("train", step)
+            return
         seconds = ckpt.save(step, tokens_seen, {**data_desc, "next_step": step + 1})
         metrics.add_to_next("train/ckpt_save_seconds", seconds)
         beacon.ckpt(step, "complete")
@@ -279,6 +285,8 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
         beacon.step(step, mean_loss, dt)
         if info.rank == 0 and (step % args.log_every == 0 or step == args.train_iters):
             print(human_line(entry, args.train_iters), flush=True)
+        if saver is not None:
+            saver.poll(step)  # mark a save in flight as soon as every rank's copy is done
         last = step == args.train_iters
         periodic = args.save_interval and step % args.save_interval == 0
         if ckpt is not None and (periodic or ((last or stopping) and args.save_on_exit)):
@@ -287,6 +295,8 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
             say(f"stop requested: exiting after step {step}", flush=True)
             break
 
+    if saver is not None:
+        saver.finish(step)  # drain and mark before exit
     finished = step >= args.train_iters
     beacon.phase("done", step)
     if finished:

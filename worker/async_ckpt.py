@@ -1,0 +1,338 @@
+"""Asynchronous checkpoints: stage to host memory, write locally, fan out, mark when ready.
+
+Who does what (DESIGN.md, checkpoint layout, Async):
+- main thread: `save` stages this rank's state into host buffers reused across saves (the only
+  blocking copy) and hands it to DCP's `async_save`; `poll`, called every step while a save is
+  in flight, asks every rank whether its copy is done and finalizes (meta.json + `.complete`)
+  the moment all are.
+- DCP's writer thread: writes the staged state to the node-local stage dir; its collectives
+  (plan and metadata exchange) run on `write_pg`, a gloo group that only it uses.
+- the fan-out thread: copies this rank's files to the durable dir (no collectives at all).
+- the readiness check runs on `control_pg`, another gloo group, used only by the main thread,
+  so it can never cross-match a training collective or DCP's.
+Every rank takes the same decision from the same all-reduced counts, so they finalize, fail or
+keep waiting at the same step and the main-thread collectives stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import (
+    CompanionMismatch,
+    _copy_state_dict,
+    _create_cpu_state_dict,
+)
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from worker import ckpt_files as files
+from worker.checkpoint import Checkpointer
+from worker.fanout import FanoutResult, fan_out
+
+PHASES = ("stage", "write", "fanout", "marker", "after-marker")
+POLL_PAUSE_S = 0.005
+
+
+def default_stage_root(ckpt_dir: str, job_id: str | None) -> Path:
+    """Node-local scratch per job: the job id when the supervisor gave one, else a hash of the
+    durable dir (so two jobs on one node never share a stage dir)."""
+    tag = job_id or hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"es-ckpt-{tag}"
+
+
+class Readiness(Enum):
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+def readiness(finished: int, failed: int, world: int) -> Readiness:
+    """Pure: from the all-reduced counts of ranks whose copy ended well or badly. A failure is
+    declared only once every rank has stopped touching the directory."""
+    if finished + failed < world:
+        return Readiness.PENDING
+    return Readiness.FAILED if failed else Readiness.READY
+
+
+@dataclass(frozen=True)
+class KillHook:
+    """Test injection: SIGKILL this rank in `phase` of the save of `step`."""
+
+    phase: str | None = None
+    step: int | None = None
+    armed: bool = False  # this rank is the one to kill
+    fanout_delay_s: float = 0.0
+
+    def __call__(self, phase: str, step: int) -> None:
+        if self.armed and phase == self.phase and step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ReusedStager:
+    """DCP `AsyncStager` that copies into host buffers allocated once and reused by every save
+    (`copy_` into warm pages runs at memory bandwidth; DCP's default stager allocates afresh
+    each time and pays page faults). The caller must not stage again before the previous
+    write has finished with the buffers."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, on_staged=lambda: None):
+        self._cache: dict[str, Any] | None = None
+        self.nbytes = 0
+        self.copy_seconds = 0.0
+        self._on_staged = on_staged
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        if self._cache is None:
+            self._allocate(state_dict)
+        try:
+            staged = _copy_state_dict(state_dict, self._cache)
+        except CompanionMismatch:  # the state's structure changed: new buffers
+            self._allocate(state_dict)
+            staged = _copy_state_dict(state_dict, self._cache)
+        self.copy_seconds = time.perf_counter() - started
+        self._on_staged()
+        return staged
+
+    def _allocate(self, state_dict: dict[str, Any]) -> None:
+        self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        self.nbytes = _tensor_bytes(self._cache)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._cache = None
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+class _StageWriter(dcp.FileSystemWriter):
+    """DCP's file writer for the stage dir, with the test hook between this rank's shards and
+    DCP's metadata."""
+
+    def __init__(self, path: Path, after_data, **kw):
+        super().__init__(path, **kw)
+        self._after_data = after_data
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        self._after_data()
+        return written
+
+
+@dataclass
+class InFlight:
+    step: int
+    meta: dict[str, Any]
+    durable: Path
+    stage: Path
+    saved_at: float
+    copy: Future  # of FanoutResult, on the fan-out thread
+    announced: bool = False  # "written" reported for this rank
+
+
+@dataclass(frozen=True)
+class PollReport:
+    """What one readiness check found."""
+
+    step: int
+    written: bool  # this rank's durable copy just finished
+    state: Readiness
+    drain_seconds: float = 0.0  # main thread blocked on finalize
+    save_to_marker_seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What the save call blocked: waiting for the previous save, then staging."""
+
+    wait_seconds: float
+    stage_seconds: float
+    copy_seconds: float  # the memcpy part of staging
+    nbytes: int
+    drained: list[PollReport]  # how the previous save ended, when it was still in flight
+
+
+class AsyncCheckpointer:
+    """The async save path around a `Checkpointer` (whose prepare/describe/finalize/load it
+    reuses). Create it on every rank at start: it makes two gloo groups (collective)."""
+
+    def __init__(
+        self,
+        base: Checkpointer,
+        *,
+        stage_root: Path,
+        local_rank: int,
+        timeout_s: float,
+        writer_threads: int = 1,
+        hook: KillHook | None = None,
+    ):
+        self.base = base
+        self.world = base.world
+        self.stage_root = stage_root
+        self.local_rank = local_rank
+        self.writer_threads = writer_threads
+        self.hook = hook or KillHook()
+        timeout = timedelta(seconds=timeout_s)
+        self.write_pg = dist.new_group(backend="gloo", timeout=timeout)
+        self.control_pg = dist.new_group(backend="gloo", timeout=timeout)
+        self.inflight: InFlight | None = None
+        self._step = -1
+        self.stager = ReusedStager(on_staged=lambda: self.hook("stage", self._step))
+        self._fanout = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fanout")
+        self.clean_stage_root()
+
+    def clean_stage_root(self) -> None:
+        """A dead attempt's stage copies are garbage: one rank per node removes them."""
+        if self.local_rank == 0:
+            shutil.rmtree(self.stage_root, ignore_errors=True)
+            self.stage_root.mkdir(parents=True, exist_ok=True)
+        dist.barrier(group=self.control_pg)
+
+    # ---- saving -----------------------------------------------------------------------------
+    def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> SaveReport:
+        """Wait for a save still in flight, then stage this step and start writing it."""
+        started = time.perf_counter()
+        drained = self.drain()
+        waited = time.perf_counter()
+        self._step = step
+        stage = files.step_dir(self.stage_root, step)
+        if self.local_rank == 0 and stage.exists():
+            shutil.rmtree(stage)
+        durable = self.base.prepare(step)  # rank 0 empties it; barrier
+        meta = self.base.describe(step, tokens_seen, data)  # this step's RNG and scheduler
+        model_sd, optim_sd = get_state_dict(self.base.model, self.base.optimizer)
+        writer = _StageWriter(
+            stage,
+            after_data=lambda: self.hook("write", step),
+            thread_count=self.writer_threads,
+            sync_files=False,  # scratch: the durable copy is the one fsynced
+        )
+        written = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            storage_writer=writer,
+            process_group=self.write_pg,
+            async_stager=self.stager,
+        )
+        copy = self._fanout.submit(self._copy_when_written, written, stage, durable, step)
+        self.inflight = InFlight(step, meta, durable, stage, time.perf_counter(), copy)
+        done = time.perf_counter()
+        return SaveReport(
+            wait_seconds=waited - started,
+            stage_seconds=done - waited,
+            copy_seconds=self.stager.copy_seconds,
+            nbytes=self.stager.nbytes,
+            drained=drained,
+        )
+
+    def _copy_when_written(self, written: Future, stage: Path, durable: Path, step: int):
+        """Fan-out thread: once DCP has written the stage copy, copy this rank's files."""
+        written.result()  # re-raises DCP's failure
+        return fan_out(
+            stage,
+            durable,
+            self.base.rank,
+            with_crc=self.base.verify == "crc",
+            delay_s=self.hook.fanout_delay_s,
+            midway=lambda: self.hook("fanout", step),
+        )
+
+    # ---- finishing --------------------------------------------------------------------------
+    def poll(self) -> PollReport | None:
+        """Every step: one tiny all-reduce on the control group while a save is in flight;
+        finalize on every rank as soon as all copies are done."""
+        job = self.inflight
+        if job is None:
+            return None
+        written = job.copy.done() and not job.announced and job.copy.exception() is None
+        job.announced = job.announced or written
+        mine = _local_state(job.copy)
+        counts = torch.tensor(mine, dtype=torch.int64)
+        dist.all_reduce(counts, group=self.control_pg)
+        state = readiness(int(counts[0]), int(counts[1]), self.world)
+        if state is Readiness.PENDING:
+            return PollReport(job.step, written, state)
+        self.inflight = None
+        if state is Readiness.FAILED:
+            error = _error_text(job.copy)
+            self._drop_stage(job)
+            return PollReport(job.step, written, state, error=error or "failed on another rank")
+        started = time.perf_counter()
+        self.hook("marker", job.step)
+        result: FanoutResult = job.copy.result()
+        self.base.finalize(job.durable, job.meta, local_crcs=result.crcs)
+        self.hook("after-marker", job.step)
+        drained = time.perf_counter()
+        self._drop_stage(job)
+        return PollReport(
+            job.step,
+            written,
+            state,
+            drain_seconds=drained - started,
+            save_to_marker_seconds=drained - job.saved_at,
+        )
+
+    def drain(self) -> list[PollReport]:
+        """Block until the save in flight (if any) is marked or failed (at a save that comes
+        while one is in flight, at the end of training, on a graceful stop)."""
+        reports = []
+        while self.inflight is not None:
+            report = self.poll()
+            reports.append(report)
+            if report.state is Readiness.PENDING:
+                time.sleep(POLL_PAUSE_S)
+        return reports
+
+    def _drop_stage(self, job: InFlight) -> None:
+        """The stage copy is garbage once every rank's copy has ended (which the readiness
+        check just established)."""
+        if self.local_rank == 0:
+            shutil.rmtree(job.stage, ignore_errors=True)
+
+    def close(self) -> None:
+        self._fanout.shutdown(wait=True)
+        self.stager.close()
+
+
+def _local_state(copy: Future) -> list[int]:
+    """[finished well, failed] for this rank's copy."""
+    if not copy.done():
+        return [0, 0]
+    return [0, 1] if copy.exception() is not None else [1, 0]
+
+
+def _error_text(copy: Future) -> str | None:
+    if copy.done() and copy.exception() is not None:
+        exc = copy.exception()
+        return f"{type(exc).__name__}: {exc}"
+    return None
