@@ -20,7 +20,7 @@ import time
 
 from supervisor import protocol
 from supervisor.config import HeartbeatConfig, ProgressConfig
-from supervisor.decisions import judge_ranks
+from supervisor.decisions import judge_period, judge_ranks
 from supervisor.heartbeat import AttemptTable, HeartbeatServer
 
 KEY = b"bench-key-" * 4
@@ -94,8 +94,9 @@ async def measure(world: int, window: float, hb: HeartbeatConfig) -> dict:
     judge_time = [0.0]
 
     async def judge() -> None:
+        period = judge_period(world, hb.check_s)
         while True:
-            await asyncio.sleep(hb.check_s)
+            await asyncio.sleep(period)
             t0 = time.process_time()
             f = judge_ranks(table.ranks, world, time.monotonic(), table.launched_at, hb)
             judge_time[0] += time.process_time() - t0

@@ -70,25 +70,25 @@ def judge_ranks(
     gone: list[RankState] = []
     lost: list[RankState] = []
     stalled: list[tuple[RankState, float]] = []
-    missing: list[int] = []
     liveness_deadline = now - hb.timeout_s
-    for r in range(world):
-        st = ranks.get(r)
-        if st is None:
-            if now - launched_at > hb.progress.init:
-                missing.append(r)
-            continue
+    p = hb.progress
+    limits = {"init": p.init, "load": p.load, "train": p.train, "save": p.save}
+    train = p.train
+    # One pass over the ranks heard from: this runs every check for every rank of the job.
+    for st in ranks.values():
         if st.phase == "done":
             continue
         if st.exited:
             gone.append(st)
-            continue
-        if st.last_seen < liveness_deadline:
+        elif st.last_seen < liveness_deadline:
             lost.append(st)
-            continue
-        limit = getattr(hb.progress, st.phase, hb.progress.train)
-        if now - st.last_progress > limit:
-            stalled.append((st, limit))
+        else:
+            limit = limits.get(st.phase, train)
+            if now - st.last_progress > limit:
+                stalled.append((st, limit))
+    missing: list[int] = []
+    if len(ranks) < world and now - launched_at > p.init:
+        missing = [r for r in range(world) if r not in ranks]
     if gone:
         first = min(gone, key=lambda s: s.exited_at)
         return Finding(
@@ -132,6 +132,12 @@ def judge_ranks(
             deadline=launched_at + hb.progress.init,
         )
     return None
+
+
+def judge_period(world: int, check_s: float) -> float:
+    """How often to judge: every `check_s`, stretched for large jobs so that the scan (one
+    pass over every rank) stays near 50,000 rank-checks a second: 0.2 s at 10,000 ranks."""
+    return max(check_s, world / 50_000)
 
 
 # --- the launcher's exit -------------------------------------------------------------------------

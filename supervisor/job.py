@@ -406,9 +406,10 @@ class Job:
     async def _watch(self, launched: launcher.Launched, table: AttemptTable) -> Finding:
         """Judge liveness and progress every check_s; return the first finding."""
         hb = self.cfg.heartbeat
+        period = decisions.judge_period(table.world, hb.check_s)
         last_refresh = 0.0
         while True:
-            await asyncio.sleep(hb.check_s)
+            await asyncio.sleep(period)
             now = time.monotonic()
             self._check_local_pids(table, now)
             finding = decisions.judge_ranks(table.ranks, table.world, now, table.launched_at, hb)

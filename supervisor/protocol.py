@@ -7,6 +7,7 @@ Environment names (supervisor -> ranks) and the heartbeat message schema with it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -70,8 +71,16 @@ class BadMessage(ValueError):
 
 
 def sign(key: bytes, body: bytes) -> bytes:
-    # One-shot C implementation: the supervisor verifies every message of every rank.
-    return hmac.digest(key, body, hashlib.sha256).hex().encode()
+    # Copying an already-keyed HMAC is about twice as fast as keying one per message (and
+    # OpenSSL 3's digest lookup): the supervisor verifies every message of every rank.
+    mac = _keyed(key).copy()
+    mac.update(body)
+    return mac.hexdigest().encode()
+
+
+@functools.lru_cache(maxsize=8)
+def _keyed(key: bytes) -> hmac.HMAC:
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 def encode(key: bytes, message: dict[str, Any]) -> list[bytes]:
