@@ -50,7 +50,7 @@ class TrainArgs:
     inject_stall_at_step: int | None
     inject_kill_in_save_at_step: int | None
     inject_kill_async_phase: str | None
-    inject_fanout_delay_s: float
+    inject_ckpt_delay_s: float
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --async-ckpt: where in the save of --inject-kill-in-save-at-step to SIGKILL",
     )
     i.add_argument(
-        "--inject-fanout-delay-s",
+        "--inject-ckpt-delay-s",
         type=float,
         default=0.0,
-        help="with --async-ckpt: every rank's fan-out sleeps this long first (slow shared FS)",
+        help="with --async-ckpt: the background write and fan-out start this long after the "
+        "stage, on every rank (a slow file system; training meanwhile changes the state)",
     )
     return p
 

@@ -75,7 +75,7 @@ class KillHook:
     phase: str | None = None
     step: int | None = None
     armed: bool = False  # this rank is the one to kill
-    fanout_delay_s: float = 0.0
+    delay_s: float = 0.0  # before the background write starts
 
     def __call__(self, phase: str, step: int) -> None:
         if self.armed and phase == self.phase and step == self.step:
@@ -136,14 +136,17 @@ def _tensor_bytes(tree: Any) -> int:
 
 
 class _StageWriter(dcp.FileSystemWriter):
-    """DCP's file writer for the stage dir, with the test hook between this rank's shards and
-    DCP's metadata."""
+    """DCP's file writer for the stage dir, with test hooks: a delay before it writes, a kill
+    between this rank's shards and DCP's metadata."""
 
-    def __init__(self, path: Path, after_data, **kw):
+    def __init__(self, path: Path, after_data, delay_s: float = 0.0, **kw):
         super().__init__(path, **kw)
         self._after_data = after_data
+        self._delay_s = delay_s
 
     def write_data(self, plan, planner):
+        if self._delay_s:
+            time.sleep(self._delay_s)  # test hook: the staged copy must not follow training
         written = super().write_data(plan, planner)
         self._after_data()
         return written
@@ -235,6 +238,7 @@ class AsyncCheckpointer:
         writer = _StageWriter(
             stage,
             after_data=lambda: self.hook("write", step),
+            delay_s=self.hook.delay_s,
             thread_count=self.writer_threads,
             sync_files=False,  # scratch: the durable copy is the one fsynced
         )
@@ -263,7 +267,6 @@ class AsyncCheckpointer:
             durable,
             self.base.rank,
             with_crc=self.base.verify == "crc",
-            delay_s=self.hook.fanout_delay_s,
             midway=lambda: self.hook("fanout", step),
         )
 

@@ -28,7 +28,7 @@ class AsyncSaves:
             phase=args.inject_kill_async_phase,
             step=args.inject_kill_in_save_at_step,
             armed=info.rank == args.inject_rank,
-            fanout_delay_s=args.inject_fanout_delay_s,
+            delay_s=args.inject_ckpt_delay_s,
         )
         self.saver = AsyncCheckpointer(
             ckpt,

@@ -91,7 +91,6 @@ def fan_out(
     rank: int,
     *,
     with_crc: bool,
-    delay_s: float = 0.0,
     midway: Callable[[], None] = lambda: None,
 ) -> FanoutResult:
     """Copy this rank's files of one checkpoint; raises on any failure (the caller turns that
@@ -101,8 +100,6 @@ def fan_out(
     if not names:
         raise FileNotFoundError(f"no files of rank {rank} in {stage_step}")
     result = FanoutResult()
-    if delay_s:
-        time.sleep(delay_s)  # test hook: a slow shared file system
     for name in names:
         crc = copy_file_durably(
             stage_step / name, durable_step / name, with_crc=with_crc, midway=midway
