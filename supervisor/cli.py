@@ -147,14 +147,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --- tail / status --------------------------------------------------------------------------------
 def cmd_tail(args: argparse.Namespace) -> int:
     path = _events_path(args.run_dir)
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    data = path.read_bytes()
+    # Only whole lines: a last line without its newline is still being written.
+    offset = data.rfind(b"\n") + 1
+    lines = data[:offset].decode(errors="replace").splitlines()
     if args.lines:
         lines = lines[-args.lines :]
-    offset = path.stat().st_size
     for line in lines:
         _print_event_line(line, args.json)
     if not args.follow:
         return ExitCode.DONE
+    sys.stdout.flush()
     pending = b""
     while True:
         with open(path, "rb") as f:
