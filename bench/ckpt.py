@@ -1,0 +1,405 @@
+"""Checkpoint save/load against the disk's raw bandwidth, the restart floor, and async costs.
+
+    python bench/ckpt.py                      # ~300 MB and ~3 GB of state, sync only
+    python bench/ckpt.py --async              # ... plus the async figures
+    python bench/ckpt.py --sizes 300 --async  # quick
+
+Per size, in one run, on 2 ranks (FSDP, CPU/gloo):
+- in-process, under `mpiexec -n 2` (this file re-launches itself with `--role ranks`): raw
+  sequential write with fsync and cold raw read of the same directory (both ranks at once),
+  the memcpy floor, sync save (`Checkpointer.save`) and cold load (`Checkpointer.load`), the
+  optimizer-state preparation for a load (`prefill_adamw_state` against a dummy step), and with
+  `--async`: the async stage stall (a second save: buffers warm), the readiness check's cost per
+  step while a save is in flight, the drain (finalize) stall and the time from save to marker;
+- real worker launches (`python -m worker.train`): the restart floor (the resumed run's
+  `startup/*` parts) and, with `--async`, the effective cost per save: wall-clock of a run with
+  saves minus the same run without, over the number of saves, for sync and async.
+"Cold" reads evict the files from the page cache first (POSIX_FADV_DONTNEED). The disk and the
+2 cores are shared with whatever else runs: repeat a run before trusting a small difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# name -> worker model flags; state = params + two AdamW moments, fp32.
+SIZES = {
+    300: ["--dim", "512", "--n-layers", "6", "--n-heads", "8", "--n-kv-heads", "4",
+          "--ffn-dim", "1536", "--vocab-size", "8192"],
+    3000: ["--dim", "1536", "--n-layers", "9", "--n-heads", "12", "--n-kv-heads", "4",
+           "--ffn-dim", "4096", "--vocab-size", "8192"],
+}  # fmt: skip
+COMMON = ["--seq-len", "32", "--batch-size", "1", "--log-every", "1000"]
+RESULT = "BENCH-RESULT "
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def evict(path: Path) -> None:
+    """Drop a file's (or a directory's files') pages from the page cache: the next read is cold."""
+    targets = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+    for p in targets:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def mpiexec() -> str:
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+
+
+def rank_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+# ---- the in-process part (2 ranks) -----------------------------------------------------------
+def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from worker.args import parse_args
+    from worker.async_ckpt import AsyncCheckpointer, Readiness
+    from worker.checkpoint import Checkpointer, RunIdentity, prefill_adamw_state
+    from worker.dist import detect_rank, init_process_group
+    from worker.parallel import build_mesh
+    from worker.train import build_model, plan
+
+    info = detect_rank(os.environ)
+    torch.set_num_threads(1)
+    args = parse_args([*SIZES[size], *COMMON])
+    cfg, layout = plan(args, info)
+    init_process_group(info, "gloo", "cpu", 600)
+    mesh = build_mesh(layout, "cpu")
+    model = build_model(cfg, mesh, layout, torch.device("cpu"), True, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def train_step() -> None:
+        tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_step()  # real Adam moments
+    out: dict[str, float] = {}
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def total(nbytes: int) -> int:
+        t = torch.tensor([nbytes], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t[0])
+
+    def local_bytes() -> int:
+        n = 0
+        for p in model.parameters():
+            n += p.to_local().numel() * 4
+            for v in optimizer.state[p].values():
+                if v.dim() > 0:
+                    n += v.to_local().numel() * v.element_size()
+        return n
+
+    mine = local_bytes()
+    out["state_bytes"] = total(mine)
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    # Raw bandwidth: this rank's share, written sequentially, fsynced; then read back cold.
+    payload = torch.randint(0, 255, (mine,), dtype=torch.uint8)
+    raw = workdir / f"raw-{info.rank}"
+    view = memoryview(payload.numpy())
+    chunk = 64 << 20
+    dist.barrier()
+    t0 = time.perf_counter()
+    with raw.open("wb") as f:
+        for off in range(0, mine, chunk):
+            f.write(view[off : off + chunk])
+        f.flush()
+        os.fsync(f.fileno())
+    out["raw_write_s"] = slowest(time.perf_counter() - t0)
+    evict(raw)
+    dist.barrier()
+    into = bytearray(chunk)
+    t0 = time.perf_counter()
+    with raw.open("rb", buffering=0) as f:
+        while f.readinto(into):
+            pass
+    out["raw_read_s"] = slowest(time.perf_counter() - t0)
+    raw.unlink()
+
+    # Memcpy floor for the staged bytes: copy_ into a warm buffer.
+    dst = torch.empty_like(payload)
+    dst.copy_(payload)
+    t0 = time.perf_counter()
+    dst.copy_(payload)
+    out["memcpy_s"] = slowest(time.perf_counter() - t0)
+    del payload, dst, view
+
+    identity = RunIdentity(cfg.fingerprint(), cfg.describe(), info.world, layout.describe())
+    ckpt = Checkpointer(
+        workdir / "ckpt",
+        rank=info.rank,
+        world=info.world,
+        device_type="cpu",
+        identity=identity,
+        keep=2,
+        verify="size",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        log=lambda m: None,
+    )
+    data = {"kind": "bench"}
+    reps = 2 if size <= 1000 else 1
+    saves = [slowest(ckpt.save(10 + i, 0, data)) for i in range(reps)]
+    out["sync_save_s"] = min(saves)
+    newest = files_step_dir(workdir / "ckpt", 10 + reps - 1)
+    evict(newest)
+    dist.barrier()
+    t0 = time.perf_counter()
+    ckpt.load(newest)
+    out["load_s"] = slowest(time.perf_counter() - t0)
+
+    # Preparing optimizer state for a load: empty moments vs a dummy step.
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t0 = time.perf_counter()
+    prefill_adamw_state(fresh)
+    out["prefill_s"] = slowest(time.perf_counter() - t0)
+    del fresh
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t0 = time.perf_counter()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    fresh.step()
+    fresh.zero_grad(set_to_none=True)
+    out["dummy_step_s"] = slowest(time.perf_counter() - t0)
+    del fresh
+
+    if with_async:
+        saver = AsyncCheckpointer(
+            ckpt, stage_root=workdir / "stage", local_rank=info.local_rank, timeout_s=600
+        )
+        first = saver.save(100, 0, data)
+        out["async_first_stage_s"] = slowest(first.stage_seconds)
+        saver.drain()
+        train_step()  # the state moves on between saves, as in training
+        report = saver.save(200, 0, data)
+        out["async_stage_s"] = slowest(report.stage_seconds)
+        out["async_copy_s"] = slowest(report.copy_seconds)
+        out["staged_bytes"] = total(report.nbytes)
+        polls, result = [], None
+        while result is None or result.state is Readiness.PENDING:
+            t0 = time.perf_counter()
+            result = saver.poll()
+            if result.state is Readiness.PENDING:
+                polls.append(time.perf_counter() - t0)
+                time.sleep(0.02)  # a training step would run here
+        out["poll_s"] = slowest(statistics.median(polls) if polls else 0.0)
+        out["polls"] = len(polls)
+        out["drain_s"] = slowest(result.drain_seconds)
+        out["save_to_marker_s"] = slowest(result.save_to_marker_seconds)
+        saver.close()
+
+    if info.rank == 0:
+        print(RESULT + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def files_step_dir(root: Path, step: int) -> Path:
+    from worker.ckpt_files import step_dir
+
+    return step_dir(root, step)
+
+
+# ---- the orchestrating part ------------------------------------------------------------------
+def run_ranks(size: int, workdir: Path, with_async: bool) -> dict:
+    cmd = [mpiexec(), "-n", "2", sys.executable, __file__, "--role", "ranks", "--sizes", str(size)]
+    cmd += ["--dir", str(workdir)] + (["--async"] if with_async else [])
+    done = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=3600)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT) :])
+    raise RuntimeError(f"ranks failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+
+def launch_worker(flags: list[str], outdir: Path) -> tuple[list[dict], float]:
+    """A real worker run; returns rank 0's metrics and the seconds from the end of its first
+    step to the launcher's exit (saves, drains and teardown included; start-up excluded)."""
+    shutil.rmtree(outdir, ignore_errors=True)
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "worker.train", *flags]
+    done = subprocess.run(
+        [*cmd, "--outdir", str(outdir)],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=ROOT,
+    )
+    ended = time.time()
+    if done.returncode != 0:
+        raise RuntimeError(f"worker failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    records = [json.loads(x) for x in (outdir / "metrics-0.jsonl").read_text().splitlines()]
+    return records, ended - records[0]["t"]
+
+
+def worker_runs(size: int, workdir: Path, with_async: bool, steps: int, interval: int) -> dict:
+    model = [*SIZES[size], *COMMON, "--train-iters", str(steps), "--no-save-on-exit"]
+    out: dict[str, float] = {}
+    saves = steps // interval
+    ckpt = workdir / "wckpt"
+    variants = {"none": []}
+    variants["sync"] = ["--ckpt-dir", str(ckpt), "--save-interval", str(interval), "--no-resume"]
+    if with_async:
+        variants["async"] = [*variants["sync"], "--async-ckpt"]
+    walls: dict[str, float] = {}
+    for name, flags in variants.items():
+        records, wall = launch_worker([*model, *flags], workdir / f"w-{name}")
+        walls[name] = wall
+        out[f"{name}_wall_s"] = wall
+        out[f"{name}_step_s"] = statistics.median(r["train/dt"] for r in records[1:])
+        if name == "async":
+            marks = [
+                r["train/ckpt_marker_seconds"] for r in records if "train/ckpt_marker_seconds" in r
+            ]
+            out["worker_save_to_marker_s"] = statistics.median(marks) if marks else float("nan")
+            stalls = [
+                r["train/ckpt_stage_seconds"] for r in records if "train/ckpt_stage_seconds" in r
+            ]
+            out["worker_async_stall_s"] = statistics.median(stalls)
+        if name == "sync":
+            stalls = [
+                r["train/ckpt_save_seconds"] for r in records if "train/ckpt_save_seconds" in r
+            ]
+            out["worker_sync_stall_s"] = statistics.median(stalls)
+    for name in variants:
+        if name != "none":
+            out[f"{name}_effective_s"] = (walls[name] - walls["none"]) / saves
+    # Restart floor: resume the last complete checkpoint and run one step.
+    resumed, _ = launch_worker(
+        [*SIZES[size], *COMMON, "--train-iters", str(steps + 1), "--ckpt-dir", str(ckpt)],
+        workdir / "w-restart",
+    )
+    first = resumed[0]
+    for key in ("imports", "process_group", "model_build", "load", "first_step"):
+        out[f"startup_{key}_s"] = first.get(f"startup/{key}", float("nan"))
+    out["restart_s"] = first.get("train/restart_seconds", float("nan"))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return out
+
+
+def table(size: int, r: dict, with_async: bool) -> str:
+    gb = r["state_bytes"] / 1e9
+
+    def bw(seconds: float) -> str:
+        return f"{gb / seconds:6.2f} GB/s"
+
+    rows = [
+        ("state (params + 2 moments, 2 ranks)", f"{gb:.2f} GB"),
+        ("raw write + fsync", f"{r['raw_write_s']:7.2f} s  {bw(r['raw_write_s'])}"),
+        ("raw read (cold)", f"{r['raw_read_s']:7.2f} s  {bw(r['raw_read_s'])}"),
+        (
+            "sync save (DCP)",
+            f"{r['sync_save_s']:7.2f} s  {bw(r['sync_save_s'])}  "
+            f"{r['raw_write_s'] / r['sync_save_s']:.0%} of raw",
+        ),
+        (
+            "load (DCP, cold)",
+            f"{r['load_s']:7.2f} s  {bw(r['load_s'])}  {r['raw_read_s'] / r['load_s']:.0%} of raw",
+        ),
+        ("optimizer prep: prefill_adamw_state", f"{r['prefill_s'] * 1e3:7.1f} ms"),
+        ("optimizer prep: dummy step", f"{r['dummy_step_s'] * 1e3:7.1f} ms"),
+        ("memcpy floor (staged bytes, per rank)", f"{r['memcpy_s'] * 1e3:7.1f} ms"),
+    ]
+    for key in ("imports", "process_group", "model_build", "load", "first_step"):
+        rows.append((f"restart floor: {key}", f"{r[f'startup_{key}_s']:7.2f} s"))
+    rows.append(("restart floor: total (train/restart_seconds)", f"{r['restart_s']:7.2f} s"))
+    if with_async:
+        sync = r["sync_save_s"]
+        rows += [
+            ("async stage stall, 1st save (allocates)", f"{r['async_first_stage_s']:7.3f} s"),
+            (
+                "async stage stall (warm buffers)",
+                f"{r['async_stage_s']:7.3f} s  = {r['async_stage_s'] / sync:.3f} x sync stall, "
+                f"{r['async_stage_s'] / r['memcpy_s']:.2f} x memcpy floor",
+            ),
+            ("  of which the copy_", f"{r['async_copy_s']:7.3f} s"),
+            ("readiness check per step (in flight)", f"{r['poll_s'] * 1e6:7.0f} us"),
+            ("drain (finalize) stall", f"{r['drain_s']:7.3f} s"),
+            ("save -> marker", f"{r['save_to_marker_s']:7.2f} s"),
+            ("worker: step time (no saves)", f"{r['none_step_s']:7.2f} s"),
+            ("worker: sync stall per save", f"{r['worker_sync_stall_s']:7.2f} s"),
+            ("worker: async stall per save", f"{r['worker_async_stall_s']:7.3f} s"),
+            ("worker: save -> marker", f"{r['worker_save_to_marker_s']:7.2f} s"),
+            ("worker: effective cost per save, sync", f"{r['sync_effective_s']:7.2f} s"),
+            (
+                "worker: effective cost per save, async",
+                f"{r['async_effective_s']:7.2f} s  = "
+                f"{r['async_effective_s'] / r['sync_effective_s']:.2f} x sync",
+            ),
+        ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"== ~{size} MB of state =="]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="300,3000", help="comma list of MB: 300, 3000")
+    p.add_argument("--async", dest="with_async", action="store_true")
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir in cwd)")
+    p.add_argument("--steps", type=int, default=12, help="worker steps for the wall-clock runs")
+    p.add_argument("--interval", type=int, default=4, help="save interval of those runs")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--role", default="main", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    if a.role == "ranks":
+        ranks_main(sizes[0], Path(a.dir), a.with_async)
+        return 0
+    base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir="."))
+    results = {}
+    try:
+        for size in sizes:
+            work = base / f"s{size}"
+            r = run_ranks(size, work, a.with_async)
+            shutil.rmtree(work, ignore_errors=True)
+            r.update(worker_runs(size, work, a.with_async, a.steps, a.interval))
+            shutil.rmtree(work, ignore_errors=True)
+            results[size] = r
+            print(table(size, r, a.with_async), flush=True)
+    finally:
+        if not a.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
