@@ -42,6 +42,8 @@ SIZES = {
     3000: ["--dim", "1536", "--n-layers", "9", "--n-heads", "12", "--n-kv-heads", "4",
            "--ffn-dim", "4096", "--vocab-size", "8192"],
 }  # fmt: skip
+# worker runs for the effective cost: (steps, save interval) per size
+WALL_RUNS = {300: (16, 2), 3000: (8, 2)}
 COMMON = ["--seq-len", "32", "--batch-size", "1", "--log-every", "1000"]
 RESULT = "BENCH-RESULT "
 
@@ -211,13 +213,16 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         out["async_stage_s"] = slowest(report.stage_seconds)
         out["async_copy_s"] = slowest(report.copy_seconds)
         out["staged_bytes"] = total(report.nbytes)
+        for part, seconds in report.parts.items():
+            out[f"async_part_{part}_s"] = slowest(seconds)
         polls, result = [], None
         while result is None or result.state is Readiness.PENDING:
+            time.sleep(0.02)  # a training step would run here
+            dist.barrier()  # ranks arrive together, as after a step's all-reduce
             t0 = time.perf_counter()
             result = saver.poll()
             if result.state is Readiness.PENDING:
                 polls.append(time.perf_counter() - t0)
-                time.sleep(0.02)  # a training step would run here
         out["poll_s"] = slowest(statistics.median(polls) if polls else 0.0)
         out["polls"] = len(polls)
         out["drain_s"] = slowest(result.drain_seconds)
@@ -347,7 +352,10 @@ def table(size: int, r: dict, with_async: bool) -> str:
                 f"{r['async_stage_s']:7.3f} s  = {r['async_stage_s'] / sync:.3f} x sync stall, "
                 f"{r['async_stage_s'] / r['memcpy_s']:.2f} x memcpy floor",
             ),
-            ("  of which the copy_", f"{r['async_copy_s']:7.3f} s"),
+            *[
+                (f"  of which {part}", f"{r[f'async_part_{part}_s']:7.3f} s")
+                for part in ("prepare", "describe", "state_dict", "copy", "launch")
+            ],
             ("readiness check per step (in flight)", f"{r['poll_s'] * 1e6:7.0f} us"),
             ("drain (finalize) stall", f"{r['drain_s']:7.3f} s"),
             ("save -> marker", f"{r['save_to_marker_s']:7.2f} s"),
@@ -373,8 +381,8 @@ def main() -> int:
     p.add_argument("--sizes", default="300,3000", help="comma list of MB: 300, 3000")
     p.add_argument("--async", dest="with_async", action="store_true")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir in cwd)")
-    p.add_argument("--steps", type=int, default=12, help="worker steps for the wall-clock runs")
-    p.add_argument("--interval", type=int, default=4, help="save interval of those runs")
+    p.add_argument("--steps", type=int, default=None, help="worker steps of the wall-clock runs")
+    p.add_argument("--interval", type=int, default=None, help="save interval of those runs")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -389,7 +397,10 @@ def main() -> int:
             work = base / f"s{size}"
             r = run_ranks(size, work, a.with_async)
             shutil.rmtree(work, ignore_errors=True)
-            r.update(worker_runs(size, work, a.with_async, a.steps, a.interval))
+            steps, interval = WALL_RUNS[size]
+            r.update(
+                worker_runs(size, work, a.with_async, a.steps or steps, a.interval or interval)
+            )
             shutil.rmtree(work, ignore_errors=True)
             results[size] = r
             print(table(size, r, a.with_async), flush=True)

@@ -43,6 +43,7 @@ from worker import ckpt_files as files
 from worker.checkpoint import Checkpointer
 from worker.fanout import FanoutResult, fan_out
 
+ALIGN = 64  # bytes, between tensors in the staging block
 PHASES = ("stage", "write", "fanout", "marker", "after-marker")
 POLL_PAUSE_S = 0.005
 
@@ -92,6 +93,7 @@ class ReusedStager:
 
     def __init__(self, on_staged=lambda: None):
         self._cache: dict[str, Any] | None = None
+        self._block: torch.Tensor | None = None
         self.nbytes = 0
         self.copy_seconds = 0.0
         self._on_staged = on_staged
@@ -114,25 +116,39 @@ class ReusedStager:
         return staged
 
     def _allocate(self, state_dict: dict[str, Any]) -> None:
+        """DCP's helper builds the same structure with host tensors; their storage is then
+        moved into one block, touched once here (page faults on the first save only; one
+        large block also gets huge pages where the kernel gives them)."""
         self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        self.nbytes = _tensor_bytes(self._cache)
+        tensors = [t for t in _local_tensors(self._cache) if t.dim() > 0 and t.numel() > 0]
+        offsets, end = [], 0
+        for t in tensors:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        block = torch.zeros(end, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        storage = block.untyped_storage()
+        for t, offset in zip(tensors, offsets, strict=True):
+            t.set_(storage, offset // t.element_size(), t.size(), t.stride())
+        self._block = block
+        self.nbytes = end
 
     def synchronize_staging(self) -> None:
         pass
 
     def close(self) -> None:
-        self._cache = None
+        self._cache = self._block = None
 
 
-def _tensor_bytes(tree: Any) -> int:
+def _local_tensors(tree: Any):
+    """Every host tensor of a staged state dict (a DTensor's local shard)."""
     if isinstance(tree, torch.Tensor):
-        local = tree.to_local() if hasattr(tree, "to_local") else tree
-        return local.numel() * local.element_size()
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
+        yield tree._local_tensor if hasattr(tree, "_local_tensor") else tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _local_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _local_tensors(v)
 
 
 class _StageWriter(dcp.FileSystemWriter):
@@ -184,6 +200,7 @@ class SaveReport:
     copy_seconds: float  # the memcpy part of staging
     nbytes: int
     drained: list[PollReport]  # how the previous save ended, when it was still in flight
+    parts: dict[str, float]  # where the stage seconds went
 
 
 class AsyncCheckpointer:
@@ -232,9 +249,13 @@ class AsyncCheckpointer:
         stage = files.step_dir(self.stage_root, step)
         if self.local_rank == 0 and stage.exists():
             shutil.rmtree(stage)
+        marks = [time.perf_counter()]
         durable = self.base.prepare(step)  # rank 0 empties it; barrier
+        marks.append(time.perf_counter())
         meta = self.base.describe(step, tokens_seen, data)  # this step's RNG and scheduler
+        marks.append(time.perf_counter())
         model_sd, optim_sd = get_state_dict(self.base.model, self.base.optimizer)
+        marks.append(time.perf_counter())
         writer = _StageWriter(
             stage,
             after_data=lambda: self.hook("write", step),
@@ -251,12 +272,17 @@ class AsyncCheckpointer:
         copy = self._fanout.submit(self._copy_when_written, written, stage, durable, step)
         self.inflight = InFlight(step, meta, durable, stage, time.perf_counter(), copy)
         done = time.perf_counter()
+        names = ("prepare", "describe", "state_dict")
+        parts = {n: b - a for n, a, b in zip(names, marks, marks[1:], strict=False)}
+        parts["copy"] = self.stager.copy_seconds
+        parts["launch"] = done - marks[-1] - self.stager.copy_seconds
         return SaveReport(
             wait_seconds=waited - started,
             stage_seconds=done - waited,
             copy_seconds=self.stager.copy_seconds,
             nbytes=self.stager.nbytes,
             drained=drained,
+            parts=parts,
         )
 
     def _copy_when_written(self, written: Future, stage: Path, durable: Path, step: int):
