@@ -63,7 +63,7 @@ def simulate(addr: str, lo: int, hi: int, world: int, interval: float, conn) -> 
         target = due - sent_rounds * n
         while next_i < min(target, n):
             if not (silenced and next_i == 0):
-                sock.send_multipart(frames[next_i], copy=False)
+                sock.send(frames[next_i])
                 if next_i == 0:
                     last_beat_lo = time.monotonic()
             next_i += 1
@@ -115,8 +115,10 @@ async def measure(world: int, window: float, hb: HeartbeatConfig) -> dict:
     findings.clear()
     judge_time[0] = 0.0
     received0, cpu0, t0 = server.received, time.process_time(), time.monotonic()
+    main0 = time.thread_time()
     await asyncio.sleep(window)
     cpu = time.process_time() - cpu0
+    main_cpu = time.thread_time() - main0
     elapsed = time.monotonic() - t0
     rate = (server.received - received0) / elapsed
     false_before = len(findings)
@@ -149,6 +151,7 @@ async def measure(world: int, window: float, hb: HeartbeatConfig) -> dict:
         "world": world,
         "rate": rate,
         "cpu_frac": cpu / elapsed,
+        "main_frac": main_cpu / elapsed,
         "judge_frac": judge_time[0] / elapsed,
         "detect_s": None if detected is None else detected - (last_beat + hb.timeout_s),
         "false_positives": others,
@@ -167,13 +170,14 @@ def main() -> None:
                          progress=ProgressConfig(train=600))  # fmt: skip
     print(f"beats at 1 Hz per rank, timeout_s={hb.timeout_s:g}, check every {hb.check_s:g} s, "
           f"{PER_SIMULATOR} ranks per simulator process, window {args.window:g} s")  # fmt: skip
-    print(f"{'ranks':>7} {'msgs/s':>8} {'CPU %core':>9} {'per 1k':>7} {'judge %':>7} "
+    print(f"{'ranks':>7} {'msgs/s':>8} {'CPU %core':>9} {'per 1k':>7} {'loop %':>6} {'judge %':>7} "
           f"{'detect-timeout':>14} {'false+':>6} {'dropped':>7}")  # fmt: skip
     for world in (int(x) for x in args.ranks.split(",")):
         r = asyncio.run(measure(world, args.window, hb))
         det = "none" if r["detect_s"] is None else f"{r['detect_s'] * 1000:+.0f} ms"
         per_k = 100 * r["cpu_frac"] / (world / 1000)
         print(f"{world:>7} {r['rate']:>8.0f} {100 * r['cpu_frac']:>8.1f}% {per_k:>6.2f}% "
+              f"{100 * r['main_frac']:>5.1f}% "
               f"{100 * r['judge_frac']:>6.1f}% {det:>14} {r['false_positives']:>6} "
               f"{r['dropped']:>7}", flush=True)  # fmt: skip
 

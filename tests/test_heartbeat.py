@@ -99,19 +99,20 @@ def test_bad_messages_dropped_counted_and_server_keeps_working(monkeypatch):
         ident = P.RankIdentity(JOB, 0, 0, 1, "h", 1)
         good = ident.message("beat", time.time(), phase="train", step=1)
         body = json.dumps(good).encode()
-        push.send_multipart([body])  # unsigned
-        push.send_multipart([body, P.sign(b"wrong key", body)])  # wrongly signed
+        push.send(body)  # unsigned
+        push.send(P.sign(b"wrong key", body) + body)  # wrongly signed
         bad_json = b'{"v": 1, "kind":'
-        push.send_multipart([bad_json, P.sign(KEY.encode(), bad_json)])  # malformed
+        push.send(P.sign(KEY.encode(), bad_json) + bad_json)  # malformed
         big = json.dumps({**good, "pad": "x" * (P.MAX_MESSAGE_BYTES + 10)}).encode()
-        push.send_multipart([big, P.sign(KEY.encode(), big)])  # oversized
+        push.send(P.sign(KEY.encode(), big) + big)  # oversized
+        push.send(b"short")  # not even a signature's length
         other = P.RankIdentity("other-job", 0, 0, 1, "h", 1).message(
             "beat", time.time(), phase="train", step=1
         )
-        push.send_multipart(P.encode(KEY.encode(), other))  # replayed from another job
-        push.send_multipart(P.encode(b"other job key", other))  # another job's own key
-        push.send_multipart(P.encode(KEY.encode(), good))  # and one good one
-        got = await collect(server, lambda g: len(g) >= 1 and sum(server.dropped.values()) >= 6)
+        push.send(P.encode(KEY.encode(), other))  # replayed from another job
+        push.send(P.encode(b"other job key", other))  # another job's own key
+        push.send(P.encode(KEY.encode(), good))  # and one good one
+        got = await collect(server, lambda g: len(g) >= 1 and sum(server.dropped.values()) >= 7)
         push.close()
         ctx.term()
         server.close()
@@ -119,7 +120,8 @@ def test_bad_messages_dropped_counted_and_server_keeps_working(monkeypatch):
 
     got, dropped = asyncio.run(main())
     assert [m["kind"] for m in got] == ["beat"]
-    assert dropped == {"frames": 1, "signature": 2, "json": 1, "oversized": 1, "other_job": 1}
+    # The unsigned body is long enough to hold a "signature": it fails the check.
+    assert dropped == {"frames": 1, "signature": 3, "json": 1, "oversized": 1, "other_job": 1}
 
 
 def test_sends_never_block_without_a_receiver(monkeypatch):

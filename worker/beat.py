@@ -186,9 +186,9 @@ class ZmqBeacon(Beacon):
             ctx.term()
 
     def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:
-        frames = protocol.encode(self._key, self._id.message(kind, t, **fields))
+        frame = protocol.encode(self._key, self._id.message(kind, t, **fields))
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            sock.send(frame, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._dropped += 1
 
