@@ -250,7 +250,11 @@ class AsyncCheckpointer:
         if self.local_rank == 0 and stage.exists():
             shutil.rmtree(stage)
         marks = [time.perf_counter()]
-        durable = self.base.prepare(step)  # rank 0 empties it; barrier
+        durable = files.step_dir(self.base.root, step)
+        if self.base.rank == 0:
+            # No barrier needed before other ranks write here: their fan-out starts after
+            # DCP's write, whose collectives rank 0 joins only after this line.
+            files.prepare_step_dir(durable, sync_parent=False)
         marks.append(time.perf_counter())
         meta = self.base.describe(step, tokens_seen, data)  # this step's RNG and scheduler
         marks.append(time.perf_counter())
@@ -288,13 +292,16 @@ class AsyncCheckpointer:
     def _copy_when_written(self, written: Future, stage: Path, durable: Path, step: int):
         """Fan-out thread: once DCP has written the stage copy, copy this rank's files."""
         written.result()  # re-raises DCP's failure
-        return fan_out(
+        result = fan_out(
             stage,
             durable,
             self.base.rank,
             with_crc=self.base.verify == "crc",
             midway=lambda: self.hook("fanout", step),
         )
+        if self.base.rank == 0:
+            files.fsync_dir(durable.parent)  # the step dir's own entry, before any marker
+        return result
 
     # ---- finishing --------------------------------------------------------------------------
     def poll(self) -> PollReport | None:

@@ -119,9 +119,10 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def prepare_step_dir(directory: Path) -> None:
+def prepare_step_dir(directory: Path, sync_parent: bool = True) -> None:
     """Empty a reused step directory, marker first, so a stale `.complete` can never vouch for
-    half-written new shards."""
+    half-written new shards. `sync_parent=False` leaves the fsync of the new directory's entry
+    to the caller (the async path does it in the background, before the marker)."""
     marker = directory / MARKER
     if marker.exists():
         marker.unlink()
@@ -129,7 +130,8 @@ def prepare_step_dir(directory: Path) -> None:
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    fsync_dir(directory.parent)
+    if sync_parent:
+        fsync_dir(directory.parent)
 
 
 def mark_complete(directory: Path, meta: dict) -> None:

@@ -61,6 +61,18 @@ def _kernel_copy(src_fd: int, dst_fd: int) -> None:
         copied += n
 
 
+def same_file_system(a: Path, b: Path) -> bool:
+    return a.stat().st_dev == b.stat().st_dev
+
+
+def file_crc(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while data := f.read(COPY_CHUNK):
+            crc = zlib.crc32(data, crc)
+    return crc
+
+
 def copy_file_durably(
     src: Path,
     dst: Path,
@@ -68,10 +80,23 @@ def copy_file_durably(
     with_crc: bool,
     midway: Callable[[], None] = lambda: None,
 ) -> int | None:
-    """src -> dst through `.tmp-<name>`, fsync, rename. With `with_crc` the bytes pass through
-    Python once to checksum them; otherwise the kernel copies (sendfile / copy_file_range)."""
+    """src -> dst through `.tmp-<name>`, fsync, rename. Across file systems the bytes are
+    copied: with `with_crc` through Python once, to checksum them; otherwise inside the kernel
+    (copy_file_range / sendfile). On one file system, a hard link."""
     tmp = dst.with_name(f".tmp-{dst.name}")
     crc = None
+    if same_file_system(src, dst.parent):
+        # Same file system: a second name for the same bytes, no copy (the stage name goes
+        # away with the stage dir). fsync makes the (unsynced) stage write durable.
+        tmp.unlink(missing_ok=True)
+        os.link(src, tmp)
+        with tmp.open("rb+") as out:
+            if with_crc:
+                crc = file_crc(tmp)
+            midway()
+            os.fsync(out.fileno())
+        os.replace(tmp, dst)
+        return crc
     with tmp.open("wb") as out:
         if with_crc:
             crc = _copy_with_crc(src, out, COPY_CHUNK)
