@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 from pathlib import Path
@@ -141,7 +142,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(r.plan({**cfg.launch.env, **env}, master_port=0).text(), end="")
         return ExitCode.DONE
     job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
-    return int(asyncio.run(job.run()))
+    code = int(asyncio.run(job.run()))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(
+            sig, signal.SIG_IGN
+        )  # the job is over: a late signal must not change the code
+    return code
 
 
 # --- tail / status --------------------------------------------------------------------------------

@@ -167,8 +167,9 @@ class Job:
         try:
             code, reason = await self._attempts(first_attempt)
         finally:
+            # Signals that arrive while we finish are noted, not fatal (the ranks are handled).
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+                loop.add_signal_handler(sig, self._late_signal, sig)
             serve.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await serve
@@ -483,6 +484,9 @@ class Job:
         self.stop_requests += 1
         self.emit("signal", signal=signal.Signals(sig).name, count=self.stop_requests)
         self._stop_event.set()
+
+    def _late_signal(self, sig: signal.Signals) -> None:
+        self.stop_requests += 1
 
     def _show_tail(self, launched: launcher.Launched, attempt: int) -> None:
         if self.console is None:

@@ -196,7 +196,8 @@ def test_stopped_rank_is_a_liveness_loss(tmp_path):
     proc.send_signal(signal.SIGTERM)
     wait_for(run, lambda e: e["event"] == "stop", proc, timeout=30)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    if proc.poll() is None:  # the fresh ranks may already have stopped at the first signal
+        proc.send_signal(signal.SIGTERM)
     rc, out = finish(proc)
     assert rc == 5, out
     assert time.monotonic() - t0 < 10
