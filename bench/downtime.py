@@ -10,7 +10,7 @@ the shared monotonic clock. Per failure, from events.jsonl:
              the `resumed` event): what the checkpoint issue measures as the restart floor
   ratio      downtime / floor (goal <= 1.3)
   and its parts: detect (kill -> launcher exit seen), teardown, relaunch (exit -> new launch),
-  start (launch -> first step received).
+  start (launch -> first step received); `ours` = kill -> new launch, the supervisor's share.
 
 Usage: python bench/downtime.py [--kills 3] [--train-s 4] [--target all|rank1] [--launcher ...]
 """
@@ -108,7 +108,7 @@ def report(evs: list[dict], kills: list[float]) -> None:
 
     rows = []
     print(f"{'kill':>4} {'downtime':>9} {'floor':>7} {'ratio':>6} {'detect':>7} {'teardown':>8} "
-          f"{'relaunch':>8} {'start':>7} {'resumed':>7}")  # fmt: skip
+          f"{'relaunch':>8} {'start':>7} {'ours':>6} {'resumed':>7}")  # fmt: skip
     for k, kill in enumerate(kills):
         ex, td = one("exit", k) or one("rank_exit", k), one("teardown_done", k)
         launch, resumed, first = (
@@ -125,7 +125,8 @@ def report(evs: list[dict], kills: list[float]) -> None:
         rows.append((downtime, floor))
         print(f"{k:>4} {downtime:>8.2f}s {floor:>6.2f}s {downtime / floor:>6.2f} "
               f"{seen - kill:>6.3f}s {td['seconds']:>7.3f}s {launch['mono'] - seen:>7.3f}s "
-              f"{first['mono'] - launch['mono']:>6.2f}s {resumed['step']:>7}")  # fmt: skip
+              f"{first['mono'] - launch['mono']:>6.2f}s {launch['mono'] - kill:>5.2f}s "
+              f"{resumed['step']:>7}")  # fmt: skip
     if rows:
         d = statistics.median(r[0] for r in rows)
         f = statistics.median(r[1] for r in rows)
