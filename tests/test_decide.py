@@ -15,6 +15,7 @@ from supervisor.decisions import (
     consecutive_unproductive,
     decide,
     describe_returncode,
+    judge_period,
     judge_ranks,
     made_progress,
     restarts_left,
@@ -140,3 +141,9 @@ def test_decide_paths():
     assert d.exit_code == ExitCode.INTERRUPTED
     assert decide(FAIL, [rec(0, 0, 5)], 0, CFG, interrupted=True).exit_code == 5
     assert restarts_left(3, 5) == 0 and restarts_left(3, 1) == 2
+
+
+def test_judge_period_stretches_for_large_jobs():
+    assert judge_period(2, 0.1) == 0.1
+    assert judge_period(10_000, 0.1) == pytest.approx(0.2)
+    assert judge_period(100_000, 0.1) == pytest.approx(2.0)

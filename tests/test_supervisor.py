@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
@@ -135,8 +137,21 @@ def assert_in_order(evs: list[str], expected: list[str]) -> None:
 
 def test_job_completes_with_the_run_dir_layout(tmp_path):
     run = tmp_path / "run"
-    rc, out = finish(start(write_config(tmp_path, worker={"train_iters": 12})))
+    proc = start(write_config(tmp_path, worker={"train_iters": 12}))
+    # Junk at the heartbeat socket while the job runs: dropped, counted, and the job goes on.
+    address = wait_for(run, lambda e: e["event"] == "start", proc)["heartbeat"]
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(address)
+    for junk in (b"x" * 100, b"not signed at all", pickle.dumps({"kind": "beat"}) * 3):
+        push.send(junk)
+    push.close()
+    ctx.term()
+    rc, out = finish(proc)
     assert rc == 0, out
+    final = next(e for e in events(run) if e["event"] == "supervisor_exit")
+    assert sum(final["dropped"].values()) == 3
     assert (run / "config.toml").is_file()
     a0 = run / "attempts" / "000"
     assert {"command.txt", "output.log", "metrics-0.jsonl"} <= {p.name for p in a0.iterdir()}
