@@ -176,7 +176,7 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
     cfg = _build(Config, raw, "", source, skip={"worker", "faults", "source"})
     cfg.source = source
     cfg.worker = _worker(worker_raw, source)
-    cfg.faults = _faults(faults, source)
+    cfg.faults = _faults(faults, source, cfg)
     check(cfg)
     return cfg
 
@@ -201,11 +201,14 @@ def _worker(raw: Any, source: str) -> WorkerConfig:
     return WorkerConfig(module=module, flags=raw)
 
 
-def _faults(raw: Any, source: str) -> list[dict[str, Any]]:
-    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
-        raise ConfigError(source, "faults", "expected [[faults]] tables")
-    if raw:
-        raise ConfigError(source, "faults", "fault schedules are not supported by this version")
+def _faults(raw: Any, source: str, cfg: Config) -> list[dict[str, Any]]:
+    """[[faults]] stay tables here (dumped as given); faults/ checks them (and parses them
+    again with the job's world once its nodes are known)."""
+    if isinstance(raw, list) and not raw:
+        return []
+    from faults.spec import parse_all, shape_of  # faults/ is loaded only for a fault schedule
+
+    parse_all(raw, source, shape_of(cfg))
     return raw
 
 

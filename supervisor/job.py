@@ -93,6 +93,10 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
                     "launch.flavor",
                     f'cannot tell the flavor of {executable}; set "hydra" or "pals"',
                 )
+    if cfg.faults:  # faults/: a rank or node beyond the resolved world is a config error too
+        from faults.spec import parse_all, shape_of
+
+        parse_all(cfg.faults, cfg.source, shape_of(cfg, len(nodes)))
     return Resolved(cfg, run_dir, nodes, executable, flavor)
 
 
@@ -115,6 +119,7 @@ class Job:
         self._stop_event = asyncio.Event()
         self._last_progress_event = 0.0
         self._last_dropped = 0
+        self.faults: Any = None  # faults.engine.FaultEngine when the config declares [[faults]]
 
     # --- setup ---------------------------------------------------------------------------------
     def _prepare(self) -> int:
@@ -146,6 +151,12 @@ class Job:
         self.log = EventLog(self.r.run_dir / "events.jsonl", self.console)
         launcher.become_subreaper()
         self.server = self._bind()
+        if self.cfg.faults:  # faults/: the declared schedule, fed by the hooks marked "faults"
+            from faults.engine import FaultEngine
+
+            self.faults = FaultEngine.create(
+                self.cfg, self.r.world, self.key, self.job_id, self.server.address, self.emit
+            )
         serve = asyncio.create_task(self.server.serve(self._on_message))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -175,6 +186,8 @@ class Job:
                 await serve
             if self.launched is not None:  # an exception mid-attempt: leave nothing behind
                 await self.launched.teardown(0.5, self._rank_pids())
+            if self.faults:  # faults: a summary event, the control socket closed
+                self.faults.close()
             self.emit(
                 "supervisor_exit",
                 code=int(code),
@@ -267,6 +280,7 @@ class Job:
             protocol.ENV_ATTEMPT_DIR: str(attempt_dir),
             protocol.ENV_HEARTBEAT_INTERVAL: repr(cfg.heartbeat.interval_s),
             protocol.ENV_EXIT_WITH_PARENT: "1",
+            **(self.faults.env() if self.faults else {}),  # faults: the control channel
         }
         plan = r.plan(env, launcher.free_port() if cfg.launch.launcher == "local" else 0)
         (attempt_dir / "command.txt").write_text(plan.text())
@@ -289,6 +303,8 @@ class Job:
             command=str(attempt_dir / "command.txt"),
             mono=round(launched.started, 6),
         )
+        if self.faults:  # faults: this attempt may be hit from now on
+            self.faults.attempt_started(attempt)
 
         exit_task = asyncio.create_task(launched.wait())
         watch_task = asyncio.create_task(self._watch(launched, table))
@@ -298,6 +314,8 @@ class Job:
         done, _ = await asyncio.wait(
             {exit_task, watch_task, stop_task}, return_when=asyncio.FIRST_COMPLETED
         )
+        if self.faults:  # faults: nothing more into an attempt that is ending
+            self.faults.attempt_over()
         teardown_reason = ""
         exit_info: launcher.Exit | None = None
         if exit_task in done:
@@ -427,6 +445,8 @@ class Job:
                     latency_s=round(now - finding.deadline, 6),
                 )
                 return finding
+            if self.faults:  # faults: time triggers (and anything else now due)
+                self.faults.poke(table, now)
             if now - last_refresh > REFRESH_TREE_S:
                 last_refresh = now
                 launched.refresh(self._rank_pids())
@@ -469,6 +489,8 @@ class Job:
             return
         for note in table.update(msg, now):
             self.emit(note.event, attempt=table.attempt, **note.fields)
+        if self.faults:  # faults: step, save and checkpoint triggers, as the messages arrive
+            self.faults.on_message(msg, table, now)
 
     def _on_rank_exit(self, rank: int, rc: int) -> None:
         table = self.table

@@ -171,3 +171,86 @@ class RankIdentity:
             "kind": kind,
             **fields,
         }
+
+
+# --- supervisor -> ranks: control (fault injection; faults/) ------------------------------------
+# Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER). Set only when the
+# job declares faults; a rank connects a DEALER whose routing id is `control_identity(...)`.
+ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
+# signal: the rank signals itself (`signal` = the number); stall: it blocks inside its next step
+# while its beat thread keeps beating; slow: it sleeps `delay_s` per step for `duration_s`.
+CONTROL_ACTIONS = frozenset({"signal", "stall", "slow"})
+CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "v": int,
+    "job": str,
+    "attempt": int,
+    "rank": int,
+    "t": NUMBER,
+    "kind": str,
+    "action": str,
+    "fault": int,
+    "signal": int,
+    "delay_s": NUMBER,
+    "duration_s": NUMBER,
+}
+_CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
+
+
+def control_identity(attempt: int, rank: int) -> bytes:
+    """The routing id of a rank's control socket: unique per attempt, so a straggler of an
+    earlier attempt is never sent another attempt's command."""
+    return f"{attempt}/{rank}".encode()
+
+
+def control_message(
+    job: str,
+    attempt: int,
+    rank: int,
+    t: float,
+    action: str,
+    fault: int,
+    signal: int = 0,
+    delay_s: float = 0.0,
+    duration_s: float = 0.0,
+) -> dict[str, Any]:
+    return {
+        "v": VERSION,
+        "job": job,
+        "attempt": attempt,
+        "rank": rank,
+        "t": t,
+        "kind": "control",
+        "action": action,
+        "fault": fault,
+        "signal": signal,
+        "delay_s": float(delay_s),
+        "duration_s": float(duration_s),
+    }
+
+
+def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) -> dict[str, Any]:
+    """Check a control frame (signed like the heartbeat's) is for this very rank; else raise."""
+    if not MAC_LEN < len(frame) <= MAC_LEN + MAX_MESSAGE_BYTES:
+        raise BadMessage(f"a control frame of {len(frame)} bytes", "frames")
+    mac, body = frame[:MAC_LEN], frame[MAC_LEN:]
+    if not hmac.compare_digest(sign(key, body), mac):
+        raise BadMessage("bad signature", "signature")
+    try:
+        message = json.loads(body.decode())
+    except ValueError as exc:
+        raise BadMessage(f"not JSON: {exc}", "json") from None
+    if not isinstance(message, dict):
+        raise BadMessage("not a JSON object", "json")
+    try:
+        for name, exact in _CONTROL_EXACT:
+            if message[name].__class__ not in exact:
+                raise BadMessage(f"field {name!r} of the wrong type")
+    except KeyError as exc:
+        raise BadMessage(f"field {exc} missing") from None
+    if message["v"] != VERSION or message["kind"] != "control":
+        raise BadMessage("not a control message of this version", "version")
+    if message["action"] not in CONTROL_ACTIONS:
+        raise BadMessage(f"unknown control action {message['action']!r}")
+    if (message["job"], message["attempt"], message["rank"]) != (job, attempt, rank):
+        raise BadMessage("a control message for another rank, attempt or job", "other_job")
+    return message

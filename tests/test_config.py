@@ -96,7 +96,7 @@ BAD = [
     ("[heartbeat.progress]\nfoo = 1\n", "heartbeat.progress.foo", "unknown key"),
     ("[worker]\nsave_interval = {a = 1}\n", "worker.save_interval", "expected a string"),
     ("[worker]\n'Bad-Name' = 1\n", "worker.Bad-Name", "snake_case"),
-    ("[[faults]]\nat_s = [10]\n", "faults", "not supported"),
+    ("[[faults]]\nat_s = [10]\n", "faults[0].action", "missing"),
     ("[nope]\nx = 1\n", "nope", "unknown key"),
     ("launch = 3\n", "launch", "expected a table"),
     ("[job\n", "", "not valid TOML"),

@@ -7,6 +7,11 @@ linger 0, and sends a `beat` every `interval_s` carrying the latest phase and st
 are dropped and counted: training never waits for the supervisor. Without `ES_HEARTBEAT_ADDR`
 `Beacon.from_env` returns a beacon that does nothing.
 
+Faults (faults/): with `ES_CONTROL_ADDR` the same thread also polls a DEALER socket for signed
+commands from the supervisor. A `signal` command is carried out at once, by the thread (the rank
+signals itself); `stall` and `slow` must happen inside a step, so they are queued for
+`StepFaults.apply`, the training loop's one per-step hook.
+
 This module must not import torch: the supervisor's tests and benchmarks use it as is.
 """
 
@@ -25,6 +30,7 @@ from supervisor import protocol
 
 QUEUE_SIZE = 1024
 CLOSE_LINGER_S = 0.5
+CONTROL_POLL_S = 0.02  # with a control socket: how often the thread looks for a command
 _STOP = object()
 
 
@@ -49,7 +55,8 @@ class Beacon:
         interval = float(env.get(protocol.ENV_HEARTBEAT_INTERVAL, "1.0"))
         if env.get(protocol.ENV_EXIT_WITH_PARENT) == "1":
             _die_with_parent()
-        return ZmqBeacon(addr, key, identity, interval)
+        control = env.get(protocol.ENV_CONTROL_ADDR) or None
+        return ZmqBeacon(addr, key, identity, interval, control)
 
     def hello(self, phase: str) -> None: ...
 
@@ -67,6 +74,10 @@ class Beacon:
 
     def close(self) -> None: ...
 
+    def commands(self) -> list[dict[str, Any]]:
+        """Control commands for the training loop (stall, slow) received since the last call."""
+        return []
+
     @property
     def dropped(self) -> int:
         """Messages not sent because the queue or the socket was full."""
@@ -77,9 +88,17 @@ class ZmqBeacon(Beacon):
     """The real beacon: a bounded queue in front of one sender thread."""
 
     def __init__(
-        self, addr: str, key: bytes, identity: protocol.RankIdentity, interval_s: float
+        self,
+        addr: str,
+        key: bytes,
+        identity: protocol.RankIdentity,
+        interval_s: float,
+        control_addr: str | None = None,
     ) -> None:
         self._addr = addr
+        self._control_addr = control_addr
+        self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self.control_dropped = 0  # control frames that failed verification
         self._key = key
         self._id = identity
         self._interval = max(0.01, interval_s)
@@ -144,6 +163,12 @@ class ZmqBeacon(Beacon):
     def dropped(self) -> int:
         return self._dropped
 
+    def commands(self) -> list[dict[str, Any]]:
+        out = []
+        while not self._commands.empty():
+            out.append(self._commands.get_nowait())
+        return out
+
     # --- internals -----------------------------------------------------------------------
     def _put(self, kind: str, **fields: Any) -> None:
         if self._closed:
@@ -157,6 +182,8 @@ class ZmqBeacon(Beacon):
         import zmq  # imported here so that an unsupervised rank never loads it
 
         ctx = zmq.Context()
+        control = self._open_control(ctx, zmq) if self._control_addr else None
+        poll_s = CONTROL_POLL_S if control is not None else float("inf")
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, QUEUE_SIZE)
@@ -172,8 +199,11 @@ class ZmqBeacon(Beacon):
                     if self._watch_parent and os.getppid() != self._parent:
                         # Our launcher died without taking us along: do not train on alone.
                         os.kill(os.getpid(), signal.SIGKILL)
+                if control is not None:
+                    self._poll_control(control, zmq)
+                wait = min(poll_s, max(0.0, next_beat - time.monotonic()))
                 try:
-                    item = self._queue.get(timeout=max(0.0, next_beat - time.monotonic()))
+                    item = self._queue.get(timeout=wait)
                 except queue.Empty:
                     continue
                 if item is _STOP:
@@ -183,7 +213,35 @@ class ZmqBeacon(Beacon):
         finally:
             # Give the last messages (`done` above all) a bounded moment to leave.
             sock.close(linger=int(CLOSE_LINGER_S * 1000))
+            if control is not None:
+                control.close(linger=0)
             ctx.term()
+
+    def _open_control(self, ctx: Any, zmq: Any) -> Any:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, protocol.control_identity(self._id.attempt, self._id.rank))
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_MESSAGE_BYTES)
+        sock.connect(self._control_addr)
+        return sock
+
+    def _poll_control(self, control: Any, zmq: Any) -> None:
+        """Verify each waiting command; signal at once, queue the in-step ones for the loop."""
+        while True:
+            try:
+                frame = control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            i = self._id
+            try:
+                cmd = protocol.decode_control(self._key, frame, i.job, i.attempt, i.rank)
+            except protocol.BadMessage:
+                self.control_dropped += 1
+                continue
+            if cmd["action"] == "signal":
+                os.kill(os.getpid(), cmd["signal"])
+            else:
+                self._commands.put(cmd)
 
     def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:
         frame = protocol.encode(self._key, self._id.message(kind, t, **fields))
@@ -201,3 +259,25 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
+
+
+class StepFaults:
+    """The training loop's per-step hook for the supervisor's in-step faults: `stall` blocks
+    inside the step for good (the beat thread keeps beating: progress is lost, liveness is not);
+    `slow` sleeps `delay_s` at every step until `duration_s` has passed (a straggler)."""
+
+    def __init__(self, beacon: Beacon) -> None:
+        self._beacon = beacon
+        self._delay_s = 0.0
+        self._slow_until = 0.0
+
+    def apply(self) -> None:
+        for cmd in self._beacon.commands():
+            if cmd["action"] == "stall":
+                while True:
+                    time.sleep(1)
+            if cmd["action"] == "slow":
+                self._delay_s = cmd["delay_s"]
+                self._slow_until = time.monotonic() + cmd["duration_s"]
+        if self._delay_s and time.monotonic() < self._slow_until:
+            time.sleep(self._delay_s)

@@ -26,7 +26,7 @@ except Exception:  # pragma: no cover - psutil missing or /proc unreadable
 
 from supervisor.protocol import ENV_ATTEMPT_DIR
 from worker.args import TrainArgs, parse_args
-from worker.beat import Beacon
+from worker.beat import Beacon, StepFaults
 from worker.dist import RankInfo, abort_job, detect_rank
 from worker.errors import UsageError
 
@@ -252,10 +252,12 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     beacon.phase("train", start_step)
     step = start_step
     first = True
+    in_step_faults = StepFaults(beacon)  # faults/: stall or slow this rank when told to
     while step < args.train_iters:
         step += 1
         started = time.perf_counter()
         inject(args, info, step)
+        in_step_faults.apply()
         inputs, targets = data_mod.batch(source, step, dp_rank, args.batch_size)
         logits = model(inputs.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())

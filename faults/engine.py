@@ -1,0 +1,244 @@
+"""The supervisor's side of faults/: facts in, firings out, actions carried out, one event each.
+
+The supervisor's job loop calls four hooks: `attempt_started` / `attempt_over` around each
+attempt, `poke` on every watch tick, and `on_message` for each verified rank message (steps,
+phases and checkpoint states fire step and save triggers within milliseconds). Everything the
+engine decides comes from `Schedule.due`; everything it does is in `faults.actions`.
+
+Every injected fault is one `fault` event (see `_fire` for its fields): what fired, why, whom
+it hit (ranks, pids, hosts, the step and phase each was at), how it was delivered, and when
+(`ts` wall and `mono` monotonic, read just before the first delivery).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from faults import actions
+from faults.schedule import Facts, Firing, Schedule
+from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec, parse_all, shape_of
+from supervisor import protocol
+
+CONTROL_RETRY_S = 0.2  # a rank whose control socket is not connected yet: retry this long
+
+
+class FaultEngine:
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        *,
+        key: bytes,
+        job_id: str,
+        world: int,
+        ranks_per_node: int,
+        ckpt_dir: Path | None,
+        bind: str,
+        advertise: str,
+        this_host: str,
+        emit: Callable[..., None],
+    ) -> None:
+        self.schedule = Schedule(specs)
+        self.job_id, self.world, self.rpn = job_id, world, ranks_per_node
+        self.ckpt_dir = ckpt_dir
+        self.this_host = this_host
+        self.emit = emit
+        self.control = actions.ControlServer(key, job_id, bind, advertise)
+        self.started = time.monotonic()
+        self.attempt: int | None = None
+        self.ready_since: float | None = None
+        self.disrupted = False
+        self.complete: set[int] = set()  # checkpoint steps reported complete, any attempt
+        self.damaged: set[int] = set()  # ... and later corrupted or unmarked by a fault
+        self.inflight: set[int] = set()  # async saves staged or written, not yet complete
+        self.total = 0
+
+    @classmethod
+    def create(
+        cls, cfg: Any, world: int, key: str, job_id: str, heartbeat_address: str, emit: Callable
+    ) -> FaultEngine | None:
+        """The engine of a job with [[faults]], or None without (nothing of faults/ then runs)."""
+        if not cfg.faults:
+            return None
+        from supervisor import launcher
+
+        shape = shape_of(cfg, world // cfg.launch.ranks_per_node)
+        specs = parse_all(cfg.faults, cfg.source, shape)
+        host = heartbeat_address.removeprefix("tcp://").rsplit(":", 1)[0]
+        bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else "0.0.0.0"
+        ckpt = cfg.worker.flags.get("ckpt_dir")
+        ckpt_dir = Path(cfg.launch.cwd or ".", ckpt).absolute() if ckpt else None
+        return cls(
+            specs,
+            key=key.encode(),
+            job_id=job_id,
+            world=world,
+            ranks_per_node=cfg.launch.ranks_per_node,
+            ckpt_dir=ckpt_dir,
+            bind=bind,
+            advertise=host,
+            this_host=launcher.this_host(),
+            emit=emit,
+        )
+
+    # --- hooks --------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        return {protocol.ENV_CONTROL_ADDR: self.control.address}
+
+    def attempt_started(self, attempt: int) -> None:
+        self.attempt, self.disrupted = attempt, False
+        self.ready_since: float | None = None  # when every rank of this attempt was reachable
+        self.inflight.clear()
+
+    def attempt_over(self) -> None:
+        self.attempt = None
+
+    def on_message(self, msg: dict[str, Any], table: Any, now: float) -> None:
+        kind = msg["kind"]
+        if kind == "ckpt":
+            step, state = msg["step"], msg["state"]
+            # Rank 0 says `complete` after it wrote the marker; others may say it just before.
+            if state == "complete" and msg["rank"] == 0:
+                self.complete.add(step)
+                self.damaged.discard(step)  # saved anew after a resume
+                self.inflight.discard(step)
+            elif state != "complete":
+                self.inflight.add(step)
+        if kind in ("step", "phase", "ckpt", "hello") and msg["attempt"] == self.attempt:
+            self.poke(table, now)
+
+    def poke(self, table: Any, now: float) -> None:
+        if table is None:
+            return
+        facts = self.facts(table, now)
+        if (
+            self.ready_since is None
+            and facts.attempt is not None
+            and len(facts.ready) == self.world
+        ):
+            self.ready_since = facts.elapsed_s
+        for firing in self.schedule.due(facts):
+            self._fire(firing, table)
+
+    def close(self) -> None:
+        self.emit("fault_summary", total=self.total, fired=self.schedule.fired())
+        self.control.close()
+
+    # --- facts and actions ----------------------------------------------------------------------
+    def facts(self, table: Any, now: float) -> Facts:
+        ranks = table.ranks
+        saving = [st.step for st in ranks.values() if st.phase == "save"]
+        if not saving and self.inflight:
+            saving = [min(self.inflight)]
+        good = self.complete - self.damaged
+        return Facts(
+            elapsed_s=now - self.started,
+            world=self.world,
+            ranks_per_node=self.rpn,
+            attempt=self.attempt if table.attempt == self.attempt else None,
+            step=table.max_step,
+            saving=max(saving) if saving else None,
+            ckpt_complete=max(good) if good else None,
+            ready=frozenset(
+                r for r, st in ranks.items() if st.pid and not st.exited and st.phase != "done"
+            ),
+            disrupted=self.disrupted,
+            finishing=bool(table.done_ranks),
+        )
+
+    def _fire(self, f: Firing, table: Any) -> None:
+        spec, act = f.spec, f.spec.action
+        wall, mono = actions.now_pair()
+        elapsed = mono - self.started
+        known = max(self.complete - self.damaged, default=None)
+        damage, errors = None, []
+        if act.kind in ("corrupt", "unmark") and self.ckpt_dir is not None:
+            if act.kind == "corrupt":
+                damage = actions.corrupt(self.ckpt_dir, act.mode, f.ranks[0])
+            else:
+                damage = actions.unmark(self.ckpt_dir)
+            if damage is None:
+                errors.append(f"no complete checkpoint with shards in {self.ckpt_dir}")
+            else:
+                self.damaged.add(damage.step)
+        sts = [table.ranks[r] for r in f.ranks]
+        steps, phases = [st.step for st in sts], [st.phase for st in sts]
+        vias = []
+        for st in sts:
+            remote = st.host != self.this_host
+            via = "control" if spec.via == "control" or act.kind in IN_STEP or remote else "signal"
+            vias.append(via)
+            if via == "signal":
+                err = actions.send_signal(st.pid, act.signum)
+            else:
+                err = self._send_control(spec, st.rank)
+            if err:
+                errors.append(f"rank {st.rank}: {err}")
+        if act.kind in DISRUPTIVE:
+            self.disrupted = True
+        self.total += 1
+        extra: dict[str, Any] = {}
+        if act.kind not in IN_STEP:
+            extra["signal"] = signal.Signals(act.signum).name
+        if act.kind == "slow":
+            extra["slow"] = {"delay_s": act.delay_s, "duration_s": act.duration_s}
+        if damage is not None:
+            extra["damaged"] = damage.as_dict()
+        if f.due_s is not None:
+            extra["due_s"] = round(f.due_s, 6)
+            extra["late_s"] = round(elapsed - f.due_s, 6)
+            # Of that, the time the ranks were not there to be hit (starting, or between attempts).
+            ready = self.ready_since if self.ready_since is not None else elapsed
+            extra["wait_s"] = round(max(0.0, min(ready, elapsed) - f.due_s), 6)
+        if errors:
+            extra["errors"] = errors
+        t = spec.trigger
+        self.emit(
+            "fault",
+            ts=round(wall, 6),
+            mono=round(mono, 6),
+            fault=spec.index,
+            name=spec.label,
+            n=f.n,
+            total=self.total,
+            attempt=table.attempt,
+            trigger=t.kind,
+            point=f.point,
+            after_checkpoint=t.after_checkpoint,
+            action=act.kind,
+            target=str(spec.target),
+            ranks=list(f.ranks),
+            pids=[st.pid for st in sts],
+            hosts=[st.host for st in sts],
+            steps=steps,
+            phases=phases,
+            via=vias,
+            step=table.max_step,
+            ckpt_complete=known,
+            elapsed_s=round(elapsed, 6),
+            **extra,
+        )
+
+    def _send_control(self, spec: FaultSpec, rank: int) -> str | None:
+        act = spec.action
+        kind = act.kind if act.kind in IN_STEP else "signal"
+        message = protocol.control_message(
+            self.job_id,
+            self.attempt if self.attempt is not None else -1,
+            rank,
+            time.time(),
+            kind,
+            spec.index,
+            signal=0 if act.kind in IN_STEP else act.signum,
+            delay_s=act.delay_s,
+            duration_s=act.duration_s,
+        )
+        deadline = time.monotonic() + CONTROL_RETRY_S
+        while True:
+            err = self.control.send(message["attempt"], rank, message)
+            if err is None or time.monotonic() > deadline or "not connected" not in err:
+                return err
+            time.sleep(0.02)

@@ -1,0 +1,383 @@
+"""`[[faults]]` tables as typed specs: one trigger, one action, one target each.
+
+Parsing is strict like the rest of the config: unknown keys, wrong types, and faults that could
+never fire (a step at or past `train_iters`, a rank outside the world, a marker gate with no
+checkpoint to wait for) raise `ConfigError` naming the file and `faults[i].key`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import signal
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from supervisor.config import ConfigError
+
+ACTIONS = ("kill", "term", "hang", "stall", "slow", "corrupt", "unmark")
+TIME_KEYS = ("at_s", "every_s", "mtbf_s")
+STEP_KEYS = ("at_step", "every_steps")
+# Actions that end the attempt: after one fires, other faults wait for the next attempt.
+DISRUPTIVE = frozenset({"kill", "term", "hang", "stall", "corrupt", "unmark"})
+# Actions the rank must carry out inside its own step: always through the control channel.
+IN_STEP = frozenset({"stall", "slow"})
+KNOWN_KEYS = (
+    "name",
+    "at_s",
+    "every_s",
+    "jitter_s",
+    "count",
+    "mtbf_s",
+    "seed",
+    "at_step",
+    "every_steps",
+    "during",
+    "after_checkpoint",
+    "action",
+    "signal",
+    "delay_s",
+    "duration_s",
+    "mode",
+    "target",
+    "via",
+)
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """When: `kind` is the one trigger key given; the others keep their defaults."""
+
+    kind: Literal["at_s", "every_s", "mtbf_s", "at_step", "every_steps", "during"]
+    at_s: tuple[float, ...] = ()
+    every_s: float = 0.0
+    jitter_s: float = 0.0
+    mtbf_s: float = 0.0
+    # every_s / mtbf_s / during: how many times at most (None: no limit; `during`: 1).
+    count: int | None = None
+    seed: int = 0
+    at_step: tuple[int, ...] = ()
+    every_steps: int = 0
+    during: Literal["", "save"] = ""
+    after_checkpoint: bool = False
+
+    @property
+    def timed(self) -> bool:
+        return self.kind in TIME_KEYS
+
+
+@dataclass(frozen=True)
+class Action:
+    """What: `signal` for kill (SIGKILL by default); `delay_s`/`duration_s` for slow;
+    `mode` (truncate | flip) for corrupt."""
+
+    kind: Literal["kill", "term", "hang", "stall", "slow", "corrupt", "unmark"]
+    signal: int = signal.SIGKILL
+    delay_s: float = 0.0
+    duration_s: float = 0.0
+    mode: Literal["truncate", "flip"] = "truncate"
+
+    @property
+    def signum(self) -> int:
+        """The signal this action sends to the target ranks (kill after corrupt/unmark)."""
+        return {"term": signal.SIGTERM, "hang": signal.SIGSTOP}.get(self.kind, self.signal)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Whom: every rank, one rank, every rank of one node, or one seeded random rank."""
+
+    kind: Literal["all", "rank", "node", "random"] = "all"
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}" if self.kind in ("rank", "node") else self.kind
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    index: int
+    name: str
+    trigger: Trigger
+    action: Action
+    target: Target
+    # auto: a signal by pid on this host, the control channel elsewhere; control: always it.
+    via: Literal["auto", "control"] = "auto"
+
+    @property
+    def label(self) -> str:
+        return self.name or f"faults[{self.index}]"
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What validation needs to know of the job; None where it is not known yet."""
+
+    train_iters: int | None = None
+    save_interval: int | None = None
+    save_on_exit: bool = True
+    ckpt_verify: str = "size"
+    world: int | None = None
+    nodes: int | None = None
+    ranks_per_node: int = 1
+
+
+def shape_of(cfg: Any, world_nodes: int | None = None) -> JobShape:
+    """The JobShape of a supervisor Config (worker flags, launch) and, once resolved, its nodes."""
+    flags = cfg.worker.flags
+    nodes = world_nodes
+    if nodes is None and isinstance(cfg.launch.nodes, list):
+        nodes = len(cfg.launch.nodes)
+    rpn = cfg.launch.ranks_per_node
+    ti, si = flags.get("train_iters"), flags.get("save_interval")
+    return JobShape(
+        train_iters=ti if _is_int(ti) else None,
+        save_interval=si if _is_int(si) else (0 if si is None else None),
+        save_on_exit=flags.get("save_on_exit", True) is not False,
+        ckpt_verify=str(flags.get("ckpt_verify", "size")),
+        world=nodes * rpn if nodes else None,
+        nodes=nodes,
+        ranks_per_node=rpn,
+    )
+
+
+def parse_all(raw: Any, source: str, shape: JobShape | None = None) -> list[FaultSpec]:
+    """Every [[faults]] table, checked against the job's shape."""
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(source, "faults", "expected [[faults]] tables")
+    return [parse(t, i, source, shape or JobShape()) for i, t in enumerate(raw)]
+
+
+def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> FaultSpec:
+    p = _Table(table, f"faults[{index}]", source)
+    for key in table:
+        if key not in KNOWN_KEYS:
+            hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            p.fail(key, "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    trigger = _trigger(p, shape)
+    action = _action(p, shape)
+    target = _target(p, shape)
+    via = p.choice("via", ("auto", "control"), "auto")
+    name = p.string("name", "")
+    if action.kind == "term" and "signal" in table:
+        p.fail("signal", 'term always sends SIGTERM; use action = "kill" with a signal')
+    return FaultSpec(index, name, trigger, action, target, via)
+
+
+def _trigger(p: _Table, shape: JobShape) -> Trigger:
+    given = [k for k in (*TIME_KEYS, *STEP_KEYS, "during") if k in p.raw]
+    main = [k for k in given if k != "during"]
+    if "during" in given and any(k in TIME_KEYS for k in main):
+        p.fail("during", "combines with at_step (the save at or after it) or stands alone")
+    if len(main) > 1:
+        p.fail(main[1], f"one trigger per fault: {main[0]} is already given")
+    if not given:
+        p.fail("", "expected a trigger: at_s, every_s, mtbf_s, at_step, every_steps or during")
+    kind = "during" if "during" in given else main[0]
+    if "every_steps" in main and "during" in given:
+        p.fail("during", "combines with at_step, not every_steps")
+    fields: dict[str, Any] = {"kind": kind}
+    allowed: set[str] = set()
+    if kind == "at_s":
+        fields["at_s"] = tuple(sorted(p.numbers("at_s", minimum=0.0)))
+    elif kind in ("every_s", "mtbf_s"):
+        fields[kind] = p.number(kind, positive=True)
+        fields["count"] = p.count()
+        allowed = {"count"}
+        if kind == "every_s":
+            jitter = p.number("jitter_s", default=0.0)
+            if not 0 <= jitter < fields["every_s"]:
+                p.fail("jitter_s", f"expected 0 <= jitter_s < every_s ({fields['every_s']:g})")
+            fields["jitter_s"] = jitter
+            allowed.add("jitter_s")
+    else:
+        if "at_step" in p.raw:
+            steps = p.integers("at_step", minimum=1)
+            fields["at_step"] = tuple(sorted(set(steps)))
+        if kind == "every_steps":
+            fields["every_steps"] = p.integer("every_steps", None, minimum=1)
+        if kind == "during":
+            fields["during"] = p.choice("during", ("save",), "save")
+            if "at_step" in p.raw and "count" in p.raw:
+                p.fail("count", "with at_step, each step is one trigger point")
+            fields["count"] = None if "at_step" in p.raw else (p.count() or 1)
+            allowed.add("count")
+            if not shape.save_interval and shape.save_interval is not None:
+                p.fail("during", "there are no saves: set worker.save_interval")
+        fields["after_checkpoint"] = p.boolean("after_checkpoint", False)
+        allowed.add("after_checkpoint")
+        _check_steps(p, shape, fields)
+    # The fault's seed: jitter, exponential intervals, and a random target.
+    fields["seed"] = p.integer("seed", 0)
+    for key in ("jitter_s", "count", "after_checkpoint"):
+        if key in p.raw and key not in allowed:
+            p.fail(key, f"does not apply to a {kind} trigger")
+    return Trigger(**fields)
+
+
+def _check_steps(p: _Table, shape: JobShape, fields: dict[str, Any]) -> None:
+    """Steps the job reaches, and for a marker gate a periodic save at or past each."""
+    last, si = shape.train_iters, shape.save_interval
+    key = "at_step" if fields.get("at_step") else "every_steps"
+    points = list(fields.get("at_step", ()))
+    if fields["kind"] == "every_steps" and last is not None:
+        points = list(range(fields["every_steps"], last, fields["every_steps"]))
+        if not points:
+            p.fail(key, f"no multiple of {fields['every_steps']} below worker.train_iters ({last})")
+    if last is not None:
+        for s in points:
+            if s >= last:
+                p.fail(key, f"step {s} is never reached before the end (worker.train_iters = "
+                       f"{last}); expected steps below it")  # fmt: skip
+    gated = fields.get("after_checkpoint") or fields["kind"] == "during"
+    if not gated:
+        return
+    what = "after_checkpoint" if fields.get("after_checkpoint") else "during"
+    if si == 0:
+        p.fail(what, "there are no checkpoints: set worker.save_interval")
+    if si is None or last is None:
+        return
+    for s in points:
+        save = -(-s // si) * si
+        if save >= last:
+            p.fail(what, f"no checkpoint at or after step {s} before the end (save_interval "
+                   f"{si}, train_iters {last})")  # fmt: skip
+
+
+def _action(p: _Table, shape: JobShape) -> Action:
+    kind = p.choice("action", ACTIONS, None)
+    fields: dict[str, Any] = {"kind": kind}
+    allowed = set()
+    if kind in ("kill", "corrupt", "unmark"):
+        if "signal" in p.raw:
+            fields["signal"] = _signal(p)
+        allowed.add("signal")
+    if kind == "slow":
+        fields["delay_s"] = p.number("delay_s", positive=True)
+        fields["duration_s"] = p.number("duration_s", positive=True)
+        allowed |= {"delay_s", "duration_s"}
+    if kind == "corrupt":
+        fields["mode"] = p.choice("mode", ("truncate", "flip"), "truncate")
+        allowed.add("mode")
+        if fields["mode"] == "flip" and shape.ckpt_verify != "crc":
+            p.fail("mode", 'flipped bytes keep the size: set worker.ckpt_verify = "crc" so that '
+                   'resume detects them, or use mode = "truncate"')  # fmt: skip
+    if kind in ("corrupt", "unmark") and shape.save_interval == 0:
+        p.fail("action", f"{kind} needs checkpoints: set worker.save_interval")
+    for key in ("signal", "delay_s", "duration_s", "mode"):
+        if key in p.raw and key not in allowed and not (key == "signal" and kind == "term"):
+            p.fail(key, f"does not apply to action {kind!r}")
+    if kind in IN_STEP and p.raw.get("via", "auto") not in ("auto", "control"):
+        p.fail("via", f"{kind} is carried out by the rank itself: via the control channel")
+    return Action(**fields)
+
+
+def _signal(p: _Table) -> int:
+    value = p.raw["signal"]
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return int(signal.Signals(value))
+        except ValueError:
+            p.fail("signal", f"no signal number {value}")
+    if isinstance(value, str):
+        name = value.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in signal.Signals.__members__:
+            return int(signal.Signals[name])
+    p.fail("signal", f'expected a signal name like "SIGKILL" or a number, got {value!r}')
+    raise AssertionError  # unreachable
+
+
+def _target(p: _Table, shape: JobShape) -> Target:
+    text = p.string("target", "all")
+    kind, _, num = text.partition(":")
+    if kind in ("all", "random") and not num:
+        return Target(kind)  # type: ignore[arg-type]
+    if kind not in ("rank", "node") or not num.isdigit():
+        p.fail("target", f'expected "all", "rank:N", "node:N" or "random", got {text!r}')
+    index = int(num)
+    if kind == "rank" and shape.world is not None and index >= shape.world:
+        p.fail("target", f"rank {index} does not exist: the job has {shape.world} ranks")
+    if kind == "node" and shape.nodes is not None and index >= shape.nodes:
+        p.fail("target", f"node {index} does not exist: the job has {shape.nodes} node(s)")
+    return Target(kind, index)  # type: ignore[arg-type]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Table:
+    """Typed reads from one [[faults]] table; every failure names faults[i].key."""
+
+    def __init__(self, raw: dict[str, Any], prefix: str, source: str) -> None:
+        self.raw, self.prefix, self.source = raw, prefix, source
+
+    def fail(self, key: str, message: str) -> None:
+        raise ConfigError(self.source, f"{self.prefix}.{key}" if key else self.prefix, message)
+
+    def number(self, key: str, default: float | None = None, positive: bool = False) -> float:
+        value = self.raw.get(key, default)
+        if value is None:
+            self.fail(key, "missing: expected a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(key, f"expected a number, got {value!r}")
+        if not math.isfinite(value) or (positive and value <= 0):
+            self.fail(key, f"expected a {'positive ' if positive else ''}finite number")
+        return float(value)
+
+    def numbers(self, key: str, minimum: float) -> list[float]:
+        value = self.raw[key]
+        if not isinstance(value, list) or not value:
+            self.fail(key, "expected a non-empty list of numbers")
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                self.fail(key, f"expected numbers, got {v!r}")
+            if v < minimum:
+                self.fail(key, f"expected numbers >= {minimum:g}, got {v!r}")
+        return [float(v) for v in value]
+
+    def integer(self, key: str, default: int | None, minimum: int | None = None) -> int:
+        value = self.raw.get(key, default)
+        if value is None:
+            self.fail(key, "missing: expected an integer")
+        if not _is_int(value):
+            self.fail(key, f"expected an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            self.fail(key, f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    def integers(self, key: str, minimum: int) -> list[int]:
+        value = self.raw[key]
+        if _is_int(value):
+            value = [value]
+        if not isinstance(value, list) or not value or not all(_is_int(v) for v in value):
+            self.fail(key, "expected a step or a non-empty list of steps")
+        if min(value) < minimum:
+            self.fail(key, f"expected steps >= {minimum}, got {min(value)}")
+        return value
+
+    def count(self) -> int | None:
+        if "count" not in self.raw:
+            return None
+        return self.integer("count", None, minimum=1)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key, default)
+        if not isinstance(value, bool):
+            self.fail(key, f"expected true or false, got {value!r}")
+        return value
+
+    def string(self, key: str, default: str) -> str:
+        value = self.raw.get(key, default)
+        if not isinstance(value, str):
+            self.fail(key, f"expected a string, got {value!r}")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str | None) -> Any:
+        value = self.raw.get(key, default)
+        if value is None:
+            self.fail(key, "missing: expected one of " + " | ".join(map(repr, choices)))
+        if value not in choices:
+            self.fail(key, f"expected one of {' | '.join(map(repr, choices))}, got {value!r}")
+        return value
