@@ -68,10 +68,16 @@ BAD = [
     ({"mtbf_s": 0, "action": "kill"}, "faults[0].mtbf_s", "positive"),
     ({"at_step": 100, "action": "kill"}, "faults[0].at_step", "never reached"),
     ({"every_steps": 100, "action": "kill"}, "faults[0].every_steps", "no multiple"),
-    ({"at_step": 95, "after_checkpoint": True, "action": "kill"}, "faults[0].after_checkpoint",
-     "no checkpoint at or after step 95"),  # fmt: skip
-    ({"at_s": [1], "after_checkpoint": True, "action": "kill"}, "faults[0].after_checkpoint",
-     "does not apply"),  # fmt: skip
+    (
+        {"at_step": 95, "after_checkpoint": True, "action": "kill"},
+        "faults[0].after_checkpoint",
+        "no checkpoint at or after step 95",
+    ),  # fmt: skip
+    (
+        {"at_s": [1], "after_checkpoint": True, "action": "kill"},
+        "faults[0].after_checkpoint",
+        "does not apply",
+    ),  # fmt: skip
     ({"at_s": [1], "action": "kill", "target": "rank:4"}, "faults[0].target", "4 ranks"),
     ({"at_s": [1], "action": "kill", "target": "node:2"}, "faults[0].target", "2 node(s)"),
     ({"at_s": [1], "action": "kill", "target": "some"}, "faults[0].target", "rank:N"),
@@ -287,7 +293,7 @@ def test_corrupt_truncates_or_flips_a_shard_of_the_newest_checkpoint(tmp_path):
     before = (d10 / "__0_0.distcp").read_bytes()
     damage = actions.corrupt(tmp_path, "flip", rank=0)
     after = (d10 / "__0_0.distcp").read_bytes()
-    assert len(after) == len(before) and sum(a != b for a, b in zip(before, after)) == 64
+    assert sum(a != b for a, b in zip(before, after, strict=True)) == 64
 
 
 def test_unmark_removes_the_newest_marker(tmp_path):
