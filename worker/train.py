@@ -16,38 +16,14 @@ import time
 import traceback
 from pathlib import Path
 
-# The process's own start, so restart cost includes the interpreter and imports.
-try:
-    import psutil
-
-    PROCESS_START = psutil.Process().create_time()
-except Exception:  # pragma: no cover - psutil missing or /proc unreadable
-    PROCESS_START = time.time()
-
 from supervisor.protocol import ENV_ATTEMPT_DIR
 from worker.args import TrainArgs, parse_args
 from worker.beat import Beacon, StepFaults
 from worker.dist import RankInfo, abort_job, detect_rank
 from worker.errors import UsageError
+from worker.startup import Startup
 
 META_INIT_AUTO_PARAMS = 6e9
-
-
-class Startup:
-    """Wall-clock marks from the process's own start: where a (re)start's seconds go."""
-
-    def __init__(self):
-        self.last = PROCESS_START
-        self.parts: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        now = time.time()
-        self.parts[f"startup/{name}"] = now - self.last
-        self.last = now
-
-    @property
-    def total(self) -> float:
-        return self.last - PROCESS_START
 
 
 class StopRequest:
