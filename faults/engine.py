@@ -12,6 +12,7 @@ it hit (ranks, pids, hosts, the step and phase each was at), how it was delivere
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -154,6 +155,7 @@ class FaultEngine:
         wall, mono = actions.now_pair()
         elapsed = mono - self.started
         known = max(self.complete - self.damaged, default=None)
+        marker = self._marker(known) if spec.trigger.after_checkpoint else None
         damage, errors = None, []
         if act.kind in ("corrupt", "unmark") and self.ckpt_dir is not None:
             if act.kind == "corrupt":
@@ -193,6 +195,8 @@ class FaultEngine:
             # Of that, the time the ranks were not there to be hit (starting, or between attempts).
             ready = self.ready_since if self.ready_since is not None else elapsed
             extra["wait_s"] = round(max(0.0, min(ready, elapsed) - f.due_s), 6)
+        if marker is not None:
+            extra["marker"] = marker
         if errors:
             extra["errors"] = errors
         t = spec.trigger
@@ -221,6 +225,15 @@ class FaultEngine:
             elapsed_s=round(elapsed, 6),
             **extra,
         )
+
+    def _marker(self, step: int | None) -> dict[str, Any]:
+        """The gate's evidence: the `.complete` the fault waited for, and when it was written."""
+        marker = {"step": step, "mtime": None}
+        if step is not None and self.ckpt_dir is not None:
+            with contextlib.suppress(OSError):
+                path = self.ckpt_dir / f"step-{step}" / ".complete"
+                marker["mtime"] = round(path.stat().st_mtime, 6)
+        return marker
 
     def _send_control(self, spec: FaultSpec, rank: int) -> str | None:
         act = spec.action

@@ -1,0 +1,255 @@
+"""End to end: declared faults, injected by the real supervisor into the real worker (tiny model,
+2 ranks, real mpiexec), detected by the path each should take, and the job still completes with
+losses bit-exact against an uninterrupted run.
+
+Two jobs carry every trigger and action between them (one attempt per disruptive fault, so the
+file stays within a few minutes on 2 cores); each fault is checked through the attempt it hit:
+- time: `at_s` kill of all ranks (exit), `every_s` + jitter SIGSTOP of one rank (liveness), and
+  a seeded random straggler (`slow`);
+- steps: a marker-gated `unmark` killed through the control channel, `term` of node 0 (no steps
+  lost), `every_steps` stall (progress), a kill while a checkpoint is being written, and a
+  marker-gated `corrupt` (resume falls back).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, run_worker
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = str(Path(sys.executable).parent)
+JOB_TIMEOUT = 420
+
+TRAIN_ITERS = 40
+WORKER = {
+    "model": "debug",
+    "device": "cpu",
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "n_kv_heads": 1,
+    "vocab_size": 256,
+    "seq_len": 32,
+    "batch_size": 2,
+    "train_iters": TRAIN_ITERS,
+}
+EXPECTED_PATH = {"kill": "exit", "term": "exit", "corrupt": "exit", "unmark": "exit",
+                 "hang": "hang", "stall": "no_progress"}  # fmt: skip
+
+pytestmark = pytest.mark.slow
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(i) for i in v) + "]"
+    return str(v)
+
+
+def table(header: str, items: dict) -> str:
+    return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
+
+
+def write_config(tmp_path: Path, faults: list[dict], worker: dict) -> Path:
+    text = table("[job]", {"name": "f", "run_dir": str(tmp_path / "run")})
+    text += table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
+    text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
+    text += table("[worker]", {**WORKER, **worker})
+    text += table("[restart]", {"max_restarts": 8, "teardown_grace_s": 1.0, "backoff_s": [0],
+                                "max_same_resume": 4})  # fmt: skip
+    text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
+    text += table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 3, "save": 120})
+    text += "".join(table("[[faults]]", f) for f in faults)
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def run_job(config: Path) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", str(config)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"supervisor did not finish in {JOB_TIMEOUT} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict[int, float]:
+    """Losses of the same training, uninterrupted, without the supervisor."""
+    out = tmp_path_factory.mktemp("baseline")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in WORKER.items()]
+    proc = run_worker(2, *flags, "--outdir", str(out), timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics-0.jsonl")}
+
+
+def attempt_metrics(run: Path) -> dict[int, list[dict]]:
+    return {
+        int(d.name): read_metrics(d / "metrics-0.jsonl")
+        for d in sorted((run / "attempts").iterdir())
+        if d.name.isdigit()
+    }
+
+
+def check_bit_exact(run: Path, baseline: dict[int, float]) -> None:
+    """Every step every attempt ran (re-run steps included) has the uninterrupted run's loss."""
+    seen = set()
+    for attempt, records in attempt_metrics(run).items():
+        for r in records:
+            assert r["loss"] == baseline[r["step"]], f"attempt {attempt} step {r['step']}"
+            seen.add(r["step"])
+    assert seen == set(range(1, TRAIN_ITERS + 1))
+
+
+def by_attempt(evs: list[dict], name: str) -> dict[int, dict]:
+    return {e["attempt"]: e for e in evs if e["event"] == name}
+
+
+def check_each_fault(evs: list[dict]) -> list[dict]:
+    """Each disruptive fault ended its attempt by its path; pids are that attempt's ranks."""
+    faults = [e for e in evs if e["event"] == "fault"]
+    ends = by_attempt(evs, "attempt_end")
+    hellos = {(e["attempt"], e["rank"]): e["pid"] for e in evs if e["event"] == "rank_hello"}
+    for f in faults:
+        assert f["pids"] == [hellos[(f["attempt"], r)] for r in f["ranks"]]
+        assert len(f["steps"]) == len(f["ranks"]) and "errors" not in f, f
+        assert isinstance(f["ts"], float) and isinstance(f["mono"], float)
+        if f["action"] in EXPECTED_PATH:
+            assert ends[f["attempt"]]["detected_by"] == EXPECTED_PATH[f["action"]], f
+    disruptive = [f["attempt"] for f in faults if f["action"] != "slow"]
+    assert len(disruptive) == len(set(disruptive))  # one per attempt
+    assert evs[-2]["event"] == "fault_summary" and evs[-2]["total"] == len(faults)
+    return faults
+
+
+def test_time_triggers_kill_hang_slow(tmp_path, baseline):
+    faults = [
+        {"name": "kill", "at_s": [8], "action": "kill"},
+        {
+            "name": "hang",
+            "every_s": 8,
+            "jitter_s": 1,
+            "count": 1,
+            "seed": 5,
+            "action": "hang",
+            "target": "rank:1",
+        },  # fmt: skip
+        {
+            "name": "slow",
+            "at_step": 3,
+            "action": "slow",
+            "delay_s": 0.1,
+            "duration_s": 2,
+            "target": "random",
+            "seed": 2,
+        },  # fmt: skip
+    ]
+    config = write_config(tmp_path, faults, {"save_interval": 5})
+    rc, out = run_job(config)
+    assert rc == 0, out[-4000:]
+    run = tmp_path / "run"
+    evs = events(run)
+    fired = {f["name"]: f for f in check_each_fault(evs)}
+    assert set(fired) == {"kill", "hang", "slow"}
+    kill, hang, slow = fired["kill"], fired["hang"], fired["slow"]
+    assert kill["ranks"] == [0, 1] and kill["signal"] == "SIGKILL" and kill["via"] == ["signal"] * 2
+    assert hang["ranks"] == [1] and hang["signal"] == "SIGSTOP"
+    assert 7 <= hang["due_s"] <= 9 and kill["due_s"] == 8
+    for f in (kill, hang):
+        # On time: late only by the time the ranks were not there to be hit (starting up).
+        assert f["late_s"] - f["wait_s"] < 1.0, f
+        assert abs(f["elapsed_s"] - f["due_s"] - f["late_s"]) < 1e-3
+    # The straggler: its target slept 0.1 s in each step for 2 s; the other rank waited for it.
+    assert slow["point"] == {"step": 3} and slow["via"] == ["control"]
+    assert slow["slow"] == {"delay_s": 0.1, "duration_s": 2.0}
+    records = attempt_metrics(run)[slow["attempt"]]
+    slowed = [r["train/dt"] for r in records if slow["step"] < r["step"] <= slow["step"] + 3]
+    assert slowed and max(slowed) >= 0.1
+    check_bit_exact(run, baseline)
+
+
+def test_step_triggers_unmark_term_stall_kill_in_save_corrupt(tmp_path, baseline):
+    faults = [
+        {
+            "name": "unmark",
+            "at_step": 7,
+            "after_checkpoint": True,
+            "action": "unmark",
+            "via": "control",
+        },  # fmt: skip
+        {"name": "term", "at_step": 14, "action": "term", "target": "node:0"},
+        {"name": "stall", "every_steps": 25, "action": "stall", "target": "rank:0"},
+        {
+            "name": "in-save",
+            "during": "save",
+            "at_step": 30,
+            "action": "kill",
+            "target": "rank:1",
+            "via": "control",
+        },  # fmt: skip
+        {
+            "name": "corrupt",
+            "at_step": 33,
+            "after_checkpoint": True,
+            "action": "corrupt",
+            "target": "rank:1",
+        },  # fmt: skip
+    ]
+    config = write_config(tmp_path, faults, {"save_interval": 5, "ckpt_keep": 20})
+    rc, out = run_job(config)
+    assert rc == 0, out[-4000:]
+    run = tmp_path / "run"
+    evs = events(run)
+    fired = {f["name"]: f for f in check_each_fault(evs)}
+    assert set(fired) == {"unmark", "term", "stall", "in-save", "corrupt"}
+    resumed = {a: e["step"] for a, e in by_attempt(evs, "resumed").items()}
+    ends = by_attempt(evs, "attempt_end")
+
+    # Marker-gated: fired once the checkpoint at or past the step had its .complete, not before.
+    for name, ckpt in (("unmark", 10), ("corrupt", 35)):
+        f = fired[name]
+        assert f["marker"]["step"] == ckpt and f["marker"]["mtime"] <= f["ts"], f
+        assert f["step"] >= ckpt and f["damaged"]["step"] == ckpt
+        # The damaged checkpoint is skipped: resume falls back to the one before.
+        assert resumed[f["attempt"] + 1] == ckpt - 5
+    assert fired["unmark"]["via"] == ["control", "control"]  # the kill that follows, too
+    assert fired["corrupt"]["damaged"]["how"] == "truncate"
+    assert fired["corrupt"]["damaged"]["file"] == "__1_0.distcp"
+    assert (
+        "skipping checkpoint step-35"
+        in (run / "attempts" / f"{fired['corrupt']['attempt'] + 1:03d}" / "output.log").read_text()
+    )
+
+    # Step triggers fire exactly at their step.
+    term, stall = fired["term"], fired["stall"]
+    assert term["point"] == {"step": 14} and term["step"] == 14 and term["ranks"] == [0, 1]
+    assert stall["point"] == {"step": 25} and stall["step"] == 25 and stall["via"] == ["control"]
+    # term: the ranks checkpoint where they stop; the next attempt loses no step.
+    assert resumed[term["attempt"] + 1] == ends[term["attempt"]]["max_step"]
+    # A kill while step 30's checkpoint is written: that one never counts.
+    in_save = fired["in-save"]
+    assert in_save["point"] == {"save": 30, "step": 30}
+    assert resumed[in_save["attempt"] + 1] < 30
+    check_bit_exact(run, baseline)
