@@ -91,7 +91,7 @@ class FaultEngine:
 
     def attempt_started(self, attempt: int) -> None:
         self.attempt, self.disrupted = attempt, False
-        self.ready_since: float | None = None  # when every rank of this attempt was reachable
+        self.ready_since: float | None = None  # when every rank of this attempt was training
         self.inflight.clear()
 
     def attempt_over(self) -> None:
@@ -118,7 +118,7 @@ class FaultEngine:
         if (
             self.ready_since is None
             and facts.attempt is not None
-            and len(facts.ready) == self.world
+            and len(facts.training) == self.world
         ):
             self.ready_since = facts.elapsed_s
         for firing in self.schedule.due(facts):
@@ -135,6 +135,7 @@ class FaultEngine:
         if not saving and self.inflight:
             saving = [min(self.inflight)]
         good = self.complete - self.damaged
+        ready = [r for r, st in ranks.items() if st.pid and not st.exited and st.phase != "done"]
         return Facts(
             elapsed_s=now - self.started,
             world=self.world,
@@ -143,9 +144,8 @@ class FaultEngine:
             step=table.max_step,
             saving=max(saving) if saving else None,
             ckpt_complete=max(good) if good else None,
-            ready=frozenset(
-                r for r, st in ranks.items() if st.pid and not st.exited and st.phase != "done"
-            ),
+            ready=frozenset(ready),
+            training=frozenset(r for r in ready if ranks[r].phase in ("train", "save")),
             disrupted=self.disrupted,
             finishing=bool(table.done_ranks),
         )
@@ -192,7 +192,7 @@ class FaultEngine:
         if f.due_s is not None:
             extra["due_s"] = round(f.due_s, 6)
             extra["late_s"] = round(elapsed - f.due_s, 6)
-            # Of that, the time the ranks were not there to be hit (starting, or between attempts).
+            # Of that, the time the ranks were not training (starting, or between attempts).
             ready = self.ready_since if self.ready_since is not None else elapsed
             extra["wait_s"] = round(max(0.0, min(ready, elapsed) - f.due_s), 6)
         if marker is not None:

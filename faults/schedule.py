@@ -7,9 +7,11 @@ with plain values). `faults.engine` gathers the facts and carries the firings ou
 
 Rules:
 - A fault fires only into a running attempt whose target ranks have all said hello and are
-  alive, before any rank said done; a point that comes due otherwise waits (its delay is
-  recorded). After a disruptive fault (anything but `slow`) the attempt is over: the rest wait
-  for the next one, so two faults never pile onto one dying attempt.
+  alive, before any rank said done; a time trigger also waits until they train (phase `train`
+  or `save`), so that every attempt it hits got past its restart. A point that comes due
+  otherwise waits (its delay is recorded). After a disruptive fault (anything but `slow`) the
+  attempt is over: the rest wait for the next one, so two faults never pile onto one dying
+  attempt.
 - Time: `at_s` points are seconds since the job started; `every_s` (+ jitter) and `mtbf_s`
   (exponential) count from the previous firing of the same fault, like the study's
   `while sleep 90; do pkill -9; done` loop.
@@ -40,6 +42,7 @@ class Facts:
     saving: int | None = None  # the step of a save in flight
     ckpt_complete: int | None = None  # newest checkpoint known complete (and not damaged)
     ready: frozenset[int] = frozenset()  # ranks said hello, alive
+    training: frozenset[int] = frozenset()  # ... and in phase train or save
     disrupted: bool = False  # a disruptive fault already hit this attempt
     finishing: bool = False  # a rank said done
 
@@ -86,7 +89,7 @@ class Schedule:
             if spec.action.kind in ("corrupt", "unmark") and facts.ckpt_complete is None:
                 continue  # nothing to damage yet
             ranks = targets(spec, st.fired + 1, facts.world, facts.ranks_per_node)
-            if not set(ranks) <= facts.ready:
+            if not set(ranks) <= (facts.training if spec.trigger.timed else facts.ready):
                 continue
             hit = _point(spec.trigger, st, facts)
             if hit is None:

@@ -29,7 +29,8 @@ def specs(*tables: dict, shape: JobShape = SHAPE):
 
 
 def facts(**kw) -> Facts:
-    base = {"elapsed_s": 0.0, "world": 4, "ranks_per_node": 2, "attempt": 0, "ready": ALL}
+    base = {"elapsed_s": 0.0, "world": 4, "ranks_per_node": 2, "attempt": 0, "ready": ALL,
+            "training": ALL}  # fmt: skip
     return Facts(**{**base, **kw})
 
 
@@ -155,7 +156,9 @@ def test_at_s_fires_once_per_point_when_due():
 def test_a_point_waits_for_its_ranks_and_for_a_live_attempt():
     sched = Schedule(specs({"at_s": [5], "action": "kill", "target": "rank:3"}))
     assert sched.due(facts(elapsed_s=6, attempt=None)) == []  # between attempts
-    assert sched.due(facts(elapsed_s=6, ready=frozenset({0, 1, 2}))) == []  # rank 3 not up
+    three = frozenset({0, 1, 2})
+    assert sched.due(facts(elapsed_s=6, ready=three, training=three)) == []  # rank 3 not up
+    assert sched.due(facts(elapsed_s=6, training=three)) == []  # rank 3 still loading
     assert sched.due(facts(elapsed_s=6, disrupted=True)) == []  # this attempt is already hit
     assert sched.due(facts(elapsed_s=6, finishing=True)) == []  # the job is done
     (f,) = sched.due(facts(elapsed_s=7))
@@ -216,6 +219,7 @@ def test_mtbf_with_a_seed_injects_the_same_times_twice():
 def test_at_step_fires_at_the_first_step_reaching_it_and_never_again():
     sched = Schedule(specs({"at_step": [5, 8], "action": "kill"}))
     assert sched.due(facts(step=4)) == []
+    assert sched.due(facts(step=5, ready=frozenset({0, 1, 2}))) == []
     (f,) = sched.due(facts(step=5))
     assert f.point == {"step": 5} and f.due_s is None
     assert sched.due(facts(step=6, disrupted=True)) == []
