@@ -1,8 +1,8 @@
 """The supervisor's side of faults/: facts in, firings out, actions carried out, one event each.
 
 The supervisor's job loop calls four hooks: `attempt_started` / `attempt_over` around each
-attempt, `poke` on every watch tick, and `on_message` for each verified rank message (steps,
-phases and checkpoint states fire step and save triggers within milliseconds). Everything the
+attempt, `poke` on every watch tick, and `on_message` for each verified rank message (rank 0's
+steps, phases and checkpoint states fire step and save triggers within milliseconds). Everything the
 engine decides comes from `Schedule.due`; everything it does is in `faults.actions`.
 
 Every injected fault is one `fault` event (see `_fire` for its fields): what fired, why, whom
@@ -108,7 +108,14 @@ class FaultEngine:
                 self.inflight.discard(step)
             elif state != "complete":
                 self.inflight.add(step)
-        if kind in ("step", "phase", "ckpt", "hello") and msg["attempt"] == self.attempt:
+        # Rank 0's steps, phases and checkpoints move step and save triggers: judge at once.
+        # (Not every rank's message: with thousands of ranks that would be quadratic; the
+        # watch loop's tick covers the rest within check_s.)
+        if (
+            msg["rank"] == 0
+            and kind in ("step", "phase", "ckpt")
+            and msg["attempt"] == self.attempt
+        ):
             self.poke(table, now)
 
     def poke(self, table: Any, now: float) -> None:
