@@ -11,9 +11,8 @@ import asyncio
 import signal
 import sys
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from supervisor import config as config_mod
 from supervisor import events as events_mod
@@ -56,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config and the launch command; start nothing",
     )
     run.add_argument("--quiet", action="store_true", help="no events on the console")
+    run.add_argument(
+        "--no-report",
+        action="store_true",
+        help="skip the end-of-run report (report.md, report.png and its printed tables)",
+    )
 
     val = sub.add_parser(
         "validate",
@@ -83,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint, last failure and why.",
     )
     st.add_argument("run_dir", metavar="RUN_DIR")
+    _add_report_commands(sub, fmt)  # report / experiment: supervisor.report_cli
     return p
 
 
@@ -107,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_tail(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command in ("report", "experiment"):
+            from supervisor import report_cli
+
+            return report_cli.main(args)
     except config_mod.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.USAGE
@@ -147,7 +156,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         signal.signal(
             sig, signal.SIG_IGN
         )  # the job is over: a late signal must not change the code
+    if not args.no_report and (r.run_dir / "events.jsonl").is_file():
+        from supervisor import report_cli
+
+        report_cli.end_of_run(r.run_dir)  # report.md + report.png, tables on stdout
     return code
+
+
+def _add_report_commands(sub, fmt) -> None:
+    rep = sub.add_parser(
+        "report",
+        help="what each failure cost",
+        formatter_class=fmt,
+        description="From RUN_DIR's events and metrics: per failure (detection, lost steps, "
+        "restart, downtime), totals and goodput, checkpoint stalls, the Young/Daly interval; "
+        "writes report.md and report.png (into --out, default RUN_DIR) and prints the tables.",
+    )
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("--baseline", metavar="RUN_DIR", help="a run without failures to compare")
+    rep.add_argument("--out", metavar="DIR", help="where report.md/png go (default RUN_DIR)")
+    rep.add_argument("--no-plot", action="store_true", help="report.md only (no matplotlib)")
+    exp = sub.add_parser(
+        "experiment",
+        help="baseline, sync and async phases under one fault schedule",
+        epilog=EXIT_CODES,
+        formatter_class=fmt,
+        description="The checkpoint-restart study as one command: runs CONFIG's phases "
+        "(baseline: no faults, no checkpoints; sync; async: the same [[faults]] and seed) one "
+        "after another, each its own run dir under the experiment dir, then one comparison "
+        "report (comparison.md, comparison.png).",
+    )
+    exp.add_argument("config", metavar="CONFIG", help="an experiment TOML (configs/experiments/)")
+    _add_set(exp)
+    exp.add_argument("--phases", help="comma-separated subset, e.g. baseline,sync")
+    exp.add_argument("--quiet", action="store_true", help="no events on the console")
 
 
 # --- tail / status --------------------------------------------------------------------------------

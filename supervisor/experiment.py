@@ -1,0 +1,163 @@
+"""`python -m supervisor experiment CONFIG`: the checkpoint-restart study as one command.
+
+CONFIG is a job config plus an `[experiment]` table. Its phases run one after another on the
+same nodes, each a full supervised job in its own run dir under the experiment dir:
+
+- `baseline`: no faults, no checkpoints (save_interval 0, no save on exit);
+- `sync`: the config's [[faults]] and checkpoints, synchronous saves;
+- `async`: the same faults and seed, `--async-ckpt`.
+
+Then every phase gets its report (against the baseline) and the experiment one comparison:
+comparison.md and comparison.png in the experiment dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import signal
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor import config as config_mod
+from supervisor.decisions import ExitCode
+
+PHASES = ("baseline", "sync", "async")
+EXPERIMENT_KEYS = ("name", "dir", "phases", *PHASES)
+
+
+@dataclass
+class Experiment:
+    name: str
+    dir: Path
+    phases: list[str]
+    base: dict[str, Any]  # the job config, without [experiment]
+    overrides: dict[str, list[str]] = field(default_factory=dict)  # per phase, `key=value`
+    source: str = "<experiment>"
+
+
+def load(
+    path: str, sets: list[str], only: str | None = None, now: float | None = None
+) -> Experiment:
+    """Read an experiment TOML; ConfigError (exit 2) for anything wrong, like `run`."""
+    source = str(path)
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise config_mod.ConfigError(source, "", "no such file") from None
+    except (IsADirectoryError, UnicodeDecodeError):
+        raise config_mod.ConfigError(source, "", "expected a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise config_mod.ConfigError(source, "", f"not valid TOML: {exc}") from None
+    for item in sets:  # `--set experiment.dir=...` works too
+        config_mod.apply_override(raw, item, source)
+    exp = raw.pop("experiment", None)
+    if not isinstance(exp, dict):
+        raise config_mod.ConfigError(source, "experiment", "expected an [experiment] table")
+    for key in exp:
+        if key not in EXPERIMENT_KEYS:
+            known = ", ".join(EXPERIMENT_KEYS)
+            where = f"experiment.{key}"
+            raise config_mod.ConfigError(source, where, f"unknown key; known: {known}")
+    name = exp.get("name", raw.get("job", {}).get("name", "experiment"))
+    if not isinstance(name, str) or not name.strip():
+        raise config_mod.ConfigError(source, "experiment.name", "expected a non-empty string")
+    phases = exp.get("phases", list(PHASES))
+    if only:
+        phases = [p.strip() for p in only.split(",") if p.strip()]
+    if not isinstance(phases, list) or not phases or any(p not in PHASES for p in phases):
+        raise config_mod.ConfigError(
+            source, "experiment.phases", f"expected a non-empty list of {', '.join(PHASES)}"
+        )
+    overrides: dict[str, list[str]] = {}
+    for p in PHASES:
+        items = exp.get(p, [])
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise config_mod.ConfigError(source, f"experiment.{p}", 'expected ["key=value", ...]')
+        overrides[p] = items
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    dir_text = exp.get("dir", "runs/{name}-{time}")
+    if not isinstance(dir_text, str):
+        raise config_mod.ConfigError(source, "experiment.dir", "expected a directory path")
+    try:
+        directory = Path(dir_text.format(name=name, time=stamp)).expanduser().absolute()
+    except (KeyError, IndexError, ValueError):
+        raise config_mod.ConfigError(source, "experiment.dir", "use {name} and {time}") from None
+    e = Experiment(name, directory, phases, raw, overrides, source)
+    for p in phases:  # every phase's config must be valid before the first one starts
+        phase_config(e, p)
+    return e
+
+
+def phase_raw(e: Experiment, phase: str) -> dict[str, Any]:
+    """The job config of one phase (pure): the base with the phase's changes."""
+    raw = copy.deepcopy(e.base)
+    job = raw.setdefault("job", {})
+    job["name"] = f"{e.name}-{phase}"
+    job["run_dir"] = str(e.dir / phase)
+    worker = raw.setdefault("worker", {})
+    ckpt_dir = worker.get("ckpt_dir")
+    if not (isinstance(ckpt_dir, str) and "{run_dir}" in ckpt_dir):
+        worker["ckpt_dir"] = "{run_dir}/ckpt"  # never resume from another phase's checkpoints
+    if phase == "baseline":
+        raw.pop("faults", None)
+        worker["save_interval"] = 0
+        worker["save_on_exit"] = False
+        worker.pop("async_ckpt", None)
+    elif phase == "sync":
+        worker.pop("async_ckpt", None)
+    else:
+        worker["async_ckpt"] = True
+    for item in e.overrides.get(phase, []):
+        config_mod.apply_override(raw, item, f"{e.source} [experiment.{phase}]")
+    return raw
+
+
+def phase_config(e: Experiment, phase: str) -> config_mod.Config:
+    return config_mod.from_dict(phase_raw(e, phase), f"{e.source} ({phase})")
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from supervisor import job as job_mod
+
+    e = load(args.config, args.set, args.phases)
+    e.dir.mkdir(parents=True, exist_ok=True)
+    print(f"experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}", flush=True)
+    codes: dict[str, int] = {}
+    for phase in e.phases:
+        cfg = phase_config(e, phase)
+        r = job_mod.resolve(cfg)
+        print(f"=== phase {phase}: {r.run_dir}", flush=True)
+        job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
+        codes[phase] = int(asyncio.run(job.run()))
+        print(f"=== phase {phase}: exit {codes[phase]} ({ExitCode(codes[phase]).name})", flush=True)
+        if codes[phase] in (ExitCode.INTERRUPTED, ExitCode.USAGE):
+            break
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the runs are over: reports only now
+        signal.signal(sig, signal.SIG_IGN)
+    text = write_comparison(e, codes)
+    print(text, flush=True)
+    print(f"wrote {e.dir / 'comparison.md'}, {e.dir / 'comparison.png'}", flush=True)
+    return next((c for c in codes.values() if c != 0), ExitCode.DONE)
+
+
+def write_comparison(e: Experiment, codes: dict[str, int]) -> str:
+    """Each phase's report (against the baseline), then comparison.md and comparison.png."""
+    from supervisor.plot import plot_comparison
+    from supervisor.report_md import comparison, write_report
+
+    runs = {p: e.dir / p for p in codes if (e.dir / p / "events.jsonl").is_file()}
+    base = runs.get("baseline")
+    analyses = {}
+    for phase, run in runs.items():
+        analyses[phase], _, _ = write_report(run, base if phase != "baseline" else None)
+    text = comparison(e.name, analyses, codes)
+    (e.dir / "comparison.md").write_text(text)
+    if analyses:
+        plot_comparison(analyses, e.dir / "comparison.png", e.name)
+    return text
