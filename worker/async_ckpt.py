@@ -44,7 +44,6 @@ from worker.checkpoint import Checkpointer
 from worker.fanout import FanoutResult, fan_out
 
 ALIGN = 64  # bytes, between tensors in the staging block
-PHASES = ("stage", "write", "fanout", "marker", "after-marker")
 POLL_PAUSE_S = 0.005
 
 
@@ -89,8 +88,6 @@ class ReusedStager:
     each time and pays page faults). The caller must not stage again before the previous
     write has finished with the buffers."""
 
-    _synchronize_after_execute = False
-
     def __init__(self, on_staged=lambda: None):
         self._cache: dict[str, Any] | None = None
         self._block: torch.Tensor | None = None
@@ -119,7 +116,7 @@ class ReusedStager:
         """DCP's helper builds the same structure with host tensors; their storage is then
         moved into one block, touched once here (page faults on the first save only; one
         large block also gets huge pages where the kernel gives them)."""
-        self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        self._cache = _create_cpu_state_dict(state_dict)  # lazily allocated: no pages yet
         tensors = [t for t in _local_tensors(self._cache) if t.dim() > 0 and t.numel() > 0]
         offsets, end = [], 0
         for t in tensors:
