@@ -262,7 +262,9 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         failures=len(failures),
         faults=sum(1 for e in ev if e.get("event") == "fault"),
         lost_steps=sum(f.lost_steps or 0 for f in failures),
-        downtime_s=sum(f.downtime_s or 0.0 for f in failures),
+        downtime_s=_union(
+            [(f.at_s, f.at_s + f.downtime_s) for f in failures if f.downtime_s is not None]
+        ),
         recompute_s=sum(f.recompute_s or 0.0 for f in failures),
     )
     base = analyze(baseline) if baseline is not None else None
@@ -324,7 +326,14 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
         at_failure = end.get("max_step")
         if steps and (at_failure is None or max(steps) > at_failure):
             at_failure = max(steps)
-        nxt = a + 1
+        nxt = a + 1  # the attempt that got going again (one dying before a step is skipped)
+        last = max(by_attempt, default=a)
+        while (
+            nxt < last
+            and not by_attempt.get(nxt)
+            and not _first([e for e in ev if e.get("attempt") == nxt], "first_step")
+        ):
+            nxt += 1
         resumed = _first([e for e in ev if e.get("attempt") == nxt], "resumed")
         nxt_end = _first([e for e in ev if e.get("attempt") == nxt], "attempt_end")
         nxt_first = _first([e for e in ev if e.get("attempt") == nxt], "first_step")
@@ -473,6 +482,16 @@ def _wall(e: dict, mono: float) -> float:
     if not isinstance(m, (int, float)) or not isinstance(mono, (int, float)):
         return _ts(e)
     return _ts(e) - m + mono
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by possibly overlapping spans (downtimes of cascading failures)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _first(ev: list[dict], name: str) -> dict | None:

@@ -274,3 +274,36 @@ def test_shipped_experiment_configs_are_valid() -> None:
     sync = experiment.phase_config(agpt, "sync")
     assert sync.worker.flags["train_iters"] == 2000 and sync.worker.flags["save_interval"] == 100
     assert sync.faults[0]["at_step"] == [500, 1000, 1500] and sync.faults[0]["after_checkpoint"]
+
+
+def test_an_attempt_dying_before_its_first_step_is_not_the_resume(tmp_path: Path) -> None:
+    events = [
+        ev("start", 0.0),
+        ev("launch", 0.0, attempt=0),
+        ev("first_step", 1.0, attempt=0, step=1),
+        ev("fault", 20.0, attempt=0, name="k", action="kill", target="all"),
+        ev("teardown", 20.1, attempt=0, start_mono=20.1),
+        ev("attempt_end", 20.2, attempt=0, outcome="failure", detected_by="exit", max_step=10),
+        ev("launch", 21.0, attempt=1),
+        ev("exit", 24.9, attempt=1, exit_mono=24.9),
+        ev("teardown", 25.0, attempt=1, start_mono=25.0),
+        ev("attempt_end", 25.1, attempt=1, outcome="failure", detail="exit 1",
+           detected_by="exit", max_step=None),
+        ev("launch", 26.0, attempt=2),
+        ev("resumed", 35.0, attempt=2, step=5, restart_seconds=9.0),
+        ev("first_step", 35.0, attempt=2, step=6),
+        ev("supervisor_exit", 45.0, code_name="DONE"),
+    ]  # fmt: skip
+    metrics = {
+        0: [rec(k, T0 + k) for k in range(1, 11)],
+        1: [],
+        2: [rec(k, T0 + 35 + (k - 6)) for k in range(6, 16)],
+    }
+    a = analyze(load_run(write_run(tmp_path / "run", events, metrics)))
+    f1, f2 = a.failures
+    assert (f1.resumed_from, f1.lost_steps, f1.restart_s) == (5, 5, 9.0)
+    assert f1.downtime_s == pytest.approx(15.0) and f1.recompute_s == pytest.approx(4.0)
+    assert f2.cause == "natural: exit 1" and f2.at_s == pytest.approx(24.9)
+    assert f2.step_at_failure is None and f2.lost_steps is None
+    assert f2.downtime_s == pytest.approx(10.1)
+    assert a.totals.downtime_s == pytest.approx(15.0)  # the overlap is counted once
