@@ -87,7 +87,7 @@ def wait(pred, proc: subprocess.Popen, timeout: float = WAIT_S):
         if got:
             return got
         if proc.poll() is not None:
-            raise SystemExit(f"the launcher exited early ({proc.returncode})")
+            raise SystemExit(f"the launcher exited early ({proc.returncode}): {proc.args[:6]}")
         time.sleep(0.02)
     raise SystemExit("timed out")
 
@@ -170,6 +170,8 @@ def torchrun_side(args, tmp: Path) -> tuple[list[Row], str]:
         wait(lambda: any(r["t"] > since for r in records(metrics)), proc)
         if not args.skip_hang:
             hang = torchrun_hang(args, proc, metrics, tmp / "torchrun.log")
+    except SystemExit as exc:  # torchrun gave up (its restarts spent): report what it did
+        hang = f"torchrun ended before the hang test: {exc} (see torchrun.log with --keep)"
     finally:
         stop(proc)
         log.close()
@@ -332,9 +334,11 @@ def main() -> None:
     p.add_argument("--hang-wait", type=float, default=75.0)
     p.add_argument("--pg-timeout", type=float, default=45.0, help="the worker's --pg-timeout")
     p.add_argument("--skip-hang", action="store_true")
+    p.add_argument("--keep", metavar="DIR", help="keep logs, metrics and run dirs here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="es-vs-torchrun-") as t:
-        tmp = Path(t)
+        tmp = Path(args.keep) if args.keep else Path(t)
+        tmp.mkdir(parents=True, exist_ok=True)
         tr_rows, tr_hang = torchrun_side(args, tmp)
         sup_rows, sup_hang = supervisor_side(args, tmp)
     print(
@@ -345,8 +349,8 @@ def main() -> None:
         "| kill | side | detection (s) | downtime (s) | lost steps | resumed from | restart (s) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for a, b in zip(tr_rows, sup_rows, strict=True):
-        for r in (a, b):
+    for k in range(max(len(tr_rows), len(sup_rows))):
+        for r in (rows[k] for rows in (tr_rows, sup_rows) if k < len(rows)):
             print(
                 f"| {r.kill} | {r.side} | {fmt(r.detection_s, 3)} | {fmt(r.downtime_s)} | "
                 f"{fmt(r.lost_steps)} | {fmt(r.resumed_from)} | {fmt(r.restart_s)} |"
