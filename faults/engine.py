@@ -125,6 +125,7 @@ class FaultEngine:
         if (
             self.ready_since is None
             and facts.attempt is not None
+            and facts.step is not None
             and len(facts.training) == self.world
         ):
             self.ready_since = facts.elapsed_s

@@ -8,7 +8,8 @@ with plain values). `faults.engine` gathers the facts and carries the firings ou
 Rules:
 - A fault fires only into a running attempt whose target ranks have all said hello and are
   alive, before any rank said done; a time trigger also waits until they train (phase `train`
-  or `save`), so that every attempt it hits got past its restart. A point that comes due
+  or `save`, and the attempt's first step done), so that every attempt it hits got past its
+  restart and its failure costs measurable steps. A point that comes due
   otherwise waits (its delay is recorded). After a disruptive fault (anything but `slow`) the
   attempt is over: the rest wait for the next one, so two faults never pile onto one dying
   attempt.
@@ -89,7 +90,9 @@ class Schedule:
             if spec.action.kind in ("corrupt", "unmark") and facts.ckpt_complete is None:
                 continue  # nothing to damage yet
             ranks = targets(spec, st.fired + 1, facts.world, facts.ranks_per_node)
-            if not set(ranks) <= (facts.training if spec.trigger.timed else facts.ready):
+            if spec.trigger.timed and (facts.step is None or not set(ranks) <= facts.training):
+                continue
+            if not set(ranks) <= facts.ready:
                 continue
             hit = _point(spec.trigger, st, facts)
             if hit is None:

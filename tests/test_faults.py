@@ -30,7 +30,7 @@ def specs(*tables: dict, shape: JobShape = SHAPE):
 
 def facts(**kw) -> Facts:
     base = {"elapsed_s": 0.0, "world": 4, "ranks_per_node": 2, "attempt": 0, "ready": ALL,
-            "training": ALL}  # fmt: skip
+            "training": ALL, "step": 1}  # fmt: skip
     return Facts(**{**base, **kw})
 
 
@@ -159,6 +159,7 @@ def test_a_point_waits_for_its_ranks_and_for_a_live_attempt():
     three = frozenset({0, 1, 2})
     assert sched.due(facts(elapsed_s=6, ready=three, training=three)) == []  # rank 3 not up
     assert sched.due(facts(elapsed_s=6, training=three)) == []  # rank 3 still loading
+    assert sched.due(facts(elapsed_s=6, step=None)) == []  # no step done in this attempt yet
     assert sched.due(facts(elapsed_s=6, disrupted=True)) == []  # this attempt is already hit
     assert sched.due(facts(elapsed_s=6, finishing=True)) == []  # the job is done
     (f,) = sched.due(facts(elapsed_s=7))
