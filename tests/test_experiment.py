@@ -1,8 +1,8 @@
 """End to end: `python -m supervisor experiment` runs a tiny 3-phase study with real faults.
 
 The real supervisor runs the real worker (tiny model, 2 ranks, mpiexec) three times: baseline,
-sync and async, the last two under the same marker-gated SIGKILLs at steps 10 and 18 (2 past a checkpoint). The
-reports' lost steps and resume steps must equal what the events say.
+sync and async, the last two under the same SIGKILLs of every rank at steps 10 and 18 (2 past a
+checkpoint). The reports' lost steps and resume steps must equal what the events say.
 """
 
 from __future__ import annotations
