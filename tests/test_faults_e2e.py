@@ -145,26 +145,14 @@ def check_each_fault(evs: list[dict]) -> list[dict]:
 
 
 def test_time_triggers_kill_hang_slow(tmp_path, baseline):
+    # The straggler stretches the first attempt by 20 s (40 steps x 0.5 s), so the kill lands
+    # while it trains; the hang comes due about then too, and waits for the next attempt.
+    slow = dict(at_step=1, action="slow", delay_s=0.5, duration_s=30, target="random", seed=2)
+    hang = dict(every_s=24, jitter_s=1, count=1, seed=5, action="hang", target="rank:1")
     faults = [
-        {"name": "kill", "at_s": [8], "action": "kill"},
-        {
-            "name": "hang",
-            "every_s": 8,
-            "jitter_s": 1,
-            "count": 1,
-            "seed": 5,
-            "action": "hang",
-            "target": "rank:1",
-        },  # fmt: skip
-        {
-            "name": "slow",
-            "at_step": 3,
-            "action": "slow",
-            "delay_s": 0.1,
-            "duration_s": 2,
-            "target": "random",
-            "seed": 2,
-        },  # fmt: skip
+        {"name": "slow", **slow},
+        {"name": "kill", "at_s": [22], "action": "kill"},
+        {"name": "hang", **hang},
     ]
     config = write_config(tmp_path, faults, {"save_interval": 5})
     rc, out = run_job(config)
@@ -176,17 +164,17 @@ def test_time_triggers_kill_hang_slow(tmp_path, baseline):
     kill, hang, slow = fired["kill"], fired["hang"], fired["slow"]
     assert kill["ranks"] == [0, 1] and kill["signal"] == "SIGKILL" and kill["via"] == ["signal"] * 2
     assert hang["ranks"] == [1] and hang["signal"] == "SIGSTOP"
-    assert 7 <= hang["due_s"] <= 9 and kill["due_s"] == 8
+    assert 23 <= hang["due_s"] <= 25 and kill["due_s"] == 22
     for f in (kill, hang):
         # On time: late only by the time the ranks were not there to be hit (starting up).
         assert f["late_s"] - f["wait_s"] < 1.0, f
         assert abs(f["elapsed_s"] - f["due_s"] - f["late_s"]) < 1e-3
-    # The straggler: its target slept 0.1 s in each step for 2 s; the other rank waited for it.
-    assert slow["point"] == {"step": 3} and slow["via"] == ["control"]
-    assert slow["slow"] == {"delay_s": 0.1, "duration_s": 2.0}
+    # The straggler: its target slept 0.5 s in each step; the other rank waited for it.
+    assert slow["point"] == {"step": 1} and slow["via"] == ["control"] and slow["attempt"] == 0
+    assert slow["slow"] == {"delay_s": 0.5, "duration_s": 30.0}
     records = attempt_metrics(run)[slow["attempt"]]
-    slowed = [r["train/dt"] for r in records if slow["step"] < r["step"] <= slow["step"] + 3]
-    assert slowed and max(slowed) >= 0.1
+    slowed = [r["train/dt"] for r in records if 3 <= r["step"] <= 5]
+    assert slowed and min(slowed) >= 0.5
     check_bit_exact(run, baseline)
 
 
