@@ -7,6 +7,10 @@ lost steps (the newest step done before the kill - the step resumed from). Then 
 SIGSTOPped; whether and when each notices (torchrun has no liveness check: it notices only when
 the survivors' collective times out, at the worker's --pg-timeout).
 
+torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with its default (the ranks' process
+group on the rendezvous store), restarts here often failed to form the gloo mesh (connection
+refused to a port of the previous attempt, pytorch/pytorch#135712); `--share-store` shows that.
+
 Kills land once an attempt has trained `--train-s` seconds past its first step; `--target all`
 SIGKILLs every rank (the study's pkill -9), `rank1` only rank 1.
 
@@ -151,8 +155,11 @@ def torchrun_side(args, tmp: Path) -> tuple[list[Row], str]:
         *config_mod.flags_from_table(flags),
     ]
     log = (tmp / "torchrun.log").open("w")
+    tr_env = env()
+    if not args.share_store:  # pytorch/pytorch#135712: stale ports from the previous restart
+        tr_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd, cwd=REPO, env=tr_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     metrics = out / "metrics-0.jsonl"
     kills_wall: list[float] = []
@@ -335,6 +342,12 @@ def main() -> None:
     p.add_argument("--pg-timeout", type=float, default=45.0, help="the worker's --pg-timeout")
     p.add_argument("--skip-hang", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="keep logs, metrics and run dirs here")
+    p.add_argument(
+        "--share-store",
+        action="store_true",
+        help="leave torchrun sharing its rendezvous TCPStore with the ranks (torch's default; "
+        "here its restarts then often fail to form the gloo mesh: pytorch/pytorch#135712)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="es-vs-torchrun-") as t:
         tmp = Path(args.keep) if args.keep else Path(t)
