@@ -380,7 +380,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="300,3000", help="comma list of MB: 300, 3000")
     p.add_argument("--async", dest="with_async", action="store_true")
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir in cwd)")
+    p.add_argument("--dir", default=None, help="where to write (default: a new temp dir)")
     p.add_argument("--steps", type=int, default=None, help="worker steps of the wall-clock runs")
     p.add_argument("--interval", type=int, default=None, help="save interval of those runs")
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -390,7 +390,7 @@ def main() -> int:
     if a.role == "ranks":
         ranks_main(sizes[0], Path(a.dir), a.with_async)
         return 0
-    base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir="."))
+    base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     results = {}
     try:
         for size in sizes:

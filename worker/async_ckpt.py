@@ -32,12 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import (
-    CompanionMismatch,
-    _copy_state_dict,
-    _create_cpu_state_dict,
-)
+from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 from worker import ckpt_files as files
 from worker.checkpoint import Checkpointer
@@ -91,6 +88,7 @@ class ReusedStager:
     def __init__(self, on_staged=lambda: None):
         self._cache: dict[str, Any] | None = None
         self._block: torch.Tensor | None = None
+        self._cursor = 0
         self.nbytes = 0
         self.copy_seconds = 0.0
         self._on_staged = on_staged
@@ -113,21 +111,34 @@ class ReusedStager:
         return staged
 
     def _allocate(self, state_dict: dict[str, Any]) -> None:
-        """DCP's helper builds the same structure with host tensors; their storage is then
-        moved into one block, touched once here (page faults on the first save only; one
-        large block also gets huge pages where the kernel gives them)."""
-        self._cache = _create_cpu_state_dict(state_dict)  # lazily allocated: no pages yet
-        tensors = [t for t in _local_tensors(self._cache) if t.dim() > 0 and t.numel() > 0]
-        offsets, end = [], 0
-        for t in tensors:
-            offsets.append(end)
-            end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        block = torch.zeros(end, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        storage = block.untyped_storage()
-        for t, offset in zip(tensors, offsets, strict=True):
-            t.set_(storage, offset // t.element_size(), t.size(), t.stride())
+        """Mirror the state dict with host tensors that are views of one block, touched once
+        here (page faults on the first save only; one large block also gets huge pages where
+        the kernel gives them). DTensors keep their sharding spec around a host local shard."""
+        sizes = [_aligned(t) for t in _local_tensors(state_dict) if t.dim() > 0]
+        block = torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._cursor = 0
         self._block = block
-        self.nbytes = end
+        self._cache = self._mirror(state_dict)
+        self.nbytes = self._cursor
+
+    def _take(self, like: torch.Tensor) -> torch.Tensor:
+        if like.dim() == 0:
+            return torch.empty((), dtype=like.dtype)
+        start = self._cursor
+        self._cursor += _aligned(like)
+        raw = self._block[start : start + like.numel() * like.element_size()]
+        return raw.view(like.dtype).view(like.shape)
+
+    def _mirror(self, tree: Any) -> Any:
+        if isinstance(tree, DTensor):
+            return DTensor(self._take(tree._local_tensor), tree._spec, requires_grad=False)
+        if isinstance(tree, torch.Tensor):
+            return self._take(tree)
+        if isinstance(tree, dict):
+            return {k: self._mirror(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._mirror(v) for v in tree)
+        return tree
 
     def synchronize_staging(self) -> None:
         pass
@@ -136,10 +147,14 @@ class ReusedStager:
         self._cache = self._block = None
 
 
+def _aligned(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+
+
 def _local_tensors(tree: Any):
     """Every host tensor of a staged state dict (a DTensor's local shard)."""
     if isinstance(tree, torch.Tensor):
-        yield tree._local_tensor if hasattr(tree, "_local_tensor") else tree
+        yield tree._local_tensor if isinstance(tree, DTensor) else tree
     elif isinstance(tree, dict):
         for v in tree.values():
             yield from _local_tensors(v)
@@ -323,7 +338,9 @@ class AsyncCheckpointer:
         started = time.perf_counter()
         self.hook("marker", job.step)
         result: FanoutResult = job.copy.result()
-        self.base.finalize(job.durable, job.meta, local_crcs=result.crcs)
+        self.base.finalize(
+            job.durable, job.meta, local_crcs=result.crcs, retire=self._fanout.submit
+        )
         self.hook("after-marker", job.step)
         drained = time.perf_counter()
         self._drop_stage(job)

@@ -159,11 +159,17 @@ class Checkpointer:
         }
 
     def finalize(
-        self, directory: Path, meta: dict[str, Any], local_crcs: dict[str, int] | None = None
+        self,
+        directory: Path,
+        meta: dict[str, Any],
+        local_crcs: dict[str, int] | None = None,
+        retire: Callable[[Callable[[], None]], None] = lambda job: job(),
     ) -> None:
         """Collective: once every rank's shards are durable in `directory`, rank 0 records the
         files and writes the marker, then applies retention. `local_crcs`: checksums this rank
-        already computed while copying its own files (async path); else they are read here."""
+        already computed while copying its own files (async path); else they are read here.
+        `retire` runs the deletion of old checkpoints (the async path hands it to a background
+        thread: it is pure file I/O, decided here, after the marker)."""
         crcs = None
         if self.verify == "crc":
             crcs = self._checksums(directory) if local_crcs is None else self._merge(local_crcs)
@@ -172,7 +178,8 @@ class Checkpointer:
             files.fsync_dir(directory)
             meta = {**meta, "saved_at": time.time(), "files": files.record_files(directory, crcs)}
             files.mark_complete(directory, meta)
-            files.remove(files.retention_plan(files.scan(self.root), self.keep))
+            doomed = files.retention_plan(files.scan(self.root), self.keep)
+            retire(lambda: files.remove(doomed))
         self.last_saved_step = meta["step"]
 
     def _gather(self, item: Any) -> list[Any] | None:
