@@ -57,11 +57,12 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
         ax.annotate(
             text,
             (x, y),
-            xytext=(6, -8 if n % 2 else 26),
+            # Low points get their label above, high ones below: never over the axis or title.
+            xytext=(6, 10 if y < 0.55 * top else -10),
             textcoords="offset points",
             fontsize=8.5,
             color=FAIL_COLOR,
-            va="top",
+            va="bottom" if y < 0.55 * top else "top",
             bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": FAIL_COLOR, "alpha": 0.85},
         )
     ax.set_xlabel("wall-clock (minutes since start)")
