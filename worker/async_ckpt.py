@@ -268,7 +268,8 @@ class AsyncCheckpointer:
             # DCP's write, whose collectives rank 0 joins only after this line.
             files.prepare_step_dir(durable, sync_parent=False)
         marks.append(time.perf_counter())
-        meta = self.base.describe(step, tokens_seen, data)  # this step's RNG and scheduler
+        # This step's RNG and scheduler, now; every rank's RNG reaches rank 0 at finalize.
+        meta = self.base.describe(step, tokens_seen, data, gather=False)
         marks.append(time.perf_counter())
         model_sd, optim_sd = get_state_dict(self.base.model, self.base.optimizer)
         marks.append(time.perf_counter())
@@ -339,7 +340,10 @@ class AsyncCheckpointer:
         self.hook("marker", job.step)
         result: FanoutResult = job.copy.result()
         self.base.finalize(
-            job.durable, job.meta, local_crcs=result.crcs, retire=self._fanout.submit
+            job.durable,
+            self.base.gather_rng(job.meta),
+            local_crcs=result.crcs,
+            retire=self._fanout.submit,
         )
         self.hook("after-marker", job.step)
         drained = time.perf_counter()

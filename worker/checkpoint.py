@@ -143,9 +143,14 @@ class Checkpointer:
         dist.barrier()
         return directory
 
-    def describe(self, step: int, tokens_seen: int, data: dict[str, Any]) -> dict[str, Any]:
+    def describe(
+        self, step: int, tokens_seen: int, data: dict[str, Any], gather: bool = True
+    ) -> dict[str, Any]:
         """Everything besides tensors that the resumed run needs, as of `step` (call it at the
-        step being saved: it captures the scheduler and, on rank 0's record, every rank's RNG)."""
+        step being saved: it captures the scheduler and, on rank 0's record, every rank's RNG).
+        `gather=False` keeps just this rank's RNG and needs no collective; `gather_rng` then
+        collects them later (the async path does so at finalize)."""
+        rng = _encode(capture_rng(self.device_type))
         return {
             "step": step,
             "tokens_seen": tokens_seen,
@@ -155,8 +160,12 @@ class Checkpointer:
             "model": self.identity.model_description,
             "data": data,
             "scheduler": self.scheduler.state_dict(),
-            "rng": self._gather(_encode(capture_rng(self.device_type))),
+            "rng": self._gather(rng) if gather else rng,
         }
+
+    def gather_rng(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Collective: a `describe(gather=False)` record with every rank's RNG on rank 0."""
+        return {**meta, "rng": self._gather(meta["rng"])}
 
     def finalize(
         self,
