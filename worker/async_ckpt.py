@@ -216,8 +216,9 @@ class SaveReport:
 
 
 class AsyncCheckpointer:
-    """The async save path around a `Checkpointer` (whose prepare/describe/finalize/load it
-    reuses). Create it on every rank at start: it makes two gloo groups (collective)."""
+    """The async save path around a `Checkpointer` (whose describe/finalize it reuses; resume
+    is the `Checkpointer`'s own, from the durable dir only). Create it on every rank at start:
+    it makes two gloo groups (a collective) and cleans the node's stage dir."""
 
     def __init__(
         self,
