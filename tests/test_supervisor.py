@@ -173,17 +173,24 @@ def test_job_completes_with_the_run_dir_layout(tmp_path):
 
 def test_killed_rank_relaunch_resume_done(tmp_path):
     run = tmp_path / "run"
-    proc = start(write_config(tmp_path, worker={"train_iters": 25}))
+    # Enough steps after the checkpoint that the kill lands while the ranks train, however
+    # loaded the machine is.
+    proc = start(write_config(tmp_path, worker={"train_iters": 120}))
     wait_for(run, lambda e: e["event"] == "ckpt_complete" and e["step"] >= 10, proc)
     os.kill(rank_pid(run, 1, 0), signal.SIGKILL)
     rc, out = finish(proc)
     assert rc == 0, out
     evs = events(run)
-    expected = ["launch", "exit", "teardown", "teardown_done", "attempt_end", "relaunch",
-                "launch", "resumed", "first_step", "exit", "done"]  # fmt: skip
+    # Detected by the launcher's exit, or (when the launcher is slow to follow its rank) by
+    # the rank's own exit on this host: either way before teardown.
+    detected = next(e for e in evs if e["event"] in ("exit", "rank_exit") and e["attempt"] == 0)
+    expected = ["launch", detected["event"], "teardown", "teardown_done", "attempt_end",
+                "relaunch", "launch", "resumed", "first_step", "exit", "done"]  # fmt: skip
     assert_in_order(names(evs), expected)
-    exit0 = next(e for e in evs if e["event"] == "exit" and e["attempt"] == 0)
-    assert exit0["returncode"] != 0 and not exit0["said_done"]
+    if detected["event"] == "exit":
+        assert detected["returncode"] != 0 and not detected["said_done"]
+    else:
+        assert detected["ranks"] == [1]
     teardown = next(e for e in evs if e["event"] == "teardown" and e["attempt"] == 0)
     assert teardown["latency_s"] <= 0.2
     resumed = next(e for e in evs if e["event"] == "resumed")
