@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from supervisor import cli
 from supervisor import config as C
