@@ -82,3 +82,28 @@ def read_metrics(path: Path) -> list[dict]:
 def losses(path: Path) -> dict[int, float]:
     """step -> loss; a later record of the same step (after a resume) replaces the earlier."""
     return {r["step"]: r["loss"] for r in read_metrics(path)}
+
+
+def toml_value(v) -> str:
+    """A Python value as TOML, for the configs the supervisor tests write."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(i) for i in v) + "]"
+    return str(v)
+
+
+def events(run: Path) -> list[dict]:
+    """A run's events.jsonl; a line still being written is skipped."""
+    path = run / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out

@@ -7,13 +7,13 @@ checkpoint). The reports' lost steps and resume steps must equal what the events
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import events
 
 from supervisor.report import analyze, load_run
 
@@ -67,16 +67,6 @@ at_step = [10, 18]
 action = "kill"
 target = "all"
 """
-
-
-def events(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "events.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def test_three_phase_study_end_to_end(tmp_path: Path) -> None:

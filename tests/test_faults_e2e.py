@@ -13,14 +13,13 @@ file stays within a few minutes on 2 cores); each fault is checked through the a
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_worker
+from conftest import events, read_metrics, run_worker, toml_value
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
@@ -43,16 +42,6 @@ EXPECTED_PATH = {"kill": "exit", "term": "exit", "corrupt": "exit", "unmark": "e
                  "hang": "hang", "stall": "no_progress"}  # fmt: skip
 
 pytestmark = pytest.mark.slow
-
-
-def toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(i) for i in v) + "]"
-    return str(v)
 
 
 def table(header: str, items: dict) -> str:
@@ -89,10 +78,6 @@ def run_job(config: Path) -> tuple[int, str]:
         out, _ = proc.communicate()
         pytest.fail(f"supervisor did not finish in {JOB_TIMEOUT} s:\n{out[-4000:]}")
     return proc.returncode, out
-
-
-def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

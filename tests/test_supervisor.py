@@ -6,7 +6,6 @@ Failures are real too: SIGKILL and SIGSTOP from the test to a rank's pid (taken 
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
+from conftest import events, toml_value
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
@@ -38,16 +38,6 @@ TINY = {
 }
 
 pytestmark = pytest.mark.slow
-
-
-def toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(i) for i in v) + "]"
-    return str(v)
 
 
 def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, heartbeat=None,
@@ -91,19 +81,6 @@ def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT) -> tuple[int, s
         out, _ = proc.communicate()
         pytest.fail(f"supervisor did not finish in {timeout} s:\n{out[-4000:]}")
     return proc.returncode, out
-
-
-def events(run: Path) -> list[dict]:
-    path = run / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def wait_for(run: Path, pred, proc: subprocess.Popen, timeout: float = 90) -> dict:
