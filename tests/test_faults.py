@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -128,7 +129,9 @@ def test_config_errors_exit_2_naming_file_and_key(tmp_path, capsys):
     assert "faults[0].target: rank 2 does not exist: the job has 2 ranks" in capsys.readouterr().err
 
 
-def test_shipped_configs_with_faults_validate(capsys):
+def test_shipped_configs_with_faults_validate(capsys, monkeypatch):
+    # validate checks the launcher exists; the mpich wheel puts mpiexec beside this python.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     for name in ("debug.toml", "chaos.toml"):
         assert cli.main(["validate", str(REPO / "configs" / name)]) == 0, capsys.readouterr().err
     cfg = C.load(REPO / "configs" / "agpt2b.toml")

@@ -167,7 +167,7 @@ def test_killed_rank_relaunch_resume_done(tmp_path):
     if detected["event"] == "exit":
         assert detected["returncode"] != 0 and not detected["said_done"]
     else:
-        assert detected["ranks"] == [1]
+        assert 1 in detected["ranks"]  # the killed rank (Hydra may have ended rank 0 too)
     teardown = next(e for e in evs if e["event"] == "teardown" and e["attempt"] == 0)
     assert teardown["latency_s"] <= 0.2
     resumed = next(e for e in evs if e["event"] == "resumed")
