@@ -339,16 +339,7 @@ class Job:
 
         t_detect = time.monotonic()
         if exit_info is not None and not stopping:
-            self.emit(
-                "exit",
-                attempt=attempt,
-                returncode=exit_info.returncode,
-                status=decisions.describe_returncode(exit_info.returncode),
-                rank=exit_info.rank,
-                exit_mono=round(exit_info.mono, 6),
-                step=table.max_step,
-                said_done=bool(table.done_ranks),
-            )
+            self._emit_exit(attempt, exit_info, table)
         teardown = await self._teardown(
             launched, attempt, teardown_reason, exit_info.mono if exit_info else t_detect
         )
@@ -371,6 +362,22 @@ class Job:
             self.emit("teardown_survivors", attempt=attempt, pids=teardown.survivors)
         return outcome, finding
 
+    def _emit_exit(
+        self, attempt: int, info: launcher.Exit, table: AttemptTable, **extra: Any
+    ) -> None:
+        """The launcher's exit, with what the ranks had said by then."""
+        self.emit(
+            "exit",
+            attempt=attempt,
+            returncode=info.returncode,
+            status=decisions.describe_returncode(info.returncode),
+            rank=info.rank,
+            exit_mono=round(info.mono, 6),
+            step=table.max_step,
+            said_done=bool(table.done_ranks),
+            **extra,
+        )
+
     async def _graceful_stop(
         self, launched: launcher.Launched, exit_task: asyncio.Task, attempt: int
     ) -> launcher.Exit | None:
@@ -386,17 +393,7 @@ class Job:
         second.cancel()
         if exit_task in done:
             info = exit_task.result()
-            self.emit(
-                "exit",
-                attempt=attempt,
-                returncode=info.returncode,
-                status=decisions.describe_returncode(info.returncode),
-                rank=info.rank,
-                exit_mono=round(info.mono, 6),
-                step=self.table.max_step,
-                said_done=bool(self.table.done_ranks),
-                stopped=True,
-            )
+            self._emit_exit(attempt, info, self.table, stopped=True)
             return info
         return None
 
