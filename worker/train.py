@@ -215,11 +215,12 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
 
     def save(step: int) -> None:
         beacon.phase("save", step)
+        data = {**data_desc, "next_step": step + 1}
         if saver is not None:
-            saver.save(step, tokens_seen, {**data_desc, "next_step": step + 1})
+            saver.save(step, tokens_seen, data)
             beacon.phase("train", step)
             return
-        seconds = ckpt.save(step, tokens_seen, {**data_desc, "next_step": step + 1})
+        seconds = ckpt.save(step, tokens_seen, data)
         metrics.add_to_next("train/ckpt_save_seconds", seconds)
         beacon.ckpt(step, "complete")
         say(f"checkpoint step={step} saved in {seconds:.2f}s", flush=True)
