@@ -22,14 +22,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from worker import ckpt_files as files
 from worker import ckpt_io
 from worker.errors import UsageError
-
-# One writer thread per rank: on 2 cores shared by 2 ranks, more only contend (bench/ckpt.py).
-WRITER_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -81,17 +83,35 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def prefill_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give each parameter empty Adam moments so DCP sees the shapes to load into; a dummy
-    optimizer step would compute a whole update only to throw it away."""
+    """Give each parameter zeroed Adam moments so DCP sees the shapes to load into; a dummy
+    optimizer step would compute a whole update only to throw it away. Zeroed, not empty: the
+    load then reads into pages already faulted in here, which is cheaper than faulting them in
+    inside the read (0.10 s against 0.15 s for 160 MB, measured here)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param in optimizer.state:
                 continue
             optimizer.state[param] = {
                 "step": torch.tensor(0.0),
-                "exp_avg": torch.empty_like(param, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.empty_like(param, memory_format=torch.preserve_format),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
             }
+
+
+def _loaded_in_place(model: torch.nn.Module, model_sd: dict[str, Any]) -> bool:
+    """DCP loads into the state dict's tensors; with FSDP2 on one device those are the
+    parameters' own shards, and setting the state dict again would copy every byte onto
+    itself (50 ms of a 300 MB load here)."""
+    live = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, value in model_sd.items():
+        mine = live.get(name)
+        if mine is None or _local(mine).data_ptr() != _local(value).data_ptr():
+            return False
+    return True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Checkpointer:
@@ -121,7 +141,6 @@ class Checkpointer:
         self.log = log
         self.after_write = after_write  # test hook: runs between the shards and the marker
         self.last_saved_step = -1
-        ckpt_io.skip_record_crc()
 
     # ---- saving ---------------------------------------------------------------------------
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> float:
@@ -129,8 +148,7 @@ class Checkpointer:
         started = time.perf_counter()
         directory = self.prepare(step)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        writer = ckpt_io.writer(directory, threads=WRITER_THREADS)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=ckpt_io.writer(directory))
         self.after_write(step)
         self.finalize(directory, self.describe(step, tokens_seen, data))
         return time.perf_counter() - started
@@ -243,13 +261,12 @@ class Checkpointer:
         prefill_adamw_state(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=ckpt_io.reader(directory))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        # Each rank plans its own reads from DCP's metadata: a load's global plan is the local
+        # plans unchanged, so gathering them on rank 0 would only cost time at scale.
+        dcp.load(state, storage_reader=ckpt_io.reader(directory), no_dist=True)
+        if not _loaded_in_place(self.model, state["model"]):
+            set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self.scheduler.load_state_dict(meta["scheduler"])
         rngs = meta.get("rng") or []
         if self.rank < len(rngs) and meta["world"] == self.world:
