@@ -6,11 +6,14 @@
 
 Per size, in one run, on 2 ranks (FSDP, CPU/gloo):
 - in-process, under `mpiexec -n 2` (this file re-launches itself with `--role ranks`): raw
-  sequential write with fsync and cold raw read of the same directory (both ranks at once),
-  the memcpy floor, sync save (`Checkpointer.save`) and cold load (`Checkpointer.load`), the
-  optimizer-state preparation for a load (`prefill_adamw_state` against a dummy step), and with
-  `--async`: the async stage stall (a second save: buffers warm), the readiness check's cost per
-  step while a save is in flight, the drain (finalize) stall and the time from save to marker;
+  sequential write with fsync and cold raw read of the same directory (both ranks at once;
+  reads and loads: the median of 3, interleaved), the memcpy floor, sync save
+  (`Checkpointer.save`) and cold load (`Checkpointer.load`), the optimizer-state preparation
+  for a load (`prefill_adamw_state` against a dummy step), and with `--async`: the async stage
+  stall (a second save, buffers warm: the save call plus the wait before the next optimizer
+  step, the copy running beside that step's forward and backward), the readiness check's cost
+  per step while a save is in flight, the drain (finalize) stall and the time from save to
+  marker;
 - real worker launches (`python -m worker.train`): the restart floor (the resumed run's
   `startup/*` parts) and, with `--async`, the effective cost per save: wall-clock of a run with
   saves minus the same run without, over the number of saves, for sync and async.
@@ -96,13 +99,21 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
-    def train_step() -> None:
+    def forward_backward() -> float:
+        t0 = time.perf_counter()
         tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        return time.perf_counter() - t0
+
+    def update() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def train_step() -> None:
+        forward_backward()
+        update()
 
     train_step()  # real Adam moments
     out: dict[str, float] = {}
@@ -143,15 +154,16 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         f.flush()
         os.fsync(f.fileno())
     out["raw_write_s"] = slowest(time.perf_counter() - t0)
-    evict(raw)
-    dist.barrier()
     into = bytearray(chunk)
-    t0 = time.perf_counter()
-    with raw.open("rb", buffering=0) as f:
-        while f.readinto(into):
-            pass
-    out["raw_read_s"] = slowest(time.perf_counter() - t0)
-    raw.unlink()
+
+    def raw_read() -> float:
+        evict(raw)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with raw.open("rb", buffering=0) as f:
+            while f.readinto(into):
+                pass
+        return slowest(time.perf_counter() - t0)
 
     # Memcpy floor for the staged bytes: copy_ into a warm buffer.
     dst = torch.empty_like(payload)
@@ -180,11 +192,22 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     saves = [slowest(ckpt.save(10 + i, 0, data)) for i in range(reps)]
     out["sync_save_s"] = min(saves)
     newest = files_step_dir(workdir / "ckpt", 10 + reps - 1)
-    evict(newest)
-    dist.barrier()
-    t0 = time.perf_counter()
-    ckpt.load(newest)
-    out["load_s"] = slowest(time.perf_counter() - t0)
+
+    def cold_load() -> float:
+        evict(newest)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.load(newest)
+        return slowest(time.perf_counter() - t0)
+
+    # Reads are noisy here (a shared virtual disk): the median of 3, raw and load interleaved.
+    reads, loads = [], []
+    for _ in range(3):
+        reads.append(raw_read())
+        loads.append(cold_load())
+    out["raw_read_s"] = statistics.median(reads)
+    out["load_s"] = statistics.median(loads)
+    raw.unlink()
 
     # Preparing optimizer state for a load: empty moments vs a dummy step.
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -205,15 +228,28 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         saver = AsyncCheckpointer(
             ckpt, stage_root=workdir / "stage", local_rank=info.local_rank, timeout_s=600
         )
-        first = saver.save(100, 0, data)
-        out["async_first_stage_s"] = slowest(first.stage_seconds)
+
+        def async_save(step: int):
+            """As the worker does: save after a step, then the next step's forward and
+            backward run beside the staging copy, and its optimizer step waits for it."""
+            report = saver.save(step, 0, data)
+            fwd_bwd = forward_backward()
+            staged = saver.wait_staged()
+            update()
+            return report, staged, fwd_bwd
+
+        plain = [forward_backward() for _ in range(3)]
+        optimizer.zero_grad(set_to_none=True)
+        out["fwd_bwd_s"] = slowest(statistics.median(plain))
+        first, first_staged, _ = async_save(100)
+        out["async_first_stage_s"] = slowest(first.call_seconds + first_staged.wait_seconds)
         saver.drain()
-        train_step()  # the state moves on between saves, as in training
-        report = saver.save(200, 0, data)
-        out["async_stage_s"] = slowest(report.stage_seconds)
-        out["async_copy_s"] = slowest(report.copy_seconds)
-        out["staged_bytes"] = total(report.nbytes)
-        for part, seconds in report.parts.items():
+        report, staged, fwd_bwd = async_save(200)
+        out["fwd_bwd_staging_s"] = slowest(fwd_bwd)
+        out["async_stage_s"] = slowest(report.call_seconds + staged.wait_seconds)
+        out["async_copy_s"] = slowest(staged.copy_seconds)
+        out["staged_bytes"] = total(staged.nbytes)
+        for part, seconds in {**report.parts, "wait_staged": staged.wait_seconds}.items():
             out[f"async_part_{part}_s"] = slowest(seconds)
         polls, result = [], None
         while result is None or result.state is Readiness.PENDING:
@@ -354,8 +390,13 @@ def table(size: int, r: dict, with_async: bool) -> str:
             ),
             *[
                 (f"  of which {part}", f"{r[f'async_part_{part}_s']:7.3f} s")
-                for part in ("prepare", "describe", "state_dict", "copy", "launch")
+                for part in ("prepare", "describe", "state_dict", "handover", "wait_staged")
             ],
+            ("staging copy (beside forward+backward)", f"{r['async_copy_s']:7.3f} s"),
+            (
+                "forward+backward: alone / beside the copy",
+                f"{r['fwd_bwd_s']:7.3f} s / {r['fwd_bwd_staging_s']:.3f} s",
+            ),
             ("readiness check per step (in flight)", f"{r['poll_s'] * 1e6:7.0f} us"),
             ("drain (finalize) stall", f"{r['drain_s']:7.3f} s"),
             ("save -> marker", f"{r['save_to_marker_s']:7.2f} s"),

@@ -1,13 +1,16 @@
 """Asynchronous checkpoints: stage to host memory, write locally, fan out, mark when ready.
 
 Who does what (DESIGN.md, checkpoint layout, Async):
-- main thread: `save` stages this rank's state into host buffers reused across saves (the only
-  blocking copy) and hands it to DCP's `async_save`; `poll`, called every step while a save is
+- main thread: `save` captures what is not a tensor (step, RNG, scheduler, data position) and
+  hands the state to the save thread; `wait_staged`, called before the next optimizer step,
+  blocks until the staging copy is done (parameters and moments change only in that step, so
+  the copy overlaps the next forward and backward); `poll`, called every step while a save is
   in flight, asks every rank whether its copy is done and finalizes (meta.json + `.complete`)
   the moment all are.
-- DCP's writer thread: writes the staged state to the node-local stage dir; its collectives
-  (plan and metadata exchange) run on `write_pg`, a gloo group that only it uses.
-- the fan-out thread: copies this rank's files to the durable dir (no collectives at all).
+- the save thread, per save: stages this rank's state into host buffers reused across saves,
+  writes it with DCP to the node-local stage dir (DCP's collectives, plan and metadata exchange,
+  run on `write_pg`, a gloo group that only this thread uses), then fans this rank's files out
+  to the durable dir (no collectives).
 - the readiness check runs on `control_pg`, another gloo group, used only by the main thread,
   so it can never cross-match a training collective or DCP's.
 Every rank takes the same decision from the same all-reduced counts, so they finalize, fail or
@@ -21,6 +24,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from worker import ckpt_files as files
+from worker import ckpt_io
 from worker.checkpoint import Checkpointer
 from worker.fanout import FanoutResult, fan_out
 
@@ -80,10 +85,10 @@ class KillHook:
 
 
 class ReusedStager:
-    """DCP `AsyncStager` that copies into host buffers allocated once and reused by every save
-    (`copy_` into warm pages runs at memory bandwidth; DCP's default stager allocates afresh
-    each time and pays page faults). The caller must not stage again before the previous
-    write has finished with the buffers."""
+    """Copies a state dict into host buffers allocated once and reused by every save (`copy_`
+    into warm pages runs at memory bandwidth; DCP's default stager allocates afresh each time
+    and pays page faults). The caller must not stage again before the previous write has
+    finished with the buffers."""
 
     def __init__(self, on_staged=lambda: None):
         self._cache: dict[str, Any] | None = None
@@ -92,10 +97,6 @@ class ReusedStager:
         self.nbytes = 0
         self.copy_seconds = 0.0
         self._on_staged = on_staged
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
@@ -140,9 +141,6 @@ class ReusedStager:
             return type(tree)(self._mirror(v) for v in tree)
         return tree
 
-    def synchronize_staging(self) -> None:
-        pass
-
     def close(self) -> None:
         self._cache = self._block = None
 
@@ -163,9 +161,9 @@ def _local_tensors(tree: Any):
             yield from _local_tensors(v)
 
 
-class _StageWriter(dcp.FileSystemWriter):
-    """DCP's file writer for the stage dir, with test hooks: a delay before it writes, a kill
-    between this rank's shards and DCP's metadata."""
+class _StageWriter(ckpt_io.RawWriter):
+    """The checkpoint writer for the stage dir, with test hooks: a delay before it writes, a
+    kill between this rank's shards and DCP's metadata."""
 
     def __init__(self, path: Path, after_data, delay_s: float = 0.0, **kw):
         super().__init__(path, **kw)
@@ -187,8 +185,10 @@ class InFlight:
     durable: Path
     stage: Path
     saved_at: float
-    copy: Future  # of FanoutResult, on the fan-out thread
+    copy: Future  # of FanoutResult, on the save thread
+    staged: threading.Event  # set once the save thread has copied the state (or failed to)
     announced: bool = False  # "written" reported for this rank
+    stage_reported: bool = False  # wait_staged has returned for this save
 
 
 @dataclass(frozen=True)
@@ -205,14 +205,22 @@ class PollReport:
 
 @dataclass(frozen=True)
 class SaveReport:
-    """What the save call blocked: waiting for the previous save, then staging."""
+    """What the save call blocked: waiting for the previous save, then handing this one over."""
 
     wait_seconds: float
-    stage_seconds: float
-    copy_seconds: float  # the memcpy part of staging
-    nbytes: int
+    call_seconds: float  # the handover (its part of the stage stall)
     drained: list[PollReport]  # how the previous save ended, when it was still in flight
-    parts: dict[str, float]  # where the stage seconds went
+    parts: dict[str, float]  # where the call seconds went
+
+
+@dataclass(frozen=True)
+class StagedReport:
+    """What `wait_staged` blocked, and what the save thread's copy took."""
+
+    step: int
+    wait_seconds: float  # the other part of the stage stall
+    copy_seconds: float  # the memcpy, overlapped with training
+    nbytes: int
 
 
 class AsyncCheckpointer:
@@ -227,14 +235,12 @@ class AsyncCheckpointer:
         stage_root: Path,
         local_rank: int,
         timeout_s: float,
-        writer_threads: int = 1,
         hook: KillHook | None = None,
     ):
         self.base = base
         self.world = base.world
         self.stage_root = stage_root
         self.local_rank = local_rank
-        self.writer_threads = writer_threads
         self.hook = hook or KillHook()
         timeout = timedelta(seconds=timeout_s)
         self.write_pg = dist.new_group(backend="gloo", timeout=timeout)
@@ -242,7 +248,8 @@ class AsyncCheckpointer:
         self.inflight: InFlight | None = None
         self._step = -1
         self.stager = ReusedStager(on_staged=lambda: self.hook("stage", self._step))
-        self._fanout = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fanout")
+        self._saving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._retiring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retire")
         self.clean_stage_root()
 
     def clean_stage_root(self) -> None:
@@ -254,7 +261,8 @@ class AsyncCheckpointer:
 
     # ---- saving -----------------------------------------------------------------------------
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> SaveReport:
-        """Wait for a save still in flight, then stage this step and start writing it."""
+        """Wait for a save still in flight, then hand this step to the save thread. The state
+        must not change before `wait_staged` returns."""
         started = time.perf_counter()
         drained = self.drain()
         waited = time.perf_counter()
@@ -274,38 +282,45 @@ class AsyncCheckpointer:
         marks.append(time.perf_counter())
         model_sd, optim_sd = get_state_dict(self.base.model, self.base.optimizer)
         marks.append(time.perf_counter())
+        staged = threading.Event()
+        state = {"model": model_sd, "optim": optim_sd}
+        copy = self._saving.submit(self._stage_write_copy, state, staged, stage, durable, step)
+        self.inflight = InFlight(step, meta, durable, stage, time.perf_counter(), copy, staged)
+        done = time.perf_counter()
+        names = ("prepare", "describe", "state_dict")
+        parts = {n: b - a for n, a, b in zip(names, marks, marks[1:], strict=False)}
+        parts["handover"] = done - marks[-1]
+        return SaveReport(waited - started, done - waited, drained, parts)
+
+    def wait_staged(self) -> StagedReport | None:
+        """Before the optimizer step: block until the save in flight has copied the state
+        (at once when the copy already ended during the forward and backward). A copy that
+        failed is reported by `poll`, on every rank at the same step."""
+        job = self.inflight
+        if job is None or job.stage_reported:
+            return None
+        started = time.perf_counter()
+        job.staged.wait()
+        job.stage_reported = True
+        return StagedReport(
+            job.step, time.perf_counter() - started, self.stager.copy_seconds, self.stager.nbytes
+        )
+
+    def _stage_write_copy(
+        self, state: dict, staged: threading.Event, stage: Path, durable: Path, step: int
+    ) -> FanoutResult:
+        """Save thread: stage, write the stage copy with DCP, copy this rank's files out."""
+        try:
+            snapshot = self.stager.stage(state)
+        finally:
+            staged.set()  # the main thread may go on (a failure shows in this future)
         writer = _StageWriter(
             stage,
             after_data=lambda: self.hook("write", step),
             delay_s=self.hook.delay_s,
-            thread_count=self.writer_threads,
             sync_files=False,  # scratch: the durable copy is the one fsynced
         )
-        written = dcp.async_save(
-            {"model": model_sd, "optim": optim_sd},
-            storage_writer=writer,
-            process_group=self.write_pg,
-            async_stager=self.stager,
-        )
-        copy = self._fanout.submit(self._copy_when_written, written, stage, durable, step)
-        self.inflight = InFlight(step, meta, durable, stage, time.perf_counter(), copy)
-        done = time.perf_counter()
-        names = ("prepare", "describe", "state_dict")
-        parts = {n: b - a for n, a, b in zip(names, marks, marks[1:], strict=False)}
-        parts["copy"] = self.stager.copy_seconds
-        parts["launch"] = done - marks[-1] - self.stager.copy_seconds
-        return SaveReport(
-            wait_seconds=waited - started,
-            stage_seconds=done - waited,
-            copy_seconds=self.stager.copy_seconds,
-            nbytes=self.stager.nbytes,
-            drained=drained,
-            parts=parts,
-        )
-
-    def _copy_when_written(self, written: Future, stage: Path, durable: Path, step: int):
-        """Fan-out thread: once DCP has written the stage copy, copy this rank's files."""
-        written.result()  # re-raises DCP's failure
+        dcp.save(snapshot, storage_writer=writer, process_group=self.write_pg)
         result = fan_out(
             stage,
             durable,
@@ -344,7 +359,7 @@ class AsyncCheckpointer:
             job.durable,
             self.base.gather_rng(job.meta),
             local_crcs=result.crcs,
-            retire=self._fanout.submit,
+            retire=self._retiring.submit,
         )
         self.hook("after-marker", job.step)
         drained = time.perf_counter()
@@ -375,7 +390,8 @@ class AsyncCheckpointer:
             shutil.rmtree(job.stage, ignore_errors=True)
 
     def close(self) -> None:
-        self._fanout.shutdown(wait=True)
+        self._saving.shutdown(wait=True)
+        self._retiring.shutdown(wait=True)
         self.stager.close()
 
 

@@ -1,5 +1,6 @@
 """The training loop's side of async checkpoints: metrics, heartbeats and log lines around an
-`AsyncCheckpointer`, so that the loop itself only calls `save`, `poll` and `finish`."""
+`AsyncCheckpointer`, so that the loop itself only calls `save`, `before_update`, `poll` and
+`finish`."""
 
 from __future__ import annotations
 
@@ -39,19 +40,28 @@ class AsyncSaves:
         )
         self.metrics, self.beacon, self.say = metrics, beacon, say
         self.step = 0
+        self.handover_seconds = 0.0
 
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         self.step = step
         report = self.saver.save(step, tokens_seen, data)
         self._handle(report.drained)
-        self.metrics.add_to_next("train/ckpt_stage_seconds", report.stage_seconds)
-        self.metrics.add_to_next("train/ckpt_stage_copy_seconds", report.copy_seconds)
+        self.handover_seconds = report.call_seconds
         if report.drained:
             self.metrics.add_to_next("train/ckpt_wait_seconds", report.wait_seconds)
-        self.beacon.ckpt(step, "staged")
+
+    def before_update(self) -> None:
+        """Before the optimizer step: the save in flight must have copied the state."""
+        staged = self.saver.wait_staged()
+        if staged is None:
+            return
+        stall = self.handover_seconds + staged.wait_seconds
+        self.metrics.add_to_next("train/ckpt_stage_seconds", stall)
+        self.metrics.add_to_next("train/ckpt_stage_copy_seconds", staged.copy_seconds)
+        self.beacon.ckpt(staged.step, "staged")
         self.say(
-            f"checkpoint step={step} staged in {report.stage_seconds:.3f}s "
-            f"({report.nbytes / 2**20:.1f} MiB, copy {report.copy_seconds:.3f}s)",
+            f"checkpoint step={staged.step} staged ({staged.nbytes / 2**20:.1f} MiB, copy "
+            f"{staged.copy_seconds:.3f}s beside training), loop blocked {stall:.3f}s",
             flush=True,
         )
 

@@ -240,6 +240,8 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
         loss.backward()
         clip_grad_norm(model.parameters(), args.grad_clip)
+        if saver is not None:
+            saver.before_update()  # a save's staging copy ran beside forward and backward
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
