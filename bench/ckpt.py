@@ -16,7 +16,9 @@ Per size, in one run, on 2 ranks (FSDP, CPU/gloo):
   marker;
 - real worker launches (`python -m worker.train`): the restart floor (the resumed run's
   `startup/*` parts) and, with `--async`, the effective cost per save: wall-clock of a run with
-  saves minus the same run without, over the number of saves, for sync and async.
+  saves minus the same run without, over the number of saves, for sync and async, and the I/O
+  floor: the same for a run without saves while another process writes and fsyncs as many
+  bytes at the same cadence (each variant twice, interleaved; the shortest run counts).
 "Cold" reads evict the files from the page cache first (POSIX_FADV_DONTNEED). The disk and the
 2 cores are shared with whatever else runs: repeat a run before trusting a small difference.
 """
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +50,7 @@ SIZES = {
 }  # fmt: skip
 # worker runs for the effective cost: (steps, save interval) per size
 WALL_RUNS = {300: (16, 2), 3000: (8, 2)}
+WALL_REPS = 2
 COMMON = ["--seq-len", "32", "--batch-size", "1", "--log-every", "1000"]
 RESULT = "BENCH-RESULT "
 
@@ -231,13 +235,25 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
 
         def async_save(step: int):
             """As the worker does: save after a step, then the next step's forward and
-            backward run beside the staging copy, and its optimizer step waits for it."""
+            backward run beside the staging copy, and its optimizer step waits for it. The
+            readiness check is timed right after the save, while the write is surely in
+            flight (the worker runs it after each step)."""
             report = saver.save(step, 0, data)
+            for _ in range(5):  # the per-step readiness check, while this save is in flight
+                dist.barrier()  # ranks arrive together, as after a step's all-reduce
+                t0 = time.perf_counter()
+                polled = saver.poll()
+                if polled is not None and polled.state is Readiness.PENDING:
+                    polls.append(time.perf_counter() - t0)
+                elif polled is not None:
+                    ended.append(polled)
             fwd_bwd = forward_backward()
             staged = saver.wait_staged()
             update()
             return report, staged, fwd_bwd
 
+        polls: list[float] = []
+        ended: list = []  # how the saves ended (READY or FAILED)
         plain = [forward_backward() for _ in range(3)]
         optimizer.zero_grad(set_to_none=True)
         out["fwd_bwd_s"] = slowest(statistics.median(plain))
@@ -251,14 +267,12 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         out["staged_bytes"] = total(staged.nbytes)
         for part, seconds in {**report.parts, "wait_staged": staged.wait_seconds}.items():
             out[f"async_part_{part}_s"] = slowest(seconds)
-        polls, result = [], None
-        while result is None or result.state is Readiness.PENDING:
+        while saver.inflight is not None:
             time.sleep(0.02)  # a training step would run here
-            dist.barrier()  # ranks arrive together, as after a step's all-reduce
-            t0 = time.perf_counter()
-            result = saver.poll()
-            if result.state is Readiness.PENDING:
-                polls.append(time.perf_counter() - t0)
+            polled = saver.poll()
+            if polled.state is not Readiness.PENDING:
+                ended.append(polled)
+        result = ended[-1]
         out["poll_s"] = slowest(statistics.median(polls) if polls else 0.0)
         out["polls"] = len(polls)
         out["drain_s"] = slowest(result.drain_seconds)
@@ -288,11 +302,42 @@ def run_ranks(size: int, workdir: Path, with_async: bool) -> dict:
     raise RuntimeError(f"ranks failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
-def launch_worker(flags: list[str], outdir: Path) -> tuple[list[dict], float]:
+class PlainWrites(threading.Thread):
+    """The I/O floor of a save on this host: the same bytes written and fsynced at the save
+    cadence by another process, with no checkpoint code at all, while the worker trains. What
+    this costs the worker no async path can avoid (here the virtual disk's writes slow the
+    vCPUs' compute)."""
+
+    def __init__(self, metrics: Path, target: Path, nbytes: int, period: float, count: int):
+        super().__init__(daemon=True)
+        self.metrics, self.target = metrics, target
+        self.nbytes, self.period, self.count = nbytes, period, count
+
+    def run(self) -> None:
+        while not (self.metrics.exists() and self.metrics.stat().st_size):
+            time.sleep(0.02)  # the cadence starts at the end of the first step, as saves do
+        start = time.monotonic()
+        chunk = bytes(64 << 20)
+        for i in range(self.count):
+            time.sleep(max(0.0, start + (i + 1) * self.period - time.monotonic()))
+            with self.target.open("wb") as f:
+                for off in range(0, self.nbytes, len(chunk)):
+                    f.write(chunk[: min(len(chunk), self.nbytes - off)])
+                f.flush()
+                os.fsync(f.fileno())
+        self.target.unlink(missing_ok=True)
+
+
+def launch_worker(
+    flags: list[str], outdir: Path, beside: PlainWrites | None = None
+) -> tuple[list[dict], float]:
     """A real worker run; returns rank 0's metrics and the seconds from the end of its first
-    step to the launcher's exit (saves, drains and teardown included; start-up excluded)."""
+    step to the launcher's exit (saves, the final drain and teardown included; start-up
+    excluded)."""
     shutil.rmtree(outdir, ignore_errors=True)
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "worker.train", *flags]
+    if beside is not None:
+        beside.start()
     done = subprocess.run(
         [*cmd, "--outdir", str(outdir)],
         env=rank_env(),
@@ -302,13 +347,19 @@ def launch_worker(flags: list[str], outdir: Path) -> tuple[list[dict], float]:
         cwd=ROOT,
     )
     ended = time.time()
+    if beside is not None:
+        beside.join()
     if done.returncode != 0:
         raise RuntimeError(f"worker failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     records = [json.loads(x) for x in (outdir / "metrics-0.jsonl").read_text().splitlines()]
     return records, ended - records[0]["t"]
 
 
-def worker_runs(size: int, workdir: Path, with_async: bool, steps: int, interval: int) -> dict:
+def worker_runs(
+    size: int, workdir: Path, with_async: bool, steps: int, interval: int, nbytes: int
+) -> dict:
+    """Wall-clock runs, each variant WALL_REPS times interleaved; the least disturbed (the
+    shortest) run of each counts."""
     model = [*SIZES[size], *COMMON, "--train-iters", str(steps), "--no-save-on-exit"]
     out: dict[str, float] = {}
     saves = steps // interval
@@ -317,11 +368,25 @@ def worker_runs(size: int, workdir: Path, with_async: bool, steps: int, interval
     variants["sync"] = ["--ckpt-dir", str(ckpt), "--save-interval", str(interval), "--no-resume"]
     if with_async:
         variants["async"] = [*variants["sync"], "--async-ckpt"]
+        variants["io-floor"] = []
     walls: dict[str, float] = {}
-    for name, flags in variants.items():
-        records, wall = launch_worker([*model, *flags], workdir / f"w-{name}")
+    runs = [name for _ in range(WALL_REPS) for name in variants]
+    for name in runs:
+        outdir = workdir / f"w-{name}"
+        beside = None
+        if name == "io-floor":
+            period = out["none_step_s"] * interval
+            beside = PlainWrites(
+                outdir / "metrics-0.jsonl", workdir / "plain", nbytes, period, saves
+            )
+        records, wall = launch_worker([*model, *variants[name]], outdir, beside)
+        if name in walls and wall >= walls[name]:
+            continue
         walls[name] = wall
         out[f"{name}_wall_s"] = wall
+        # Steady state: from the first step's end to the last step's, so the final save (and
+        # an async run's wait for it before exit) is left out; saves - 1 fall in that window.
+        out[f"{name}_window_s"] = records[-1]["t"] - records[0]["t"]
         out[f"{name}_step_s"] = statistics.median(r["train/dt"] for r in records[1:])
         if name == "async":
             marks = [
@@ -339,7 +404,10 @@ def worker_runs(size: int, workdir: Path, with_async: bool, steps: int, interval
             out["worker_sync_stall_s"] = statistics.median(stalls)
     for name in variants:
         if name != "none":
-            out[f"{name}_effective_s"] = (walls[name] - walls["none"]) / saves
+            key = name.replace("-", "_")
+            out[f"{key}_effective_s"] = (walls[name] - walls["none"]) / saves
+            steady = out[f"{name}_window_s"] - out["none_window_s"]
+            out[f"{key}_steady_s"] = steady / (saves - 1)
     # Restart floor: resume the last complete checkpoint and run one step.
     resumed, _ = launch_worker(
         [*SIZES[size], *COMMON, "--train-iters", str(steps + 1), "--ckpt-dir", str(ckpt)],
@@ -410,6 +478,21 @@ def table(size: int, r: dict, with_async: bool) -> str:
                 f"{r['async_effective_s']:7.2f} s  = "
                 f"{r['async_effective_s'] / r['sync_effective_s']:.2f} x sync",
             ),
+            (
+                "worker: I/O floor: the same bytes written beside",
+                f"{r['io_floor_effective_s']:7.2f} s  = "
+                f"{r['io_floor_effective_s'] / r['sync_effective_s']:.2f} x sync",
+            ),
+            (
+                "  steady state (final save left out): sync",
+                f"{r['sync_steady_s']:7.2f} s",
+            ),
+            (
+                "  steady state: async / I/O floor",
+                f"{r['async_steady_s']:7.2f} s = {r['async_steady_s'] / r['sync_steady_s']:.2f} x "
+                f"sync / {r['io_floor_steady_s']:.2f} s = "
+                f"{r['io_floor_steady_s'] / r['sync_steady_s']:.2f} x sync",
+            ),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"== ~{size} MB of state =="]
@@ -440,7 +523,14 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
             steps, interval = WALL_RUNS[size]
             r.update(
-                worker_runs(size, work, a.with_async, a.steps or steps, a.interval or interval)
+                worker_runs(
+                    size,
+                    work,
+                    a.with_async,
+                    a.steps or steps,
+                    a.interval or interval,
+                    r["state_bytes"],
+                )
             )
             shutil.rmtree(work, ignore_errors=True)
             results[size] = r
