@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -75,3 +78,35 @@ def test_a_short_file_is_named(tmp_path):
     with pytest.raises(CheckpointException) as failed:
         dcp.load({"w": torch.zeros(1000)}, storage_reader=ckpt_io.reader(tmp_path), no_dist=True)
     assert "__0_0.distcp: ends at byte 100, expected 4000" in str(failed.value.failures[0])
+
+
+def staged_state():
+    """A state staged the way the async path stages it: views of one aligned block."""
+    from worker.async_ckpt import ReusedStager
+
+    stager = ReusedStager()
+    tensors = {k: v for k, v in state().items() if torch.is_tensor(v)}
+    return stager, stager.stage(tensors), tensors
+
+
+def test_direct_write_from_the_staging_block(tmp_path):
+    stager, staged, tensors = staged_state()
+    writer = ckpt_io.writer(tmp_path, durable=False, padded=stager.padded)
+    dcp.save(staged, storage_writer=writer, no_dist=True)
+    meta = ckpt_io.reader(tmp_path).read_metadata()
+    offsets = [info.offset for info in meta.storage_data.values()]
+    assert all(off % ckpt_io.DIRECT_ALIGN == 0 for off in offsets)  # every record aligned
+    loaded = blank(tensors)
+    dcp.load(loaded, storage_reader=ckpt_io.reader(tmp_path), no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
+def test_direct_write_falls_back_where_the_file_system_refuses_it():
+    stager, staged, tensors = staged_state()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as where:  # tmpfs: no O_DIRECT
+        writer = ckpt_io.writer(Path(where), durable=False, padded=stager.padded)
+        dcp.save(staged, storage_writer=writer, no_dist=True)
+        loaded = blank(tensors)
+        dcp.load(loaded, storage_reader=ckpt_io.reader(Path(where)), no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -45,7 +46,6 @@ from worker import ckpt_io
 from worker.checkpoint import Checkpointer
 from worker.fanout import FanoutResult, fan_out
 
-ALIGN = 64  # bytes, between tensors in the staging block
 POLL_PAUSE_S = 0.005
 
 
@@ -93,6 +93,7 @@ class ReusedStager:
     def __init__(self, on_staged=lambda: None):
         self._cache: dict[str, Any] | None = None
         self._block: torch.Tensor | None = None
+        self._slots: dict[int, torch.Tensor] = {}  # data_ptr -> the padded bytes of a slot
         self._cursor = 0
         self.nbytes = 0
         self.copy_seconds = 0.0
@@ -114,10 +115,13 @@ class ReusedStager:
     def _allocate(self, state_dict: dict[str, Any]) -> None:
         """Mirror the state dict with host tensors that are views of one block, touched once
         here (page faults on the first save only; one large block also gets huge pages where
-        the kernel gives them). DTensors keep their sharding spec around a host local shard."""
+        the kernel gives them). DTensors keep their sharding spec around a host local shard.
+        Every slot starts and ends on an O_DIRECT boundary, so the writer can hand each one to
+        the device as it is (`padded`)."""
         sizes = [_aligned(t) for t in _local_tensors(state_dict) if t.dim() > 0]
-        block = torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        block = ckpt_io.aligned_zeros(sum(sizes), pin=torch.cuda.is_available())
         self._cursor = 0
+        self._slots = {}
         self._block = block
         self._cache = self._mirror(state_dict)
         self.nbytes = self._cursor
@@ -127,8 +131,15 @@ class ReusedStager:
             return torch.empty((), dtype=like.dtype)
         start = self._cursor
         self._cursor += _aligned(like)
-        raw = self._block[start : start + like.numel() * like.element_size()]
-        return raw.view(like.dtype).view(like.shape)
+        slot = self._block[start : self._cursor]
+        self._slots[slot.data_ptr()] = slot
+        return slot[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The whole slot of a staged tensor (its bytes, then padding), None for anything
+        else."""
+        slot = self._slots.get(t.data_ptr())
+        return slot if slot is not None and t.numel() * t.element_size() <= len(slot) else None
 
     def _mirror(self, tree: Any) -> Any:
         if isinstance(tree, DTensor):
@@ -143,10 +154,11 @@ class ReusedStager:
 
     def close(self) -> None:
         self._cache = self._block = None
+        self._slots = {}
 
 
 def _aligned(t: torch.Tensor) -> int:
-    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return ckpt_io.round_up(t.numel() * t.element_size())
 
 
 def _local_tensors(tree: Any):
@@ -319,8 +331,13 @@ class AsyncCheckpointer:
             after_data=lambda: self.hook("write", step),
             delay_s=self.hook.delay_s,
             sync_files=False,  # scratch: the durable copy is the one fsynced
+            padded=self.stager.padded,  # O_DIRECT from the staging block
         )
-        dcp.save(snapshot, storage_writer=writer, process_group=self.write_pg)
+        # The same state structure every save: DCP may reuse its plans (this thread's Python
+        # takes turns with the training step's; planning afresh cost the step 0.26 s per save
+        # of a 300 MB state here, cached plans 0.10 s).
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(snapshot, storage_writer=writer, process_group=self.write_pg, planner=planner)
         result = fan_out(
             stage,
             durable,
