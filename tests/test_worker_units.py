@@ -135,6 +135,11 @@ def test_stale_marker_never_vouches_for_a_reused_directory(tmp_path):
     files.prepare_step_dir(d)
     assert not (d / files.MARKER).exists() and list(d.iterdir()) == []
     assert files.resume_candidates(files.scan(tmp_path)) == []
+    # the old contents were set aside in one rename, for deletion after the next marker
+    (aside,) = tmp_path.glob(f"{files.SET_ASIDE}*")
+    assert [f.step for f in files.scan(tmp_path)] == [5]
+    files.remove_set_aside(tmp_path)
+    assert not aside.exists() and d.is_dir()
 
 
 def test_verify_names_what_failed(tmp_path):

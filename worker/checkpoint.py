@@ -206,7 +206,12 @@ class Checkpointer:
             meta = {**meta, "saved_at": time.time(), "files": files.record_files(directory, crcs)}
             files.mark_complete(directory, meta)
             doomed = files.retention_plan(files.scan(self.root), self.keep)
-            retire(lambda: files.remove(doomed))
+
+            def tidy() -> None:
+                files.remove(doomed)
+                files.remove_set_aside(self.root)
+
+            retire(tidy)
         self.last_saved_step = meta["step"]
 
     def _gather(self, item: Any) -> list[Any] | None:

@@ -10,11 +10,13 @@ import json
 import os
 import re
 import shutil
+import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+SET_ASIDE = ".set-aside-"  # a reused step dir's old contents, awaiting deletion
 MARKER = ".complete"
 META = "meta.json"
 CRC_CHUNK = 8 << 20
@@ -121,17 +123,25 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def prepare_step_dir(directory: Path, sync_parent: bool = True) -> None:
     """Empty a reused step directory, marker first, so a stale `.complete` can never vouch for
-    half-written new shards. `sync_parent=False` leaves the fsync of the new directory's entry
-    to the caller (the async path does it in the background, before the marker)."""
+    half-written new shards. The old contents are renamed aside (one metadata operation,
+    however large they are) and deleted later by `remove_set_aside`, after the next marker.
+    `sync_parent=False` leaves the fsync of the new directory's entry to the caller (the async
+    path does it in the background, before the marker)."""
     marker = directory / MARKER
     if marker.exists():
         marker.unlink()
         fsync_dir(directory)
     if directory.exists():
-        shutil.rmtree(directory)
+        directory.rename(directory.with_name(f"{SET_ASIDE}{directory.name}-{uuid.uuid4().hex}"))
     directory.mkdir(parents=True)
     if sync_parent:
         fsync_dir(directory.parent)
+
+
+def remove_set_aside(root: Path) -> None:
+    """Delete what `prepare_step_dir` set aside (also after a crash left some behind)."""
+    for path in root.glob(f"{SET_ASIDE}*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def mark_complete(directory: Path, meta: dict) -> None:
