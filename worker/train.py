@@ -24,6 +24,7 @@ from worker.errors import UsageError
 from worker.startup import Startup
 
 META_INIT_AUTO_PARAMS = 6e9
+PEER_ERROR_GRACE_S = 5.0  # a rank other than 0 waits this long before reporting a usage error
 
 
 class StopRequest:
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args, info, setup, beacon, say, stop)
     except UsageError as exc:
+        if info.rank != 0:
+            # Most such errors (another model's checkpoint, say) hit every rank at once: give
+            # rank 0 the time to print the one line and end the job, else say it here.
+            time.sleep(PEER_ERROR_GRACE_S)
+            print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
         say(f"error: {exc}", file=sys.stderr, flush=True)
         beacon.error(str(exc))
         beacon.close()
