@@ -18,7 +18,6 @@ Usage: python bench/downtime.py [--kills 3] [--train-s 4] [--target all|rank1] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -29,18 +28,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from supervisor.events import read_events  # noqa: E402
 
 
 def events(run: Path) -> list[dict]:
-    path = run / "events.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    return list(read_events(run / "events.jsonl"))
 
 
 def wait_event(run: Path, pred, proc: subprocess.Popen, timeout: float) -> dict:

@@ -40,6 +40,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from supervisor import config as config_mod  # noqa: E402
+from supervisor.events import read_events  # noqa: E402
 
 TORCH_LOG = re.compile(r"^[IWEC](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ .*?\] (.*)$")
 NOTICED = ("failed (exitcode", "closing signal", "attempts left", "Worker group FAILED")
@@ -74,14 +75,7 @@ def worker_flags(pg_timeout: float) -> dict:
 
 
 def records(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    return list(read_events(path))
 
 
 def wait(pred, proc: subprocess.Popen, timeout: float = WAIT_S):

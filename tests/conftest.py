@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.events import read_events
+
 # A model small enough that a 4-rank job on 2 cores takes seconds.
 TINY = [
     "--dim",
@@ -97,13 +99,4 @@ def toml_value(v) -> str:
 
 def events(run: Path) -> list[dict]:
     """A run's events.jsonl; a line still being written is skipped."""
-    path = run / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return list(read_events(run / "events.jsonl"))
