@@ -7,7 +7,7 @@
 Per size, in one run, on 2 ranks (FSDP, CPU/gloo):
 - in-process, under `mpiexec -n 2` (this file re-launches itself with `--role ranks`): raw
   sequential write with fsync and cold raw read of the same directory (both ranks at once;
-  reads and loads: the median of 3, interleaved), the memcpy floor, sync save
+  reads and loads: the median of 5, interleaved), the memcpy floor, sync save
   (`Checkpointer.save`) and cold load (`Checkpointer.load`), the optimizer-state preparation
   for a load (`prefill_adamw_state` against a dummy step), and with `--async`: the async stage
   stall (a second save, buffers warm: the save call plus the wait before the next optimizer
@@ -26,6 +26,7 @@ Per size, in one run, on 2 ranks (FSDP, CPU/gloo):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -102,6 +103,7 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     model = build_model(cfg, mesh, layout, torch.device("cpu"), True, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    gc.freeze()  # as the worker does once the model is built
 
     def forward_backward() -> float:
         t0 = time.perf_counter()
@@ -204,9 +206,9 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         ckpt.load(newest)
         return slowest(time.perf_counter() - t0)
 
-    # Reads are noisy here (a shared virtual disk): the median of 3, raw and load interleaved.
+    # Reads are noisy here (a shared virtual disk): the median of 5, raw and load interleaved.
     reads, loads = [], []
-    for _ in range(3):
+    for _ in range(5):
         reads.append(raw_read())
         loads.append(cold_load())
     out["raw_read_s"] = statistics.median(reads)
@@ -414,7 +416,9 @@ def worker_runs(
         workdir / "w-restart",
     )
     first = resumed[0]
-    for key in ("imports", "process_group", "model_build", "load", "first_step"):
+    from worker.startup import PARTS
+
+    for key in PARTS:
         out[f"startup_{key}_s"] = first.get(f"startup/{key}", float("nan"))
     out["restart_s"] = first.get("train/restart_seconds", float("nan"))
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -444,7 +448,9 @@ def table(size: int, r: dict, with_async: bool) -> str:
         ("optimizer prep: dummy step", f"{r['dummy_step_s'] * 1e3:7.1f} ms"),
         ("memcpy floor (staged bytes, per rank)", f"{r['memcpy_s'] * 1e3:7.1f} ms"),
     ]
-    for key in ("imports", "process_group", "model_build", "load", "first_step"):
+    from worker.startup import PARTS
+
+    for key in PARTS:
         rows.append((f"restart floor: {key}", f"{r[f'startup_{key}_s']:7.2f} s"))
     rows.append(("restart floor: total (train/restart_seconds)", f"{r['restart_s']:7.2f} s"))
     if with_async:

@@ -272,6 +272,7 @@ class AsyncCheckpointer:
         dist.barrier(group=self.control_pg)
 
     # ---- saving -----------------------------------------------------------------------------
+    @torch.no_grad()  # see Checkpointer.save
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> SaveReport:
         """Wait for a save still in flight, then hand this step to the save thread. The state
         must not change before `wait_staged` returns."""
@@ -318,6 +319,7 @@ class AsyncCheckpointer:
             job.step, time.perf_counter() - started, self.stager.copy_seconds, self.stager.nbytes
         )
 
+    @torch.no_grad()  # grad mode is per thread
     def _stage_write_copy(
         self, state: dict, staged: threading.Event, stage: Path, durable: Path, step: int
     ) -> FanoutResult:

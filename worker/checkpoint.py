@@ -98,6 +98,41 @@ def prefill_adamw_state(optimizer: torch.optim.Optimizer) -> None:
             }
 
 
+def choose_checkpoint(
+    root: Path, *, rank: int, verify: str, log: Callable[[str], None]
+) -> Path | None:
+    """Collective: rank 0 picks the newest complete checkpoint whose files verify (a damaged
+    one is reported and the one before tried); every rank learns the choice."""
+    choice = [None]
+    if rank == 0:
+        for found in files.resume_candidates(files.scan(root)):
+            problem = _problem(found.path, verify == "crc")
+            if problem is None:
+                choice[0] = str(found.path)
+                break
+            log(f"WARNING: skipping checkpoint {found.path.name}: {problem}; trying the one before")
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
+
+
+def _problem(directory: Path, check_crc: bool) -> str | None:
+    try:
+        meta = files.read_meta(directory)
+    except (OSError, ValueError) as exc:
+        return f"unreadable {files.META}: {exc}"
+    return files.verify_problem(directory, meta.get("files", {}), check_crc)
+
+
+def prefetch(directory: Path, *, rank: int, identity: RunIdentity) -> None:
+    """Start reading this rank's shard file into the page cache and return at once, so the
+    disk works while the caller builds the model or plans the load. Only when the checkpoint
+    has this run's world and mesh: then rank r's shards are in rank r's file (resharding reads
+    parts of other files, and only DCP's plan says which)."""
+    meta = files.read_meta(directory)
+    if meta.get("world") == identity.world and meta.get("mesh") == identity.mesh:
+        ckpt_io.read_ahead(directory / ckpt_io.shard_name(rank))
+
+
 def _loaded_in_place(model: torch.nn.Module, model_sd: dict[str, Any]) -> bool:
     """DCP loads into the state dict's tensors; with FSDP2 on one device those are the
     parameters' own shards, and setting the state dict again would copy every byte onto
@@ -143,6 +178,10 @@ class Checkpointer:
         self.last_saved_step = -1
 
     # ---- saving ---------------------------------------------------------------------------
+    # Saving and loading run without autograd: a DTensor's `to_local()` then returns its shard
+    # directly instead of going through an autograd function, and DCP calls it for every tensor
+    # while planning and resolving (about 30 ms of a 300 MB load here).
+    @torch.no_grad()
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> float:
         """Write step-N on every rank, then mark it. Returns the seconds the loop was blocked."""
         started = time.perf_counter()
@@ -233,28 +272,9 @@ class Checkpointer:
 
     # ---- resuming ---------------------------------------------------------------------------
     def choose(self) -> Path | None:
-        """Rank 0 picks the newest complete checkpoint whose files verify; all ranks learn it."""
-        choice = [None]
-        if self.rank == 0:
-            for found in files.resume_candidates(files.scan(self.root)):
-                problem = self._problem(found.path)
-                if problem is None:
-                    choice[0] = str(found.path)
-                    break
-                self.log(
-                    f"WARNING: skipping checkpoint {found.path.name}: {problem}; "
-                    "trying the one before"
-                )
-        dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] else None
+        return choose_checkpoint(self.root, rank=self.rank, verify=self.verify, log=self.log)
 
-    def _problem(self, directory: Path) -> str | None:
-        try:
-            meta = files.read_meta(directory)
-        except (OSError, ValueError) as exc:
-            return f"unreadable {files.META}: {exc}"
-        return files.verify_problem(directory, meta.get("files", {}), self.verify == "crc")
-
+    @torch.no_grad()
     def load(self, directory: Path) -> Resumed:
         meta = files.read_meta(directory)
         if meta["model_fingerprint"] != self.identity.model_fingerprint:
@@ -263,6 +283,7 @@ class Checkpointer:
                 f"{self.identity.model_description}. Point --ckpt-dir elsewhere, or pass "
                 "--no-resume to start fresh"
             )
+        prefetch(directory, rank=self.rank, identity=self.identity)
         prefill_adamw_state(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}

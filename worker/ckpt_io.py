@@ -118,7 +118,7 @@ class RawWriter(FileSystemWriter):
         self._direct = False
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"
+        name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"  # see shard_name
         path = Path(self.path) / name
         results = []
         fd = self._open(path)
@@ -244,6 +244,24 @@ def _chunk_at(md: TensorStorageMetadata, offsets):
         if list(chunk.offsets) == list(offsets):
             return chunk
     raise ValueError(f"no stored chunk at offsets {list(offsets)}")
+
+
+def shard_name(rank: int) -> str:
+    """The file `RawWriter` gives rank `rank`'s shards (DCP numbers the plans by rank)."""
+    return f"__{rank}_0{SHARD_SUFFIX}"
+
+
+def read_ahead(path: Path) -> None:
+    """Start reading a whole file into the page cache and return at once (the kernel reads in
+    the background); a missing file is left to the load to report."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def writer(directory: Path, *, durable: bool = True, padded=None) -> RawWriter:
