@@ -416,9 +416,7 @@ def worker_runs(
         workdir / "w-restart",
     )
     first = resumed[0]
-    from worker.startup import PARTS
-
-    for key in PARTS:
+    for key in ("imports", "process_group", "model_build", "load", "first_step"):
         out[f"startup_{key}_s"] = first.get(f"startup/{key}", float("nan"))
     out["restart_s"] = first.get("train/restart_seconds", float("nan"))
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -448,9 +446,7 @@ def table(size: int, r: dict, with_async: bool) -> str:
         ("optimizer prep: dummy step", f"{r['dummy_step_s'] * 1e3:7.1f} ms"),
         ("memcpy floor (staged bytes, per rank)", f"{r['memcpy_s'] * 1e3:7.1f} ms"),
     ]
-    from worker.startup import PARTS
-
-    for key in PARTS:
+    for key in ("imports", "process_group", "model_build", "load", "first_step"):
         rows.append((f"restart floor: {key}", f"{r[f'startup_{key}_s']:7.2f} s"))
     rows.append(("restart floor: total (train/restart_seconds)", f"{r['restart_s']:7.2f} s"))
     if with_async:

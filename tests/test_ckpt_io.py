@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -110,3 +111,18 @@ def test_direct_write_falls_back_where_the_file_system_refuses_it():
         loaded = blank(tensors)
         dcp.load(loaded, storage_reader=ckpt_io.reader(Path(where)), no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_vectored_read_fills_more_buffers_than_one_call_takes(tmp_path):
+    data = bytes(range(256)) * 40
+    (tmp_path / "f").write_bytes(data)
+    views = [memoryview(bytearray(n)) for n in [3, 0, 5] * (ckpt_io.IOV_MAX // 2 + 7)]
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        ckpt_io.read_vectored(fd, views, 17, "f")
+        with pytest.raises(OSError, match="f: ends at byte 10240, expected 10250"):
+            ckpt_io.read_vectored(fd, [memoryview(bytearray(20))], len(data) - 10, "f")
+    finally:
+        os.close(fd)
+    got = b"".join(bytes(v) for v in views)
+    assert got == data[17 : 17 + len(got)]
