@@ -4,7 +4,8 @@
     python bench/ckpt.py --async              # ... plus the async figures
     python bench/ckpt.py --sizes 300 --async  # quick
 
-Per size, in one run, on 2 ranks (FSDP, CPU/gloo):
+Per size, in one run, on 2 ranks (FSDP, CPU/gloo; `--ranks 1` runs one, leaving this 2-core
+host a core for the background saving, as a GPU node has):
 - in-process, under `mpiexec -n 2` (this file re-launches itself with `--role ranks`): raw
   sequential write with fsync and cold raw read of the same directory (both ranks at once;
   reads and loads: the median of 5, interleaved), the memcpy floor, sync save
@@ -81,7 +82,7 @@ def rank_env() -> dict[str, str]:
     return env
 
 
-# ---- the in-process part (2 ranks) -----------------------------------------------------------
+# ---- the in-process part (the ranks) -------------------------------------------------------
 def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -294,9 +295,9 @@ def files_step_dir(root: Path, step: int) -> Path:
 
 
 # ---- the orchestrating part ------------------------------------------------------------------
-def run_ranks(size: int, workdir: Path, with_async: bool) -> dict:
-    cmd = [mpiexec(), "-n", "2", sys.executable, __file__, "--role", "ranks", "--sizes", str(size)]
-    cmd += ["--dir", str(workdir)] + (["--async"] if with_async else [])
+def run_ranks(size: int, workdir: Path, with_async: bool, ranks: int) -> dict:
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, __file__, "--role", "ranks"]
+    cmd += ["--sizes", str(size), "--dir", str(workdir)] + (["--async"] if with_async else [])
     done = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=3600)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT):
@@ -331,13 +332,13 @@ class PlainWrites(threading.Thread):
 
 
 def launch_worker(
-    flags: list[str], outdir: Path, beside: PlainWrites | None = None
+    flags: list[str], outdir: Path, ranks: int, beside: PlainWrites | None = None
 ) -> tuple[list[dict], float]:
     """A real worker run; returns rank 0's metrics and the seconds from the end of its first
     step to the launcher's exit (saves, the final drain and teardown included; start-up
     excluded)."""
     shutil.rmtree(outdir, ignore_errors=True)
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "worker.train", *flags]
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "worker.train", *flags]
     if beside is not None:
         beside.start()
     done = subprocess.run(
@@ -358,7 +359,7 @@ def launch_worker(
 
 
 def worker_runs(
-    size: int, workdir: Path, with_async: bool, steps: int, interval: int, nbytes: int
+    size: int, workdir: Path, with_async: bool, steps: int, interval: int, nbytes: int, ranks: int
 ) -> dict:
     """Wall-clock runs, each variant WALL_REPS times interleaved; the least disturbed (the
     shortest) run of each counts."""
@@ -381,7 +382,7 @@ def worker_runs(
             beside = PlainWrites(
                 outdir / "metrics-0.jsonl", workdir / "plain", nbytes, period, saves
             )
-        records, wall = launch_worker([*model, *variants[name]], outdir, beside)
+        records, wall = launch_worker([*model, *variants[name]], outdir, ranks, beside)
         if name in walls and wall >= walls[name]:
             continue
         walls[name] = wall
@@ -414,6 +415,7 @@ def worker_runs(
     resumed, _ = launch_worker(
         [*SIZES[size], *COMMON, "--train-iters", str(steps + 1), "--ckpt-dir", str(ckpt)],
         workdir / "w-restart",
+        ranks,
     )
     first = resumed[0]
     for key in ("imports", "process_group", "model_build", "load", "first_step"):
@@ -423,14 +425,14 @@ def worker_runs(
     return out
 
 
-def table(size: int, r: dict, with_async: bool) -> str:
+def table(size: int, r: dict, with_async: bool, ranks: int) -> str:
     gb = r["state_bytes"] / 1e9
 
     def bw(seconds: float) -> str:
         return f"{gb / seconds:6.2f} GB/s"
 
     rows = [
-        ("state (params + 2 moments, 2 ranks)", f"{gb:.2f} GB"),
+        (f"state (params + 2 moments, {ranks} ranks)", f"{gb:.2f} GB"),
         ("raw write + fsync", f"{r['raw_write_s']:7.2f} s  {bw(r['raw_write_s'])}"),
         ("raw read (cold)", f"{r['raw_read_s']:7.2f} s  {bw(r['raw_read_s'])}"),
         (
@@ -510,6 +512,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="worker steps of the wall-clock runs")
     p.add_argument("--interval", type=int, default=None, help="save interval of those runs")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="ranks per run (default 2; 1 leaves a core of this 2-core host to the saving)",
+    )
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -521,7 +529,7 @@ def main() -> int:
     try:
         for size in sizes:
             work = base / f"s{size}"
-            r = run_ranks(size, work, a.with_async)
+            r = run_ranks(size, work, a.with_async, a.ranks)
             shutil.rmtree(work, ignore_errors=True)
             steps, interval = WALL_RUNS[size]
             r.update(
@@ -532,11 +540,12 @@ def main() -> int:
                     a.steps or steps,
                     a.interval or interval,
                     r["state_bytes"],
+                    a.ranks,
                 )
             )
             shutil.rmtree(work, ignore_errors=True)
             results[size] = r
-            print(table(size, r, a.with_async), flush=True)
+            print(table(size, r, a.with_async, a.ranks), flush=True)
     finally:
         if not a.dir:
             shutil.rmtree(base, ignore_errors=True)
