@@ -61,6 +61,19 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_FALLOC_FL_KEEP_SIZE = 1
+# fallocate(2), not glibc's posix_fallocate: that one writes zeros where it cannot reserve.
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Reserve a file's blocks in one piece before writing it (best effort, size unchanged).
+    Two ranks writing their shards at once otherwise get interleaved extents, and a cold read
+    of such a file was slower here (0.19-0.35 s against 0.15-0.19 s for 160 MB)."""
+    if _fallocate is not None and nbytes > 0:
+        _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)  # a refusal changes nothing
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -141,6 +154,7 @@ class RawWriter(FileSystemWriter):
         results = []
         fd = self._open(path)
         try:
+            reserve(fd, _tensor_bytes(plan, padded=self._direct))
             offset = 0
             for item in plan.items:
                 data = planner.resolve_data(item)
@@ -187,6 +201,17 @@ class RawWriter(FileSystemWriter):
             # Opened, but the file system will not write directly: the same bytes, cached.
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             write_all(fd, out, offset)
+
+
+def _tensor_bytes(plan: SavePlan, *, padded: bool) -> int:
+    """What a plan's tensor records will take in the file (byte records are small)."""
+    total = 0
+    for item in plan.items:
+        data = item.tensor_data
+        if data is not None:
+            nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+            total += round_up(nbytes) if padded else nbytes
+    return total
 
 
 def _bounce(view: memoryview) -> memoryview:
