@@ -7,14 +7,14 @@
 Per size, in one run, on 2 ranks (FSDP, CPU/gloo; `--ranks 1` runs one, leaving this 2-core
 host a core for the background saving, as a GPU node has):
 - in-process, under `mpiexec -n 2` (this file re-launches itself with `--role ranks`): raw
-  sequential write with fsync and cold raw read of the same directory (both ranks at once;
-  reads and loads: the median of 5, interleaved), the memcpy floor, sync save
-  (`Checkpointer.save`) and cold load (`Checkpointer.load`), the optimizer-state preparation
-  for a load (`prefill_adamw_state` against a dummy step), and with `--async`: the async stage
-  stall (a second save, buffers warm: the save call plus the wait before the next optimizer
-  step, the copy running beside that step's forward and backward), the readiness check's cost
-  per step while a save is in flight, the drain (finalize) stall and the time from save to
-  marker;
+  sequential write with fsync and cold raw read of the same directory (both ranks at once; reads
+  and loads: the median of 5, interleaved; also a raw read of the saved shard files), the memcpy
+  floor, sync save (`Checkpointer.save`) and cold load (`Checkpointer.load`), the
+  optimizer-state preparation for a load (`prefill_adamw_state` against a dummy step), and with
+  `--async`: the async stage stall (a second save, buffers warm: the save call plus the wait
+  before the next optimizer step, the copy running beside that step's forward and backward), the
+  readiness check's cost per step while a save is in flight, the drain (finalize) stall and the
+  time from save to marker;
 - real worker launches (`python -m worker.train`): the restart floor (the resumed run's
   `startup/*` parts) and, with `--async`, the effective cost per save: wall-clock of a run with
   saves minus the same run without, over the number of saves, for sync and async, and the I/O
@@ -91,6 +91,7 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     from worker.args import parse_args
     from worker.async_ckpt import AsyncCheckpointer, Readiness
     from worker.checkpoint import Checkpointer, RunIdentity, prefill_adamw_state
+    from worker.ckpt_io import shard_name
     from worker.dist import detect_rank, init_process_group
     from worker.parallel import build_mesh
     from worker.train import build_model, plan
@@ -163,11 +164,11 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     out["raw_write_s"] = slowest(time.perf_counter() - t0)
     into = bytearray(chunk)
 
-    def raw_read() -> float:
-        evict(raw)
+    def raw_read(path: Path = raw) -> float:
+        evict(path)
         dist.barrier()
         t0 = time.perf_counter()
-        with raw.open("rb", buffering=0) as f:
+        with path.open("rb", buffering=0) as f:
             while f.readinto(into):
                 pass
         return slowest(time.perf_counter() - t0)
@@ -208,11 +209,16 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         return slowest(time.perf_counter() - t0)
 
     # Reads are noisy here (a shared virtual disk): the median of 5, raw and load interleaved.
-    reads, loads = [], []
+    # Also the checkpoint's own shard file read the same raw way: the load against the bytes
+    # it reads, wherever the file system put them.
+    shard = newest / shard_name(info.rank)
+    reads, shard_reads, loads = [], [], []
     for _ in range(5):
         reads.append(raw_read())
+        shard_reads.append(raw_read(shard))
         loads.append(cold_load())
     out["raw_read_s"] = statistics.median(reads)
+    out["shard_read_s"] = statistics.median(shard_reads)
     out["load_s"] = statistics.median(loads)
     raw.unlink()
 
@@ -418,7 +424,9 @@ def worker_runs(
         ranks,
     )
     first = resumed[0]
-    for key in ("imports", "process_group", "model_build", "load", "first_step"):
+    from worker.startup import PARTS
+
+    for key in PARTS:
         out[f"startup_{key}_s"] = first.get(f"startup/{key}", float("nan"))
     out["restart_s"] = first.get("train/restart_seconds", float("nan"))
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -444,11 +452,17 @@ def table(size: int, r: dict, with_async: bool, ranks: int) -> str:
             "load (DCP, cold)",
             f"{r['load_s']:7.2f} s  {bw(r['load_s'])}  {r['raw_read_s'] / r['load_s']:.0%} of raw",
         ),
+        (
+            "raw read of the loaded shard files (cold)",
+            f"{r['shard_read_s']:7.2f} s  load at {r['shard_read_s'] / r['load_s']:.0%} of it",
+        ),
         ("optimizer prep: prefill_adamw_state", f"{r['prefill_s'] * 1e3:7.1f} ms"),
         ("optimizer prep: dummy step", f"{r['dummy_step_s'] * 1e3:7.1f} ms"),
         ("memcpy floor (staged bytes, per rank)", f"{r['memcpy_s'] * 1e3:7.1f} ms"),
     ]
-    for key in ("imports", "process_group", "model_build", "load", "first_step"):
+    from worker.startup import PARTS
+
+    for key in PARTS:
         rows.append((f"restart floor: {key}", f"{r[f'startup_{key}_s']:7.2f} s"))
     rows.append(("restart floor: total (train/restart_seconds)", f"{r['restart_s']:7.2f} s"))
     if with_async:

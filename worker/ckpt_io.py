@@ -30,6 +30,7 @@ import fcntl
 import io
 import math
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -327,6 +328,45 @@ def _chunk_at(md: TensorStorageMetadata, offsets):
         if list(chunk.offsets) == list(offsets):
             return chunk
     raise ValueError(f"no stored chunk at offsets {list(offsets)}")
+
+
+def shard_name(rank: int) -> str:
+    """The file `RawWriter` gives rank `rank`'s shards (DCP numbers the plans by rank)."""
+    return f"__{rank}_0{SHARD_SUFFIX}"
+
+
+_pulling: set[str] = set()  # files a read-ahead thread is pulling now
+
+
+def read_ahead(path: Path) -> None:
+    """Pull a whole file into the page cache on a thread, inside the kernel (`sendfile` to
+    /dev/null: no copy to user space), while the caller does other work; its own reads then
+    copy from the cache. (`posix_fadvise(WILLNEED)` reads only the first read-ahead window
+    here.) A file already being pulled is left to that thread."""
+    key = str(path)
+    if key in _pulling:
+        return
+    _pulling.add(key)
+
+    def pull() -> None:
+        try:
+            src = os.open(path, os.O_RDONLY)
+        except OSError:
+            _pulling.discard(key)
+            return  # the load itself reports a missing file
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            offset = 0
+            while n := os.sendfile(null, src, offset, 1 << 30):
+                offset += n
+        except OSError:
+            pass
+        finally:
+            os.close(src)
+            os.close(null)
+            _pulling.discard(key)
+
+    threading.Thread(target=pull, name="es-read-ahead", daemon=True).start()
 
 
 def writer(directory: Path, *, durable: bool = True, padded=None) -> RawWriter:

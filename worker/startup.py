@@ -24,6 +24,8 @@ def process_start_time() -> float:
 
 
 PROCESS_START = process_start_time()
+# The parts of a (re)start, in order: `choose` picks the checkpoint and starts reading it.
+PARTS = ("imports", "process_group", "choose", "model_build", "load", "first_step")
 
 
 class Startup:

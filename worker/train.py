@@ -169,6 +169,10 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
         flush=True,
     )
 
+    identity = RunIdentity(cfg.fingerprint(), cfg.describe(), info.world, layout.describe())
+    resume_from = choose_resume(args, info, identity, beacon, say)  # read while building
+    startup.mark("choose")
+
     model = build_model(cfg, mesh, layout, device, meta_init, args.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
@@ -196,7 +200,6 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     ckpt = None
     start_step, tokens_seen, resumed = 0, 0, False
     if args.ckpt_dir:
-        identity = RunIdentity(cfg.fingerprint(), cfg.describe(), info.world, layout.describe())
         ckpt = Checkpointer(
             Path(args.ckpt_dir),
             rank=info.rank,
@@ -211,15 +214,10 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
             log=lambda m: say(m, flush=True),
             after_write=lambda step: inject_in_save(args, info, step),
         )
-        if not args.no_resume:
-            beacon.phase("load", 0)
-            directory = ckpt.choose()
-            if directory is None:
-                say(f"no complete checkpoint in {args.ckpt_dir}: starting fresh", flush=True)
-            else:
-                state = ckpt.load(directory)
-                start_step, tokens_seen, resumed = state.step, state.tokens_seen, True
-                say(f"RESUMED from step={start_step} ({directory})", flush=True)
+        if resume_from is not None:
+            state = ckpt.load(resume_from)
+            start_step, tokens_seen, resumed = state.step, state.tokens_seen, True
+            say(f"RESUMED from step={start_step} ({resume_from})", flush=True)
 
     startup.mark("load")
     saver = AsyncSaves(args, info, ckpt, metrics, beacon, say) if ckpt and args.async_ckpt else None
@@ -298,6 +296,27 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def choose_resume(args: TrainArgs, info: RankInfo, identity, beacon: Beacon, say) -> Path | None:
+    """The checkpoint to resume from, if any, chosen before the model is built so that its
+    files are read into the page cache meanwhile."""
+    from worker.checkpoint import choose_checkpoint, start_reading
+
+    if not args.ckpt_dir or args.no_resume:
+        return None
+    beacon.phase("load", 0)
+    chosen = choose_checkpoint(
+        Path(args.ckpt_dir),
+        rank=info.rank,
+        verify=args.ckpt_verify,
+        log=lambda m: say(m, flush=True),
+    )
+    if chosen is None:
+        say(f"no complete checkpoint in {args.ckpt_dir}: starting fresh", flush=True)
+    else:
+        start_reading(chosen, rank=info.rank, identity=identity)
+    return chosen
 
 
 def build_model(cfg, mesh, layout, device, meta_init: bool, seed: int):
