@@ -303,6 +303,7 @@ class Checkpointer:
         # plans unchanged, so gathering them on rank 0 would only cost time at scale.
         with _no_collection():
             dcp.load(state, storage_reader=ckpt_io.reader(directory), no_dist=True)
+        ckpt_io.stop_read_ahead(directory / ckpt_io.shard_name(self.rank))
         if not _loaded_in_place(self.model, state["model"]):
             set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])

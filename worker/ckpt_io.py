@@ -335,38 +335,46 @@ def shard_name(rank: int) -> str:
     return f"__{rank}_0{SHARD_SUFFIX}"
 
 
-_pulling: set[str] = set()  # files a read-ahead thread is pulling now
+PULL_CHUNK = 8 << 20
+_pulling: dict[str, threading.Event] = {}  # file -> its read-ahead thread's stop flag
 
 
 def read_ahead(path: Path) -> None:
     """Pull a whole file into the page cache on a thread, inside the kernel (`sendfile` to
     /dev/null: no copy to user space), while the caller does other work; its own reads then
     copy from the cache. (`posix_fadvise(WILLNEED)` reads only the first read-ahead window
-    here.) A file already being pulled is left to that thread."""
+    here.) A file already being pulled is left to that thread; `stop_read_ahead` ends it
+    once the caller has read the file itself, so it takes no more CPU from training."""
     key = str(path)
     if key in _pulling:
         return
-    _pulling.add(key)
+    stop = _pulling[key] = threading.Event()
 
     def pull() -> None:
         try:
             src = os.open(path, os.O_RDONLY)
         except OSError:
-            _pulling.discard(key)
+            _pulling.pop(key, None)
             return  # the load itself reports a missing file
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             offset = 0
-            while n := os.sendfile(null, src, offset, 1 << 30):
+            while not stop.is_set() and (n := os.sendfile(null, src, offset, PULL_CHUNK)):
                 offset += n
         except OSError:
             pass
         finally:
             os.close(src)
             os.close(null)
-            _pulling.discard(key)
+            _pulling.pop(key, None)
 
     threading.Thread(target=pull, name="es-read-ahead", daemon=True).start()
+
+
+def stop_read_ahead(path: Path) -> None:
+    stop = _pulling.get(str(path))
+    if stop is not None:
+        stop.set()
 
 
 def writer(directory: Path, *, durable: bool = True, padded=None) -> RawWriter:
