@@ -195,7 +195,7 @@ class Checkpointer:
     # ---- saving ---------------------------------------------------------------------------
     # Saving and loading run without autograd: a DTensor's `to_local()` then returns its shard
     # directly instead of going through an autograd function, and DCP calls it for every tensor
-    # while planning and resolving (about 30 ms of a 300 MB load here).
+    # while planning and resolving (resolving alone took 13 ms of a 300 MB load here, now 4).
     @torch.no_grad()
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> float:
         """Write step-N on every rank, then mark it. Returns the seconds the loop was blocked."""
