@@ -48,7 +48,9 @@ def table(header: str, items: dict) -> str:
     return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
 
 
-def write_config(tmp_path: Path, faults: list[dict], worker: dict) -> Path:
+def write_config(
+    tmp_path: Path, faults: list[dict], worker: dict, train_progress_s: float = 3.0
+) -> Path:
     text = table("[job]", {"name": "f", "run_dir": str(tmp_path / "run")})
     text += table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
     text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
@@ -56,7 +58,8 @@ def write_config(tmp_path: Path, faults: list[dict], worker: dict) -> Path:
     text += table("[restart]", {"max_restarts": 8, "teardown_grace_s": 1.0, "backoff_s": [0],
                                 "max_same_resume": 4})  # fmt: skip
     text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
-    text += table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 3, "save": 120})
+    progress = {"init": 120, "load": 120, "train": train_progress_s, "save": 120}
+    text += table("[heartbeat.progress]", progress)
     text += "".join(table("[[faults]]", f) for f in faults)
     path = tmp_path / "job.toml"
     path.write_text(text)
@@ -139,7 +142,11 @@ def test_time_triggers_kill_hang_slow(tmp_path, baseline):
         {"name": "kill", "at_s": [22], "action": "kill"},
         {"name": "hang", **hang},
     ]
-    config = write_config(tmp_path, faults, {"save_interval": 5})
+    # A stopped rank's peers wait in a collective from their last step, which can be up to a
+    # beat interval before the stopped rank's last beat: with the progress limit equal to the
+    # liveness timeout, their no-progress deadline sometimes came first. The hang is judged
+    # by liveness only when the progress limit is longer.
+    config = write_config(tmp_path, faults, {"save_interval": 5}, train_progress_s=6.0)
     rc, out = run_job(config)
     assert rc == 0, out[-4000:]
     run = tmp_path / "run"
