@@ -193,7 +193,6 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        log=lambda m: None,
     )
     data = {"kind": "bench"}
     reps = 2 if size <= 1000 else 1

@@ -211,7 +211,6 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            log=lambda m: say(m, flush=True),
             after_write=lambda step: inject_in_save(args, info, step),
         )
         if resume_from is not None:
@@ -302,6 +301,7 @@ def choose_resume(args: TrainArgs, info: RankInfo, identity, beacon: Beacon, say
     """The checkpoint to resume from, if any, chosen before the model is built so that its
     files are read into the page cache meanwhile."""
     from worker.checkpoint import choose_checkpoint, start_reading
+    from worker.ckpt_files import read_meta
 
     if not args.ckpt_dir or args.no_resume:
         return None
@@ -315,7 +315,7 @@ def choose_resume(args: TrainArgs, info: RankInfo, identity, beacon: Beacon, say
     if chosen is None:
         say(f"no complete checkpoint in {args.ckpt_dir}: starting fresh", flush=True)
     else:
-        start_reading(chosen, rank=info.rank, identity=identity)
+        start_reading(chosen, read_meta(chosen), rank=info.rank, identity=identity)
     return chosen
 
 
