@@ -16,8 +16,9 @@ BUILD = r"""
 import os, resource, sys
 import torch
 from worker.dist import detect_rank, init_process_group
-from worker.model import resolve_config
-from worker.parallel import build_mesh, plan_layout
+from worker.presets import resolve_config
+from worker.layout import plan_layout
+from worker.parallel import build_mesh
 from worker.train import build_model
 
 info = detect_rank(os.environ)

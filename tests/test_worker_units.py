@@ -9,8 +9,8 @@ from worker import ckpt_files as files
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError
-from worker.model import PRESETS, resolve_config
-from worker.parallel import plan_layout
+from worker.layout import plan_layout
+from worker.presets import PRESETS, resolve_config
 
 
 @pytest.mark.parametrize(

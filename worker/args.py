@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 
 from worker.errors import UsageError
-from worker.model import PRESETS
+from worker.layout import Layout, check_model_fits, plan_layout
+from worker.presets import PRESETS, ModelConfig, resolve_config
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,25 @@ def check_args(a: TrainArgs) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    at_least_zero = {
+        "--lr": a.lr,
+        "--weight-decay": a.weight_decay,
+        "--inject-ckpt-delay-s": a.inject_ckpt_delay_s,
+    }
+    for flag, value in at_least_zero.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} must be a number >= 0, got {value}")
+    for flag, value in (("--grad-clip", a.grad_clip), ("--pg-timeout", a.pg_timeout)):
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} must be a number > 0, got {value}")
+    if not (math.isfinite(a.min_lr_ratio) and 0 <= a.min_lr_ratio <= 1):
+        raise UsageError(f"--min-lr-ratio must be between 0 and 1, got {a.min_lr_ratio}")
+    if a.warmup_iters is not None and a.warmup_iters < 0:
+        raise UsageError(f"--warmup-iters must be 0 or more, got {a.warmup_iters}")
     if a.save_interval < 0:
         raise UsageError(f"--save-interval must be 0 (off) or positive, got {a.save_interval}")
     if a.inject_kill_async_phase and not (a.async_ckpt and a.inject_kill_in_save_at_step):
@@ -173,3 +194,31 @@ def check_args(a: TrainArgs) -> None:
         )
     if (a.save_interval or a.async_ckpt) and not a.ckpt_dir:
         raise UsageError("--save-interval and --async-ckpt need --ckpt-dir")
+
+
+def plan_run(a: TrainArgs, world: int) -> tuple[ModelConfig, Layout]:
+    """The model's sizes and the mesh for `world` ranks: every check that needs neither a
+    process group nor torch (the supervisor runs it before launching anything)."""
+    cfg = resolve_config(
+        a.model,
+        dim=a.dim,
+        n_layers=a.n_layers,
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        ffn_dim=a.ffn_dim,
+        vocab_size=a.vocab_size,
+        seq_len=a.seq_len,
+    )
+    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise UsageError(
+            f"--dim {cfg.dim} must divide by --n-heads {cfg.n_heads}, and "
+            f"--n-heads by --n-kv-heads {cfg.n_kv_heads}"
+        )
+    if cfg.head_dim % 2:
+        raise UsageError(
+            f"--dim {cfg.dim} / --n-heads {cfg.n_heads} = {cfg.head_dim} per head must be even "
+            "(rotary embeddings rotate pairs)"
+        )
+    layout = plan_layout(world, a.tp, a.replicate)
+    check_model_fits(layout, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
+    return cfg, layout

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from supervisor.protocol import ENV_ATTEMPT_DIR
-from worker.args import TrainArgs, parse_args
+from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon, StepFaults
 from worker.dist import RankInfo, abort_job, detect_rank
 from worker.errors import UsageError
@@ -95,27 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan(args: TrainArgs, info: RankInfo):
-    """Pure-ish checks that need no process group: model sizes and the mesh."""
-    from worker.model import resolve_config
-    from worker.parallel import check_model_fits, plan_layout
-
-    cfg = resolve_config(
-        args.model,
-        dim=args.dim,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-        ffn_dim=args.ffn_dim,
-        vocab_size=args.vocab_size,
-        seq_len=args.seq_len,
-    )
-    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
-        raise UsageError(
-            f"--dim {cfg.dim} must divide by --n-heads {cfg.n_heads}, and "
-            f"--n-heads by --n-kv-heads {cfg.n_kv_heads}"
-        )
-    layout = plan_layout(info.world, args.tp, args.replicate)
-    check_model_fits(layout, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
+    """Checks that need no process group: model sizes, the mesh, the token file."""
+    cfg, layout = plan_run(args, info.world)
     if args.data_path is not None and not Path(args.data_path).is_file():
         raise UsageError(
             f"token file {args.data_path} does not exist; pass --data-path to a "
