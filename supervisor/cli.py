@@ -17,6 +17,7 @@ from pathlib import Path
 from supervisor import config as config_mod
 from supervisor import events as events_mod
 from supervisor import job as job_mod
+from supervisor import worker_flags
 from supervisor.decisions import ExitCode
 
 EXIT_CODES = """exit status:
@@ -127,16 +128,22 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
     r = job_mod.resolve(cfg)
+    note = worker_flags.check(cfg, r.world)
     print(
         f"{args.config}: ok ({cfg.launch.launcher} [{r.flavor}], {len(r.nodes)} node(s) x "
         f"{cfg.launch.ranks_per_node} ranks = {r.world}, worker {cfg.worker.module})"
     )
+    if note:
+        print(f"note: {note}")
     return ExitCode.DONE
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
     r = job_mod.resolve(cfg)
+    note = worker_flags.check(cfg, r.world)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     if args.dry_run:
         print(f"# resolved config ({args.config})")
         print(config_mod.dumps(r.resolved_dict()))

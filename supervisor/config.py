@@ -135,18 +135,38 @@ class Config:
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, override, and check a config file; raise ConfigError on any user error."""
     source = str(path)
+    raw = parse_toml_file(path)
+    for item in overrides or []:
+        apply_override(raw, item, source)
+    return from_dict(raw, source)
+
+
+def parse_toml_file(path: str | Path) -> dict[str, Any]:
+    """The file's TOML tables, or a ConfigError that says in one line why it can't be read."""
+    source = str(path)
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(source, "", "no such file") from None
     except IsADirectoryError:
         raise ConfigError(source, "", "is a directory, expected a TOML file") from None
+    except PermissionError:
+        raise ConfigError(source, "", "permission denied: make it readable (chmod +r)") from None
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot be read: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise ConfigError(source, "", "is empty; expected a job config (configs/debug.toml is one)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"byte {exc.start}"
+        raise ConfigError(source, "", f"not UTF-8 text at {where} (a binary file?)") from None
+    if "\0" in text:
+        raise ConfigError(source, "", "not a text file (it holds NUL bytes)")
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"not valid TOML: {exc}") from None
-    for item in overrides or []:
-        apply_override(raw, item, source)
-    return from_dict(raw, source)
 
 
 def apply_override(raw: dict[str, Any], item: str, source: str = "--set") -> None:

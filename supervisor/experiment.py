@@ -19,7 +19,6 @@ import copy
 import signal
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,14 +45,7 @@ def load(
 ) -> Experiment:
     """Read an experiment TOML; ConfigError (exit 2) for anything wrong, like `run`."""
     source = str(path)
-    try:
-        raw = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise config_mod.ConfigError(source, "", "no such file") from None
-    except (IsADirectoryError, UnicodeDecodeError):
-        raise config_mod.ConfigError(source, "", "expected a TOML file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise config_mod.ConfigError(source, "", f"not valid TOML: {exc}") from None
+    raw = config_mod.parse_toml_file(path)
     for item in sets:  # `--set experiment.dir=...` works too
         config_mod.apply_override(raw, item, source)
     exp = raw.pop("experiment", None)

@@ -120,7 +120,7 @@ def test_bad_configs_name_file_key_and_expectation(tmp_path, capsys, text, key, 
 def test_missing_file_and_bad_set(tmp_path, capsys):
     assert cli.main(["validate", str(tmp_path / "none.toml")]) == 2
     assert "no such file" in capsys.readouterr().err
-    path = write(tmp_path, "")
+    path = write(tmp_path, "[job]\n")
     assert cli.main(["validate", str(path), "--set", "novalue"]) == 2
     assert "expected key.sub=value" in capsys.readouterr().err
 

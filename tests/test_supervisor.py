@@ -280,10 +280,19 @@ def test_budget_exhausted(tmp_path):
 
 
 def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
+    # The token file is the worker's to check (it may exist only where the ranks run).
+    worker = {"data_path": str(tmp_path / "no-such-tokens.bin")}
+    rc, out = finish(start(write_config(tmp_path, launcher="local", worker=worker)))
+    assert rc == 2, out
+    assert "no-such-tokens.bin does not exist" in out
+    assert sum(e["event"] == "launch" for e in events(tmp_path / "run")) == 1
+
+
+def test_bad_worker_flag_is_refused_before_launch(tmp_path):
     rc, out = finish(start(write_config(tmp_path, launcher="local", worker={"model": "nope"})))
     assert rc == 2, out
-    assert "unknown model preset" in out
-    assert sum(e["event"] == "launch" for e in events(tmp_path / "run")) == 1
+    assert "worker.model: --model: unknown model preset 'nope'" in out
+    assert not (tmp_path / "run" / "events.jsonl").exists()
 
 
 def test_supervisor_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):

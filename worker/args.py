@@ -157,7 +157,9 @@ def parse_args(argv: list[str] | None) -> TrainArgs:
 def check_args(a: TrainArgs) -> None:
     """Pure checks of values that no layout or file can make right."""
     if a.model not in PRESETS:
-        raise UsageError(f"unknown model preset {a.model!r}; choose one of {', '.join(PRESETS)}")
+        raise UsageError(
+            f"--model: unknown model preset {a.model!r}; choose one of {', '.join(PRESETS)}"
+        )
     positive = {
         "--batch-size": a.batch_size,
         "--train-iters": a.train_iters,
@@ -222,3 +224,13 @@ def plan_run(a: TrainArgs, world: int) -> tuple[ModelConfig, Layout]:
     layout = plan_layout(world, a.tp, a.replicate)
     check_model_fits(layout, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
     return cfg, layout
+
+
+def flag_kinds(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Every `--flag` of the parser by its dest, True where it is a switch (takes no value):
+    what a config's `[worker]` table is checked against."""
+    kinds = {}
+    for action in parser._actions:  # argparse keeps no public list of its options
+        if action.option_strings and action.dest != "help":
+            kinds[action.dest] = action.nargs == 0
+    return kinds
