@@ -163,11 +163,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         signal.signal(
             sig, signal.SIG_IGN
         )  # the job is over: a late signal must not change the code
+    if code == ExitCode.USAGE:  # the worker refused its input: nothing ran to report on
+        if args.quiet:  # the console showed no events, so neither the worker's own line
+            print(_worker_error(r.run_dir), file=sys.stderr)
+        print(f"run dir: {r.run_dir}", file=sys.stderr)
+        return code
     if not args.no_report and (r.run_dir / "events.jsonl").is_file():
         from supervisor import report_cli
 
         report_cli.end_of_run(r.run_dir)  # report.md + report.png, tables on stdout
     return code
+
+
+def _worker_error(run_dir: Path) -> str:
+    """The worker's own one-line error from the newest attempt's output."""
+    logs = sorted((run_dir / "attempts").glob("*/output.log"))
+    lines = logs[-1].read_text(errors="replace").splitlines() if logs else []
+    said = [line.split("] ", 1)[-1] for line in lines if "error" in line]
+    return said[-1] if said else "error: the worker rejected its input (exit 2)"
 
 
 def _add_report_commands(sub, fmt) -> None:
@@ -284,18 +297,16 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     out = [f"run:      {run_dir}", f"job:      {name}", f"state:    {state}"]
     left = "?" if max_restarts is None else max(0, max_restarts - restarts)
     out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
-    step_events = [
-        e
-        for e in events
-        if e.get("event") in ("progress", "first_step", "done") and e.get("step") is not None
-    ]
-    if step_events:
-        e = step_events[-1]
-        out.append(f"step:     {e['step']} (attempt {e.get('attempt')})")
+    newest = newest_step(events, run_dir)
+    if newest is not None:
+        out.append(f"step:     {newest[0]} (attempt {newest[1]})")
     ckpt = _newest_checkpoint(resolved, events)
     out.append(f"checkpoint: {ckpt}")
+    # A graceful stop (the user's SIGINT/SIGTERM) is no failure.
     failures = [
-        e for e in events if e.get("event") == "attempt_end" and e.get("outcome") != "success"
+        e
+        for e in events
+        if e.get("event") == "attempt_end" and e.get("outcome") not in ("success", "stopped")
     ]
     if failures:
         f = failures[-1]
@@ -307,6 +318,48 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     else:
         out.append("last failure: none")
     return out
+
+
+def newest_step(events: list[dict], run_dir: Path) -> tuple[int, int] | None:
+    """(step, attempt) of the newest step the run reached. Progress events come a few seconds
+    apart, so the newest attempt's rank-0 metrics (one record a step) have the last word."""
+    best: tuple[int, int] | None = None
+    for e in events:
+        step = e.get("max_step") if e.get("event") == "attempt_end" else e.get("step")
+        if e.get("event") in ("progress", "first_step", "done", "attempt_end") and isinstance(
+            step, int
+        ):
+            if best is None or step >= best[0]:
+                best = (step, e.get("attempt", 0))
+    attempts = sorted((run_dir / "attempts").glob("[0-9][0-9][0-9]*"))
+    if attempts:
+        last = _last_metrics_record(attempts[-1] / "metrics-0.jsonl")
+        step = last.get("step")
+        if isinstance(step, int) and (best is None or step >= best[0]):
+            suffix = attempts[-1].name
+            best = (step, int(suffix) if suffix.isdigit() else best[1] if best else 0)
+    return best
+
+
+def _last_metrics_record(path: Path) -> dict:
+    """The last whole JSON line of a metrics file (read from its end: it may be large)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            return record
+    return {}
 
 
 def _newest_checkpoint(resolved: dict, events: list[dict]) -> str:

@@ -38,14 +38,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def end_of_run(run_dir: Path, png: bool = True) -> None:
-    """The demo's last word: the tables on stdout, report.md/png in the run dir. A report that
-    cannot be made is one line on stderr, never a changed exit status."""
+    """The demo's last word: a short summary on stdout, report.md/png in the run dir. A report
+    that cannot be made is one line on stderr, never a changed exit status."""
     from supervisor.report_md import write_report
+    from supervisor.summary import summary
 
     try:
-        _, text, written = write_report(run_dir, png=png)
+        analysis, _, written = write_report(run_dir, png=png)
     except Exception as exc:  # noqa: BLE001 - the job's outcome stands whatever the report does
         print(f"report: not written ({type(exc).__name__}: {exc})", file=sys.stderr)
         return
-    print(text, flush=True)
-    print("wrote " + ", ".join(str(p) for p in written), flush=True)
+    print(summary(analysis, written), flush=True)

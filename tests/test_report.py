@@ -273,7 +273,8 @@ def test_shipped_experiment_configs_are_valid() -> None:
     agpt = experiment.load(str(REPO / "configs" / "experiments" / "agpt2b.toml"), [])
     sync = experiment.phase_config(agpt, "sync")
     assert sync.worker.flags["train_iters"] == 2000 and sync.worker.flags["save_interval"] == 100
-    assert sync.faults[0]["at_step"] == [500, 1000, 1500] and sync.faults[0]["after_checkpoint"]
+    (fault,) = sync.faults
+    assert fault.trigger.at_step == (500, 1000, 1500) and fault.trigger.after_checkpoint
 
 
 def test_an_attempt_dying_before_its_first_step_is_not_the_resume(tmp_path: Path) -> None:
@@ -307,3 +308,19 @@ def test_an_attempt_dying_before_its_first_step_is_not_the_resume(tmp_path: Path
     assert f2.step_at_failure is None and f2.lost_steps is None
     assert f2.downtime_s == pytest.approx(10.1)
     assert a.totals.downtime_s == pytest.approx(15.0)  # the overlap is counted once
+
+
+def test_the_end_of_run_summary_is_short(run_dir: Path, monkeypatch) -> None:
+    from supervisor.summary import summary
+
+    a, _, written = write_report(run_dir, png=False)
+    monkeypatch.chdir(run_dir.parent)
+    text = summary(a, written)
+    lines = text.strip().splitlines()
+    assert len(lines) <= 12
+    assert lines[0].startswith("== ") and "goodput" in lines[0]
+    assert "2 failures (1 injected), 2 relaunches, 5 steps lost, 25.5 s of downtime" in lines[1]
+    row = next(line for line in lines if line.strip().startswith("1  k: kill all"))
+    assert "exit" in row and "0.20 s" in row and "9.50 s" in row and "step 20" in row
+    assert "Report: run/report.md" in text
+    assert "python -m supervisor tail|status|report run" in text

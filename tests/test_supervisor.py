@@ -285,6 +285,8 @@ def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
     rc, out = finish(start(write_config(tmp_path, launcher="local", worker=worker)))
     assert rc == 2, out
     assert "no-such-tokens.bin does not exist" in out
+    assert f"run dir: {tmp_path / 'run'}" in out
+    assert "==" not in out and "Per failure" not in out  # no report of a run that never ran
     assert sum(e["event"] == "launch" for e in events(tmp_path / "run")) == 1
 
 

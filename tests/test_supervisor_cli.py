@@ -50,6 +50,27 @@ def test_status_of_a_finished_run(tmp_path, capsys):
     assert "last failure: attempt 0: exit 9 (detected by exit" in out
 
 
+def test_status_shows_the_newest_step_and_a_graceful_stop_is_no_failure(tmp_path, capsys):
+    run = make_run(tmp_path, finished=False)
+    metrics = run / "attempts" / "001" / "metrics-0.jsonl"
+    metrics.parent.mkdir(parents=True)
+    # Progress events come seconds apart; the newest attempt's metrics have the newest step.
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (21, 22, 31)))
+    with open(run / "events.jsonl", "a") as f:
+        f.write("\n")  # end the torn line
+        for e in (
+            {"event": "progress", "attempt": 1, "step": 25},
+            {"event": "attempt_end", "attempt": 1, "outcome": "stopped", "max_step": 31,
+             "detail": "the ranks stopped gracefully", "detected_by": "exit"},
+            {"event": "supervisor_exit", "code": 5, "code_name": "INTERRUPTED", "reason": "SIGTERM"},
+        ):  # fmt: skip
+            f.write(json.dumps({**e, "ts": 10.0, "mono": 10.0}) + "\n")
+    assert cli.main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "step:     31 (attempt 1)" in out
+    assert "last failure: attempt 0: exit 9" in out  # not the graceful stop of attempt 1
+
+
 def test_status_of_a_killed_supervisor(tmp_path, capsys):
     run = make_run(tmp_path, finished=False)
     cli.main(["status", str(run)])

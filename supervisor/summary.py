@@ -1,0 +1,83 @@
+"""The few lines `run` prints when a job ends: what failed, what each failure cost, goodput,
+and where the full report is. Read in ten seconds; `report.md` keeps every table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from supervisor.report import Analysis, Failure
+
+
+def summary(a: Analysis, written: list[Path]) -> str:
+    t = a.totals
+    state = t.end if t.finished else "in progress"
+    lines = [
+        "",
+        f"== {a.name}: {state} at step {_n(t.final_step)} in {_duration(t.wall_s)}, "
+        f"goodput {t.goodput:.0%} ==",
+    ]
+    if not a.failures:
+        lines.append("No failures.")
+    else:
+        injected = sum(f.fault for f in a.failures)
+        lines.append(
+            f"{_count(len(a.failures), 'failure')} ({injected} injected), "
+            f"{_count(t.restarts, 'relaunch', 'es')}, {_count(t.lost_steps, 'step')} lost, "
+            f"{t.downtime_s:.1f} s of downtime:"
+        )
+        rows = [_row(i + 1, f) for i, f in enumerate(a.failures)]
+        lines += _columns(
+            ["#", "failure", "detected by", "in", "downtime", "lost", "resumed"], rows
+        )
+    c = a.checkpoints
+    if c.saves:
+        lines.append(
+            f"Checkpoints: {len(c.saves)} saves ({a.mode}), training stalled "
+            f"{_s(c.stall_median_s)} per save (median)."
+        )
+    lines.append("Report: " + ", ".join(_shown(p) for p in written))
+    lines.append(f"Look closer: python -m supervisor tail|status|report {_shown(a.run_dir)}")
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """Relative to the working directory where it lies below it: short enough to copy."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _row(i: int, f: Failure) -> list[str]:
+    cause = f.cause.removeprefix("fault ").removeprefix("natural: ")
+    return [
+        str(i),
+        cause if len(cause) <= 48 else cause[:47] + "…",
+        f.detected_by,
+        _s(f.detection_s),
+        _s(f.downtime_s),
+        _n(f.lost_steps),
+        "–" if f.resumed_from is None else f"step {f.resumed_from}",
+    ]
+
+
+def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in [header, *rows]]  # fmt: skip
+
+
+def _s(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f} s"
+
+
+def _n(v: int | None) -> str:
+    return "–" if v is None else str(v)
+
+
+def _count(n: int, word: str, plural: str = "s") -> str:
+    return f"{n} {word}{'' if n == 1 else plural}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
