@@ -24,7 +24,10 @@ import zmq
 from supervisor import protocol
 from supervisor.decisions import RankState
 
-RCV_HWM = 200_000
+# Messages queued per connection (each rank has its own): a rank sends a few a second, so 100
+# is seconds of slack, and a flooding peer can make us hold at most 100 frames of
+# MAX_MESSAGE_BYTES; past that ZeroMQ stops reading its socket (TCP pushes back on the sender).
+RCV_HWM = 100
 BATCH = 5_000  # messages handled before yielding to the event loop
 DRAIN_EVERY_S = 0.01
 
@@ -48,8 +51,8 @@ class HeartbeatServer:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
-        # A peer cannot make us buffer a huge message: cap it (frames + a little framing).
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_MESSAGE_BYTES)
+        # A peer sending a bigger frame than any message can be is dropped by ZeroMQ itself.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAC_LEN + protocol.MAX_MESSAGE_BYTES)
         if port:
             self._sock.bind(f"tcp://{bind}:{port}")
         else:
