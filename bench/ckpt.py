@@ -89,9 +89,9 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     import torch.nn.functional as F
 
     from worker.args import parse_args
-    from worker.async_ckpt import AsyncCheckpointer, Readiness
-    from worker.checkpoint import Checkpointer, RunIdentity, prefill_adamw_state
-    from worker.ckpt_io import shard_name
+    from worker.ckpt.async_save import AsyncCheckpointer, Readiness
+    from worker.ckpt.checkpointer import Checkpointer, RunIdentity, prefill_adamw_state
+    from worker.ckpt.storage import shard_name
     from worker.dist import detect_rank, init_process_group
     from worker.parallel import build_mesh
     from worker.train import build_model, plan
@@ -294,7 +294,7 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
 
 
 def files_step_dir(root: Path, step: int) -> Path:
-    from worker.ckpt_files import step_dir
+    from worker.ckpt.files import step_dir
 
     return step_dir(root, step)
 

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from supervisor import protocol
-from worker import ckpt_files  # the checkpoint layout itself; no torch there
+from worker.ckpt import files as ckpt_files  # the checkpoint layout itself; no torch there
 
 FLIP_BYTES = 64
 

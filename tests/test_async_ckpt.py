@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY, losses, read_metrics, run_worker, start_worker
 
-from worker import ckpt_files as files
-from worker.async_ckpt import Readiness, default_stage_root, readiness
-from worker.fanout import fan_out, own_files
+from worker.ckpt import files
+from worker.ckpt.async_save import Readiness, default_stage_root, readiness
+from worker.ckpt.fanout import fan_out, own_files
 
 ITERS, INTERVAL, KILL_STEP = 12, 4, 8
 COMMON = [*TINY, "--train-iters", str(ITERS), "--save-interval", str(INTERVAL)]

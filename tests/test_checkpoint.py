@@ -12,7 +12,7 @@ import psutil
 import pytest
 from conftest import TINY, read_metrics, run_worker, start_worker
 
-from worker import ckpt_files as files
+from worker.ckpt import files
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from faults.schedule import Facts, Schedule, interval, targets
 from faults.spec import JobShape, parse_all
 from supervisor import cli, protocol
 from supervisor import config as C
-from worker import ckpt_files
 from worker.beat import StepFaults, ZmqBeacon
+from worker.ckpt import files as ckpt_files
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = JobShape(train_iters=100, save_interval=10, world=4, nodes=2, ranks_per_node=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker import ckpt_files as files
+from worker.ckpt import files
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError

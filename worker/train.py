@@ -124,8 +124,8 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
     import torch.nn.functional as F
 
     from worker import data as data_mod
-    from worker.async_saves import AsyncSaves
-    from worker.checkpoint import Checkpointer, RunIdentity
+    from worker.ckpt.checkpointer import Checkpointer, RunIdentity
+    from worker.ckpt.manager import AsyncSaves
     from worker.dist import init_process_group, select_device, set_threads
     from worker.metrics import MetricsLog, human_line
     from worker.parallel import build_mesh, clip_grad_norm
@@ -281,8 +281,8 @@ def run(args: TrainArgs, info: RankInfo, setup, beacon: Beacon, say, stop: StopR
 def choose_resume(args: TrainArgs, info: RankInfo, identity, beacon: Beacon, say) -> Path | None:
     """The checkpoint to resume from, if any, chosen before the model is built so that its
     files are read into the page cache meanwhile."""
-    from worker.checkpoint import choose_checkpoint, start_reading
-    from worker.ckpt_files import read_meta
+    from worker.ckpt.checkpointer import choose_checkpoint, start_reading
+    from worker.ckpt.files import read_meta
 
     if not args.ckpt_dir or args.no_resume:
         return None

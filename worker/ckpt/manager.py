@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.protocol import ENV_JOB_ID
-from worker.async_ckpt import (
+from worker.ckpt.async_save import (
     AsyncCheckpointer,
     KillHook,
     PollReport,

@@ -41,10 +41,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
-from worker import ckpt_files as files
-from worker import ckpt_io
-from worker.checkpoint import Checkpointer
-from worker.fanout import FanoutResult, fan_out
+from worker.ckpt import files, storage
+from worker.ckpt.checkpointer import Checkpointer
+from worker.ckpt.fanout import FanoutResult, fan_out
 
 POLL_PAUSE_S = 0.005
 
@@ -119,7 +118,7 @@ class ReusedStager:
         Every slot starts and ends on an O_DIRECT boundary, so the writer can hand each one to
         the device as it is (`padded`)."""
         sizes = [_aligned(t) for t in _local_tensors(state_dict) if t.dim() > 0]
-        block = ckpt_io.aligned_zeros(sum(sizes), pin=torch.cuda.is_available())
+        block = storage.aligned_zeros(sum(sizes), pin=torch.cuda.is_available())
         self._cursor = 0
         self._slots = {}
         self._block = block
@@ -158,7 +157,7 @@ class ReusedStager:
 
 
 def _aligned(t: torch.Tensor) -> int:
-    return ckpt_io.round_up(t.numel() * t.element_size())
+    return storage.round_up(t.numel() * t.element_size())
 
 
 def _local_tensors(tree: Any):
@@ -173,7 +172,7 @@ def _local_tensors(tree: Any):
             yield from _local_tensors(v)
 
 
-class _StageWriter(ckpt_io.RawWriter):
+class _StageWriter(storage.RawWriter):
     """The checkpoint writer for the stage dir, with test hooks: a delay before it writes, a
     kill between this rank's shards and DCP's metadata."""
 

@@ -31,8 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from worker import ckpt_files as files
-from worker import ckpt_io
+from worker.ckpt import files, storage
 from worker.errors import UsageError
 
 
@@ -133,7 +132,7 @@ def start_reading(
     planning overlapped). Resharding reads parts of other files; only DCP's plan says which.
     `meta`: the checkpoint's `meta.json` record."""
     if meta.get("world") == identity.world and meta.get("mesh") == identity.mesh:
-        ckpt_io.read_ahead(directory / ckpt_io.shard_name(rank))
+        storage.read_ahead(directory / storage.shard_name(rank))
 
 
 def _loaded_in_place(model: torch.nn.Module, model_sd: dict[str, Any]) -> bool:
@@ -202,7 +201,7 @@ class Checkpointer:
         started = time.perf_counter()
         directory = self.prepare(step)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=ckpt_io.writer(directory))
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=storage.writer(directory))
         self.after_write(step)
         self.finalize(directory, self.describe(step, tokens_seen, data))
         return time.perf_counter() - started
@@ -302,8 +301,8 @@ class Checkpointer:
         # Each rank plans its own reads from DCP's metadata: a load's global plan is the local
         # plans unchanged, so gathering them on rank 0 would only cost time at scale.
         with _no_collection():
-            dcp.load(state, storage_reader=ckpt_io.reader(directory), no_dist=True)
-        ckpt_io.stop_read_ahead(directory / ckpt_io.shard_name(self.rank))
+            dcp.load(state, storage_reader=storage.reader(directory), no_dist=True)
+        storage.stop_read_ahead(directory / storage.shard_name(self.rank))
         if not _loaded_in_place(self.model, state["model"]):
             set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
