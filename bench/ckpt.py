@@ -294,7 +294,7 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
 
 
 def files_step_dir(root: Path, step: int) -> Path:
-    from worker.ckpt.files import step_dir
+    from worker.ckpt.naming import step_dir
 
     return step_dir(root, step)
 

@@ -23,6 +23,7 @@ from faults import actions
 from faults.schedule import Facts, Firing, Schedule
 from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec, parse_all, shape_of
 from supervisor import protocol
+from worker.ckpt import naming
 
 CONTROL_RETRY_S = 0.2  # a rank whose control socket is not connected yet: retry this long
 
@@ -239,7 +240,7 @@ class FaultEngine:
         marker = {"step": step, "mtime": None}
         if step is not None and self.ckpt_dir is not None:
             with contextlib.suppress(OSError):
-                path = self.ckpt_dir / f"step-{step}" / ".complete"
+                path = naming.marker(self.ckpt_dir, step)
                 marker["mtime"] = round(path.stat().st_mtime, 6)
         return marker
 

@@ -19,6 +19,7 @@ from supervisor import events as events_mod
 from supervisor import job as job_mod
 from supervisor import worker_flags
 from supervisor.decisions import ExitCode
+from worker.ckpt import files as ckpt_files
 
 EXIT_CODES = """exit status:
   0  done: the worker finished
@@ -365,13 +366,9 @@ def _last_metrics_record(path: Path) -> dict:
 def _newest_checkpoint(resolved: dict, events: list[dict]) -> str:
     ckpt_dir = resolved.get("worker", {}).get("ckpt_dir")
     if ckpt_dir and Path(ckpt_dir).is_dir():
-        steps = []
-        for d in Path(ckpt_dir).glob("step-*"):
-            suffix = d.name.removeprefix("step-")
-            if suffix.isdigit() and (d / ".complete").exists():
-                steps.append(int(suffix))
-        if steps:
-            return f"step {max(steps)} ({ckpt_dir}/step-{max(steps)})"
+        found = ckpt_files.resume_candidates(ckpt_files.scan(Path(ckpt_dir)))
+        if found:
+            return f"step {found[0].step} ({ckpt_dir}/{found[0].path.name})"
     marks = [e["step"] for e in events if e.get("event") == "ckpt_complete" and "step" in e]
     return f"step {max(marks)} (from events)" if marks else "none"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, losses, read_metrics, run_worker, start_worker
 
-from worker.ckpt import files
+from worker.ckpt import files, naming
 from worker.ckpt.async_save import Readiness, default_stage_root, readiness
 from worker.ckpt.fanout import fan_out, own_files
 
@@ -82,9 +82,9 @@ def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
     found = {f.step: f.complete for f in files.scan(ckpt)}
     assert max(s for s, complete in found.items() if complete) == marked, found
     if phase == "write":  # the dead attempt's local copy is still there ...
-        assert list(files.step_dir(stage, KILL_STEP).glob("__1_*.distcp"))
+        assert list(naming.step_dir(stage, KILL_STEP).glob("__1_*.distcp"))
     if phase == "fanout":  # ... or its half-copied file, under its temporary name only
-        durable = files.step_dir(ckpt, KILL_STEP)
+        durable = naming.step_dir(ckpt, KILL_STEP)
         assert list(durable.glob(".tmp-__1_*")) and not list(durable.glob("__1_*"))
 
     again = run_worker(2, *args)
@@ -167,7 +167,7 @@ def test_sigterm_drains_and_marks_the_stop_step(tmp_path):
     assert proc.returncode == 0, output
     stop = read_metrics(out / "metrics-0.jsonl")[-1]["step"]
     assert f"checkpoint step={stop} complete" in output
-    assert (files.step_dir(tmp_path / "ckpt", stop) / files.MARKER).exists()
+    assert (naming.step_dir(tmp_path / "ckpt", stop) / naming.MARKER).exists()
     assert list((tmp_path / "stage").iterdir()) == []
 
 

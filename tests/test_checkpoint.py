@@ -12,7 +12,7 @@ import psutil
 import pytest
 from conftest import TINY, read_metrics, run_worker, start_worker
 
-from worker.ckpt import files
+from worker.ckpt import files, naming
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +97,8 @@ def test_kill_during_save_falls_back_to_previous(tmp_path):
     ]
     died = run_worker(2, *common, "--inject-rank", "1", "--inject-kill-in-save-at-step", "8")
     assert died.returncode != 0
-    partial = files.step_dir(tmp_path / "ckpt", 8)
-    assert any(partial.glob("*.distcp")) and not (partial / files.MARKER).exists()
+    partial = naming.step_dir(tmp_path / "ckpt", 8)
+    assert any(partial.glob("*.distcp")) and not (partial / naming.MARKER).exists()
     again = run_worker(2, *common)
     assert again.returncode == 0, again.stderr
     assert "RESUMED from step=4" in again.stdout
@@ -123,7 +123,7 @@ def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, damage):
     ]
     first = run_worker(2, *common, "--train-iters", "6")
     assert first.returncode == 0, first.stderr
-    shard = sorted(files.step_dir(ckpt, 6).glob("__1_*.distcp"))[0]
+    shard = sorted(naming.step_dir(ckpt, 6).glob("__1_*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
         shard.write_bytes(data[: len(data) // 2])
@@ -156,7 +156,7 @@ def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):
     assert proc.returncode == 0, output
     stop_step = read_metrics(out / "metrics-0.jsonl")[-1]["step"]
     assert f"stop requested: exiting after step {stop_step}" in output
-    assert (files.step_dir(ckpt, stop_step) / files.MARKER).exists()
+    assert (naming.step_dir(ckpt, stop_step) / naming.MARKER).exists()
     resumed = run_worker(
         2,
         *args[:-4],

@@ -19,6 +19,7 @@ from supervisor import cli, protocol
 from supervisor import config as C
 from worker.beat import StepFaults, ZmqBeacon
 from worker.ckpt import files as ckpt_files
+from worker.ckpt import naming
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = JobShape(train_iters=100, save_interval=10, world=4, nodes=2, ranks_per_node=2)
@@ -282,7 +283,7 @@ def test_targets():
 # --- actions --------------------------------------------------------------------------------------
 def fake_checkpoints(root: Path, steps=(5, 10)) -> None:
     for step in steps:
-        d = ckpt_files.step_dir(root, step)
+        d = naming.step_dir(root, step)
         d.mkdir(parents=True)
         for r in (0, 1):
             (d / f"__{r}_0.distcp").write_bytes(bytes(range(256)) * 4)
@@ -291,7 +292,7 @@ def fake_checkpoints(root: Path, steps=(5, 10)) -> None:
 
 def test_corrupt_truncates_or_flips_a_shard_of_the_newest_checkpoint(tmp_path):
     fake_checkpoints(tmp_path)
-    d10 = ckpt_files.step_dir(tmp_path, 10)
+    d10 = naming.step_dir(tmp_path, 10)
     damage = actions.corrupt(tmp_path, "truncate", rank=1)
     assert (damage.step, damage.file, damage.bytes_before, damage.bytes_after) == (
         10, "__1_0.distcp", 1024, 512

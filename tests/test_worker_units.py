@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.ckpt import files
+from worker.ckpt import files, naming
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError
@@ -100,7 +100,7 @@ def test_batches_are_a_pure_function_of_seed_step_and_rank():
 
 
 def _make(root, step, complete):
-    d = files.step_dir(root, step)
+    d = naming.step_dir(root, step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(b"x" * step)
     if complete:
@@ -133,7 +133,7 @@ def test_resume_order_and_retention(tmp_path):
 def test_stale_marker_never_vouches_for_a_reused_directory(tmp_path):
     d = _make(tmp_path, 5, complete=True)
     files.prepare_step_dir(d)
-    assert not (d / files.MARKER).exists() and list(d.iterdir()) == []
+    assert not (d / naming.MARKER).exists() and list(d.iterdir()) == []
     assert files.resume_candidates(files.scan(tmp_path)) == []
     # the old contents were set aside in one rename, for deletion after the next marker
     (aside,) = tmp_path.glob(f"{files.SET_ASIDE}*")

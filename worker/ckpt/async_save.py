@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
-from worker.ckpt import files, storage
+from worker.ckpt import files, naming, storage
 from worker.ckpt.checkpointer import Checkpointer
 from worker.ckpt.fanout import FanoutResult, fan_out
 
@@ -279,11 +279,11 @@ class AsyncCheckpointer:
         drained = self.drain()
         waited = time.perf_counter()
         self._step = step
-        stage = files.step_dir(self.stage_root, step)
+        stage = naming.step_dir(self.stage_root, step)
         if self.local_rank == 0 and stage.exists():
             shutil.rmtree(stage)
         marks = [time.perf_counter()]
-        durable = files.step_dir(self.base.root, step)
+        durable = naming.step_dir(self.base.root, step)
         if self.base.rank == 0:
             # No barrier needed before other ranks write here: their fan-out starts after
             # DCP's write, whose collectives rank 0 joins only after this line.

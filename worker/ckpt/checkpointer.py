@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from worker.ckpt import files, storage
+from worker.ckpt import files, naming, storage
 from worker.errors import UsageError
 
 
@@ -120,7 +120,7 @@ def _problem(directory: Path, check_crc: bool) -> str | None:
     try:
         meta = files.read_meta(directory)
     except (OSError, ValueError) as exc:
-        return f"unreadable {files.META}: {exc}"
+        return f"unreadable {naming.META}: {exc}"
     return files.verify_problem(directory, meta.get("files", {}), check_crc)
 
 
@@ -208,7 +208,7 @@ class Checkpointer:
 
     def prepare(self, step: int) -> Path:
         """Empty the step directory (a stale marker first) before any rank writes into it."""
-        directory = files.step_dir(self.root, step)
+        directory = naming.step_dir(self.root, step)
         if self.rank == 0:
             files.prepare_step_dir(directory)
         dist.barrier()

@@ -1,4 +1,4 @@
-"""The checkpoint directory on disk: naming, scanning, verifying, marking, retention.
+"""The checkpoint directory on disk: scanning, verifying, marking, retention.
 
 No torch here. Decisions (which checkpoint is newest, what retention deletes, whether a step
 directory's files match its record) are pure functions over what a scan found.
@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
+from worker.ckpt.naming import MARKER, META, is_complete, parse_step
+
 SET_ASIDE = ".set-aside-"  # a reused step dir's old contents, awaiting deletion
-MARKER = ".complete"
-META = "meta.json"
 CRC_CHUNK = 8 << 20
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step}"
 
 
 @dataclass(frozen=True)
@@ -39,9 +33,9 @@ def scan(root: Path) -> list[Found]:
         return []
     found = []
     for entry in root.iterdir():
-        match = STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
-            found.append(Found(int(match.group(1)), entry, (entry / MARKER).is_file()))
+        step = parse_step(entry.name)
+        if step is not None and entry.is_dir():
+            found.append(Found(step, entry, is_complete(entry)))
     return sorted(found, key=lambda f: f.step)
 
 
