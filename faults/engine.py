@@ -8,24 +8,45 @@ engine decides comes from `Schedule.due`; everything it does is in `faults.actio
 Every injected fault is one `fault` event (see `_fire` for its fields): what fired, why, whom
 it hit (ranks, pids, hosts, the step and phase each was at), how it was delivered, and when
 (`ts` wall and `mono` monotonic, read just before the first delivery).
+
+Nothing here blocks the supervisor's event loop: signals and control sends never wait, and a
+rank whose control socket is not connected yet is retried by a timer on the loop (every
+CONTROL_RETRY_EVERY_S, for CONTROL_RETRY_S); if it never connects, a `fault_undelivered` event
+follows the `fault` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from faults import actions
 from faults.schedule import Facts, Firing, Schedule
-from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec, parse_all, shape_of
+from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec
 from supervisor import protocol
 from worker.ckpt import naming
 
 CONTROL_RETRY_S = 0.2  # a rank whose control socket is not connected yet: retry this long
+CONTROL_RETRY_EVERY_S = 0.02
+
+
+@dataclass(eq=False)
+class _Retry:
+    """One firing's control commands to ranks not connected yet, retried from the event loop."""
+
+    spec: FaultSpec
+    n: int
+    attempt: int
+    deadline: float  # monotonic
+    commands: dict[int, dict[str, Any]]  # rank -> its command, until sent
+    failed: dict[int, str] = field(default_factory=dict)  # rank -> why not
+    timer: asyncio.TimerHandle | None = None
 
 
 class FaultEngine:
@@ -57,24 +78,24 @@ class FaultEngine:
         self.damaged: set[int] = set()  # ... and later corrupted or unmarked by a fault
         self.inflight: set[int] = set()  # async saves staged or written, not yet complete
         self.total = 0
+        self.retrying: set[_Retry] = set()
 
     @classmethod
     def create(
         cls, cfg: Any, world: int, key: str, job_id: str, heartbeat_address: str, emit: Callable
     ) -> FaultEngine | None:
-        """The engine of a job with [[faults]], or None without (nothing of faults/ then runs)."""
+        """The engine of a job with [[faults]] (typed specs, checked against the resolved world
+        by `supervisor.resolve`), or None without (nothing of faults/ then runs)."""
         if not cfg.faults:
             return None
         from supervisor import launcher
 
-        shape = shape_of(cfg, world // cfg.launch.ranks_per_node)
-        specs = parse_all(cfg.faults, cfg.source, shape)
         host = heartbeat_address.removeprefix("tcp://").rsplit(":", 1)[0]
         bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else "0.0.0.0"
         ckpt = cfg.worker.flags.get("ckpt_dir")
         ckpt_dir = Path(cfg.launch.cwd or ".", ckpt).absolute() if ckpt else None
         return cls(
-            specs,
+            list(cfg.faults),
             key=key.encode(),
             job_id=job_id,
             world=world,
@@ -134,6 +155,10 @@ class FaultEngine:
             self._fire(firing, table)
 
     def close(self) -> None:
+        for retry in self.retrying:
+            if retry.timer is not None:
+                retry.timer.cancel()
+        self.retrying.clear()
         self.emit("fault_summary", total=self.total, fired=self.schedule.fired())
         self.control.close()
 
@@ -177,17 +202,8 @@ class FaultEngine:
                 self.damaged.add(damage.step)
         sts = [table.ranks[r] for r in f.ranks]
         steps, phases = [st.step for st in sts], [st.phase for st in sts]
-        vias = []
-        for st in sts:
-            remote = st.host != self.this_host
-            via = "control" if spec.via == "control" or act.kind in IN_STEP or remote else "signal"
-            vias.append(via)
-            if via == "signal":
-                err = actions.send_signal(st.pid, act.signum)
-            else:
-                err = self._send_control(spec, st.rank)
-            if err:
-                errors.append(f"rank {st.rank}: {err}")
+        vias, sent_errors, retrying = self._deliver(spec, f.n, sts, mono)
+        errors += sent_errors
         if act.kind in DISRUPTIVE:
             self.disrupted = True
         self.total += 1
@@ -206,6 +222,8 @@ class FaultEngine:
             extra["wait_s"] = round(max(0.0, min(ready, elapsed) - f.due_s), 6)
         if marker is not None:
             extra["marker"] = marker
+        if retrying:
+            extra["retrying"] = retrying
         if errors:
             extra["errors"] = errors
         t = spec.trigger
@@ -244,23 +262,79 @@ class FaultEngine:
                 marker["mtime"] = round(path.stat().st_mtime, 6)
         return marker
 
-    def _send_control(self, spec: FaultSpec, rank: int) -> str | None:
+    def _deliver(
+        self, spec: FaultSpec, n: int, sts: list[Any], mono: float
+    ) -> tuple[list[str], list[str], list[int]]:
+        """Signal or command each target rank now, without waiting: (how each was reached,
+        errors, ranks whose command is retried because their control socket is not connected
+        yet)."""
         act = spec.action
-        kind = act.kind if act.kind in IN_STEP else "signal"
-        message = protocol.control_message(
+        vias, errors = [], []
+        attempt = self.attempt if self.attempt is not None else -1
+        later: dict[int, dict[str, Any]] = {}
+        for st in sts:
+            remote = st.host != self.this_host
+            via = "control" if spec.via == "control" or act.kind in IN_STEP or remote else "signal"
+            vias.append(via)
+            if via == "signal":
+                err = actions.send_signal(st.pid, act.signum)
+            else:
+                command = self._command(spec, attempt, st.rank)
+                err = self.control.send(attempt, st.rank, command)
+                if err is not None and "not connected" in err:
+                    later[st.rank], err = command, None
+            if err:
+                errors.append(f"rank {st.rank}: {err}")
+        if later and not self._retry_later(_Retry(spec, n, attempt, mono + CONTROL_RETRY_S, later)):
+            errors += [f"rank {r}: rank not connected to the control channel" for r in later]
+            later = {}
+        return vias, errors, sorted(later)
+
+    def _command(self, spec: FaultSpec, attempt: int, rank: int) -> dict[str, Any]:
+        act = spec.action
+        return protocol.control_message(
             self.job_id,
-            self.attempt if self.attempt is not None else -1,
+            attempt,
             rank,
             time.time(),
-            kind,
+            act.kind if act.kind in IN_STEP else "signal",
             spec.index,
             signal=0 if act.kind in IN_STEP else act.signum,
             delay_s=act.delay_s,
             duration_s=act.duration_s,
         )
-        deadline = time.monotonic() + CONTROL_RETRY_S
-        while True:
-            err = self.control.send(message["attempt"], rank, message)
-            if err is None or time.monotonic() > deadline or "not connected" not in err:
-                return err
-            time.sleep(0.02)
+
+    # --- ranks not connected yet: retried on the loop, never waited for -------------------------
+    def _retry_later(self, retry: _Retry) -> bool:
+        """Schedule the next try; False without a running event loop (nothing to retry on)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        retry.timer = loop.call_later(CONTROL_RETRY_EVERY_S, self._retry, retry)
+        self.retrying.add(retry)
+        return True
+
+    def _retry(self, retry: _Retry) -> None:
+        self.retrying.discard(retry)
+        for rank, command in list(retry.commands.items()):
+            err = self.control.send(retry.attempt, rank, command)
+            if err is None or "not connected" not in err:
+                del retry.commands[rank]
+                if err is not None:
+                    retry.failed[rank] = err
+        if retry.commands and time.monotonic() < retry.deadline:
+            self._retry_later(retry)
+            return
+        failed = {**retry.failed, **{r: "rank not connected to the control channel"
+                                     for r in retry.commands}}  # fmt: skip
+        if failed:
+            self.emit(
+                "fault_undelivered",
+                attempt=retry.attempt,
+                fault=retry.spec.index,
+                name=retry.spec.label,
+                n=retry.n,
+                ranks=sorted(failed),
+                errors=[f"rank {r}: {e}" for r, e in sorted(failed.items())],
+            )

@@ -3,17 +3,19 @@
 Parsing is strict like the rest of the config: unknown keys, wrong types, and faults that could
 never fire (a step at or past `train_iters`, a rank outside the world, a marker gate with no
 checkpoint to wait for) raise `ConfigError` naming the file and `faults[i].key`.
+
+Parsed once, when the config is loaded (`parse_all`); `check_world` checks the targets again once
+the job's nodes are resolved. The engine takes the specs as they are.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import signal
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.config import ConfigError
+from supervisor.config_table import ConfigError, Table, is_int
 
 ACTIONS = ("kill", "term", "hang", "stall", "slow", "corrupt", "unmark")
 TIME_KEYS = ("at_s", "every_s", "mtbf_s")
@@ -103,6 +105,8 @@ class FaultSpec:
     target: Target
     # auto: a signal by pid on this host, the control channel elsewhere; control: always it.
     via: Literal["auto", "control"] = "auto"
+    # The [[faults]] table as given: the resolved config.toml and --dry-run show it unchanged.
+    table: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -131,8 +135,8 @@ def shape_of(cfg: Any, world_nodes: int | None = None) -> JobShape:
     rpn = cfg.launch.ranks_per_node
     ti, si = flags.get("train_iters"), flags.get("save_interval")
     return JobShape(
-        train_iters=ti if _is_int(ti) else None,
-        save_interval=si if _is_int(si) else (0 if si is None else None),
+        train_iters=ti if is_int(ti) else None,
+        save_interval=si if is_int(si) else (0 if si is None else None),
         save_on_exit=flags.get("save_on_exit", True) is not False,
         ckpt_verify=str(flags.get("ckpt_verify", "size")),
         world=nodes * rpn if nodes else None,
@@ -148,12 +152,15 @@ def parse_all(raw: Any, source: str, shape: JobShape | None = None) -> list[Faul
     return [parse(t, i, source, shape or JobShape()) for i, t in enumerate(raw)]
 
 
+def check_world(specs: Sequence[FaultSpec], source: str, shape: JobShape) -> None:
+    """Once the job's nodes are resolved: every targeted rank and node exists."""
+    for spec in specs:
+        _check_target(spec.target, shape, Table(dict(spec.table), f"faults[{spec.index}]", source))
+
+
 def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> FaultSpec:
-    p = _Table(table, f"faults[{index}]", source)
-    for key in table:
-        if key not in KNOWN_KEYS:
-            hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
-            p.fail(key, "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    p = Table(table, f"faults[{index}]", source)
+    p.reject_unknown(KNOWN_KEYS)
     trigger = _trigger(p, shape)
     action = _action(p, shape)
     target = _target(p, shape)
@@ -161,10 +168,10 @@ def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> Fa
     name = p.string("name", "")
     if action.kind == "term" and "signal" in table:
         p.fail("signal", 'term always sends SIGTERM; use action = "kill" with a signal')
-    return FaultSpec(index, name, trigger, action, target, via)
+    return FaultSpec(index, name, trigger, action, target, via, dict(table))
 
 
-def _trigger(p: _Table, shape: JobShape) -> Trigger:
+def _trigger(p: Table, shape: JobShape) -> Trigger:
     given = [k for k in (*TIME_KEYS, *STEP_KEYS, "during") if k in p.raw]
     main = [k for k in given if k != "during"]
     if "during" in given and any(k in TIME_KEYS for k in main):
@@ -215,7 +222,7 @@ def _trigger(p: _Table, shape: JobShape) -> Trigger:
     return Trigger(**fields)
 
 
-def _check_steps(p: _Table, shape: JobShape, fields: dict[str, Any]) -> None:
+def _check_steps(p: Table, shape: JobShape, fields: dict[str, Any]) -> None:
     """Steps the job reaches, and for a marker gate a periodic save at or past each."""
     last, si = shape.train_iters, shape.save_interval
     key = "at_step" if fields.get("at_step") else "every_steps"
@@ -244,7 +251,7 @@ def _check_steps(p: _Table, shape: JobShape, fields: dict[str, Any]) -> None:
                    f"{si}, train_iters {last})")  # fmt: skip
 
 
-def _action(p: _Table, shape: JobShape) -> Action:
+def _action(p: Table, shape: JobShape) -> Action:
     kind = p.choice("action", ACTIONS, None)
     fields: dict[str, Any] = {"kind": kind}
     allowed = set()
@@ -272,7 +279,7 @@ def _action(p: _Table, shape: JobShape) -> Action:
     return Action(**fields)
 
 
-def _signal(p: _Table) -> int:
+def _signal(p: Table) -> int:
     value = p.raw["signal"]
     if isinstance(value, int) and not isinstance(value, bool):
         try:
@@ -288,96 +295,21 @@ def _signal(p: _Table) -> int:
     raise AssertionError  # unreachable
 
 
-def _target(p: _Table, shape: JobShape) -> Target:
+def _target(p: Table, shape: JobShape) -> Target:
     text = p.string("target", "all")
     kind, _, num = text.partition(":")
     if kind in ("all", "random") and not num:
         return Target(kind)  # type: ignore[arg-type]
     if kind not in ("rank", "node") or not num.isdigit():
         p.fail("target", f'expected "all", "rank:N", "node:N" or "random", got {text!r}')
-    index = int(num)
+    target = Target(kind, int(num))  # type: ignore[arg-type]
+    _check_target(target, shape, p)
+    return target
+
+
+def _check_target(target: Target, shape: JobShape, p: Table) -> None:
+    kind, index = target.kind, target.index
     if kind == "rank" and shape.world is not None and index >= shape.world:
         p.fail("target", f"rank {index} does not exist: the job has {shape.world} ranks")
     if kind == "node" and shape.nodes is not None and index >= shape.nodes:
         p.fail("target", f"node {index} does not exist: the job has {shape.nodes} node(s)")
-    return Target(kind, index)  # type: ignore[arg-type]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-class _Table:
-    """Typed reads from one [[faults]] table; every failure names faults[i].key."""
-
-    def __init__(self, raw: dict[str, Any], prefix: str, source: str) -> None:
-        self.raw, self.prefix, self.source = raw, prefix, source
-
-    def fail(self, key: str, message: str) -> None:
-        raise ConfigError(self.source, f"{self.prefix}.{key}" if key else self.prefix, message)
-
-    def number(self, key: str, default: float | None = None, positive: bool = False) -> float:
-        value = self.raw.get(key, default)
-        if value is None:
-            self.fail(key, "missing: expected a number")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.fail(key, f"expected a number, got {value!r}")
-        if not math.isfinite(value) or (positive and value <= 0):
-            self.fail(key, f"expected a {'positive ' if positive else ''}finite number")
-        return float(value)
-
-    def numbers(self, key: str, minimum: float) -> list[float]:
-        value = self.raw[key]
-        if not isinstance(value, list) or not value:
-            self.fail(key, "expected a non-empty list of numbers")
-        for v in value:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                self.fail(key, f"expected numbers, got {v!r}")
-            if v < minimum:
-                self.fail(key, f"expected numbers >= {minimum:g}, got {v!r}")
-        return [float(v) for v in value]
-
-    def integer(self, key: str, default: int | None, minimum: int | None = None) -> int:
-        value = self.raw.get(key, default)
-        if value is None:
-            self.fail(key, "missing: expected an integer")
-        if not _is_int(value):
-            self.fail(key, f"expected an integer, got {value!r}")
-        if minimum is not None and value < minimum:
-            self.fail(key, f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    def integers(self, key: str, minimum: int) -> list[int]:
-        value = self.raw[key]
-        if _is_int(value):
-            value = [value]
-        if not isinstance(value, list) or not value or not all(_is_int(v) for v in value):
-            self.fail(key, "expected a step or a non-empty list of steps")
-        if min(value) < minimum:
-            self.fail(key, f"expected steps >= {minimum}, got {min(value)}")
-        return value
-
-    def count(self) -> int | None:
-        if "count" not in self.raw:
-            return None
-        return self.integer("count", None, minimum=1)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.raw.get(key, default)
-        if not isinstance(value, bool):
-            self.fail(key, f"expected true or false, got {value!r}")
-        return value
-
-    def string(self, key: str, default: str) -> str:
-        value = self.raw.get(key, default)
-        if not isinstance(value, str):
-            self.fail(key, f"expected a string, got {value!r}")
-        return value
-
-    def choice(self, key: str, choices: tuple[str, ...], default: str | None) -> Any:
-        value = self.raw.get(key, default)
-        if value is None:
-            self.fail(key, "missing: expected one of " + " | ".join(map(repr, choices)))
-        if value not in choices:
-            self.fail(key, f"expected one of {' | '.join(map(repr, choices))}, got {value!r}")
-        return value

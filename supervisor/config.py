@@ -7,16 +7,18 @@ with one line and launch nothing. Unknown keys are errors (with a suggestion), n
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import sys
 import time
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from supervisor.config_table import ConfigError, build
+
+if TYPE_CHECKING:  # faults/ is imported only for a config that declares [[faults]]
+    from faults.spec import FaultSpec
 
 try:
     import tomllib
@@ -30,15 +32,6 @@ PHASE_NAMES = ("init", "load", "train", "save")
 # Any other `key = false` is left out, `key = true` becomes `--key`.
 DEFAULT_ON_FLAGS = frozenset({"save_on_exit"})
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-class ConfigError(ValueError):
-    """A user error in the config: reported as `file: key: message`, exit status 2."""
-
-    def __init__(self, source: str, key: str, message: str) -> None:
-        self.source, self.key, self.message = source, key, message
-        where = f"{source}: {key}: " if key else f"{source}: "
-        super().__init__(where + message)
 
 
 @dataclass
@@ -123,7 +116,8 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
-    faults: list[dict[str, Any]] = field(default_factory=list)
+    # [[faults]], parsed (each keeps its table, for the resolved dump); checked again in resolve.
+    faults: list[FaultSpec] = field(default_factory=list)
     source: str = "<config>"
 
     def worker_flags(self) -> list[str]:
@@ -193,7 +187,7 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
     raw = dict(raw)
     worker_raw = raw.pop("worker", {})
     faults = raw.pop("faults", [])
-    cfg = _build(Config, raw, "", source, skip={"worker", "faults", "source"})
+    cfg = build(Config, raw, "", source, skip={"worker", "faults", "source"})
     cfg.source = source
     cfg.worker = _worker(worker_raw, source)
     cfg.faults = _faults(faults, source, cfg)
@@ -221,95 +215,14 @@ def _worker(raw: Any, source: str) -> WorkerConfig:
     return WorkerConfig(module=module, flags=raw)
 
 
-def _faults(raw: Any, source: str, cfg: Config) -> list[dict[str, Any]]:
-    """[[faults]] stay tables here (dumped as given); faults/ checks them (and parses them
-    again with the job's world once its nodes are known)."""
+def _faults(raw: Any, source: str, cfg: Config) -> list[FaultSpec]:
+    """[[faults]] as typed specs, checked against what the config says of the job (its world,
+    when the nodes are "auto", is checked again once resolved)."""
     if isinstance(raw, list) and not raw:
         return []
     from faults.spec import parse_all, shape_of  # faults/ is loaded only for a fault schedule
 
-    parse_all(raw, source, shape_of(cfg))
-    return raw
-
-
-def _build(cls: type, raw: Any, prefix: str, source: str, skip: frozenset | set = frozenset()):
-    where = prefix.rstrip(".") or cls.__name__
-    if not isinstance(raw, dict):
-        raise ConfigError(source, where, "expected a table")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
-    for key in raw:
-        if key not in names:
-            hint = difflib.get_close_matches(key, names, n=1)
-            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-            known = ", ".join(names)
-            raise ConfigError(source, prefix + key, f"unknown key{suggestion}; known: {known}")
-    values = {}
-    for name in names:
-        if name in raw:
-            values[name] = _convert(raw[name], hints[name], prefix + name, source)
-    return cls(**values)
-
-
-def _convert(value: Any, hint: Any, key: str, source: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key + ".", source)
-    if origin is Literal:
-        if value not in args:
-            choices = " | ".join(repr(a) for a in args)
-            raise ConfigError(source, key, f"expected one of {choices}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for option in args:
-            try:
-                return _convert(value, option, key, source)
-            except ConfigError:
-                continue
-        raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
-        return [_convert(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
-        return {str(k): _convert(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(source, key, f"expected a number, got {_show(value)}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(source, key, f"expected an integer, got {_show(value)}")
-        return value
-    if hint is bool or hint is str:
-        if not isinstance(value, hint):
-            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_show(value)}")
-        return value
-    if hint is Any:
-        return value
-    raise TypeError(f"unsupported config type {hint!r}")  # a bug here, not the user's
-
-
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is list:
-        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
-    if origin is dict:
-        return "a table"
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}.get(
-        hint, str(hint)
-    )
-
-
-def _show(value: Any) -> str:
-    kind = {str: "string", bool: "boolean", int: "integer", float: "number"}.get(type(value))
-    kind = kind or ("list" if isinstance(value, list) else "table")
-    return f"{kind} {value!r}" if kind != "table" else "a table"
+    return parse_all(raw, source, shape_of(cfg))
 
 
 # --- semantic checks ------------------------------------------------------------------------------
@@ -394,13 +307,13 @@ def expand_run_dir(cfg: Config, now: float | None = None) -> Path:
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    d = dataclasses.asdict(cfg)
+    d = dataclasses.asdict(dataclasses.replace(cfg, faults=[]))
     d.pop("source")
     worker = d.pop("worker")
     d["worker"] = {"module": worker["module"], **worker["flags"]}
-    faults = d.pop("faults")
-    if faults:
-        d["faults"] = faults
+    d.pop("faults")
+    if cfg.faults:  # the tables as given
+        d["faults"] = [dict(spec.table) for spec in cfg.faults]
     return d
 
 

@@ -2,7 +2,7 @@
 
 Nothing here touches a process, a socket or the clock: every input (exit codes, the ranks' last
 beats and steps, `now`, the attempts so far) is passed in, so each rule is unit-tested with plain
-values. `job.py` gathers the facts and acts on the answers.
+values. `attempt.py` and `job.py` gather the facts and act on the answers.
 """
 
 from __future__ import annotations
@@ -183,6 +183,17 @@ def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool)
     if returncode == 0:
         return Outcome("failure", "exit 0 before the worker said done")
     return Outcome("failure", what)
+
+
+def attempt_outcome(
+    finding: Finding | None, returncode: int | None, *, done: bool, stopping: bool, stepped: bool
+) -> Outcome:
+    """A finding (a rank gone, a hang, no progress) makes the attempt a failure; else its exit
+    status decides (None: no status was collected, as for a process killed in teardown)."""
+    if finding is not None:
+        return Outcome("failure", f"{finding.kind}: {finding.reason}")
+    rc = -signal.SIGKILL if returncode is None else returncode
+    return classify_exit(rc, done=done, stopping=stopping, stepped=stepped)
 
 
 # --- across attempts ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The job's event log: one structlog JSON event per line in events.jsonl, and the console.
 
-Every event carries `ts` (wall clock, Unix seconds) and `mono` (this host's monotonic clock),
-so latencies are differences of `mono` and the report can still place events in real time.
+Every event carries `ts` (wall clock, Unix seconds), `mono` (this host's monotonic clock) and
+`level` (`level_of`), so latencies are differences of `mono` and the report can still place
+events in real time.
 `render` is shared by the live console and `tail`, so both read the same.
 """
 
@@ -28,9 +29,21 @@ _LEVELS = {
 _HIDDEN = ("ts", "mono", "level", "timestamp")
 
 
+def level_of(event: dict[str, Any]) -> str:
+    """An event's level: what went wrong is a warning or an error; a stop the user asked for
+    (SIGINT/SIGTERM to the supervisor) is a warning at most, never an error."""
+    name = str(event.get("event"))
+    if name == "exit" and event.get("returncode") == 0:
+        return "info"
+    if name == "give_up" and event.get("code_name") == "INTERRUPTED":
+        return "warning"
+    return _LEVELS.get(name, "info")
+
+
 def _stamp(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     event.setdefault("ts", round(time.time(), 6))
     event.setdefault("mono", round(time.monotonic(), 6))
+    event["level"] = level_of(event)
     return event
 
 
@@ -61,11 +74,7 @@ def render(event: dict[str, Any], renderer: Any = None) -> str:
     ts = event.get("ts")
     if isinstance(ts, (int, float)):
         shown["timestamp"] = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 10)}"
-    name = str(event.get("event"))
-    level = _LEVELS.get(name, "info")
-    if name == "exit" and event.get("returncode") == 0:
-        level = "info"
-    shown["level"] = level
+    shown["level"] = level_of(event)
     return renderer(None, shown["level"], shown)
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.config import Config, ConfigError, LaunchConfig
+from supervisor.config import Config, LaunchConfig
+from supervisor.config_table import ConfigError
 from supervisor.protocol import ENV_HEARTBEAT_KEY
 
 PR_SET_PDEATHSIG = 1
@@ -257,6 +258,24 @@ def free_port() -> int:
 
 
 # --- acting -------------------------------------------------------------------------------------
+class ProcessLauncher:
+    """The real launcher of a job's attempts (the job loop takes any object of this shape, so
+    its tests can run it against a fake that starts no process)."""
+
+    def prepare(self) -> None:
+        """Once per job, before the first attempt."""
+        become_subreaper()
+
+    async def start(
+        self,
+        plan: LaunchPlan,
+        output: Path,
+        cwd: str | None,
+        on_rank_exit: Callable[[int, int], None],
+    ) -> Launched:
+        return await Launched.start(plan, output, cwd, on_rank_exit)
+
+
 def become_subreaper() -> bool:
     """Orphaned descendants (ranks whose launcher died) become our children, so we find them."""
     try:

@@ -1,0 +1,359 @@
+"""One attempt: start its ranks, watch them (or stop them), tear down, classify.
+
+An attempt owns what lives and dies with one launch: its rank table, its processes, its watch
+loop, its events. It returns what happened (`AttemptResult`); what to do next is the job's. Two
+attempts may be alive at once (a warm standby beside the running one), so an attempt shares
+nothing with another but what `Shared` hands it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from supervisor import decisions, launcher, protocol
+from supervisor.decisions import AttemptRecord, Finding, Outcome
+from supervisor.fault_hooks import FaultHooks
+from supervisor.heartbeat import AttemptTable
+from supervisor.launcher import Exit, LaunchPlan, TeardownResult
+from supervisor.resolve import Resolved
+from supervisor.stop import StopRequests
+
+PROGRESS_EVERY_S = 5.0  # a `progress` event at most this often
+REFRESH_TREE_S = 2.0  # how often the attempt's process tree is re-read (for teardown)
+TAIL_LINES = 15  # rank output shown when an attempt fails
+EXIT_FOLLOW_S = 0.1  # after a rank's process ended, how long to wait for the launcher's exit
+ABORT_GRACE_S = 0.5  # teardown grace when the supervisor itself fails mid-attempt
+
+
+class Running(Protocol):
+    """A started attempt's processes as an attempt uses them (`launcher.Launched` is one)."""
+
+    plan: LaunchPlan
+    started: float  # monotonic
+    tail: Sequence[str]  # the newest lines of the ranks' output
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    async def wait(self) -> Exit:
+        """The first failing exit, or 0 once every process ended cleanly."""
+        ...
+
+    def refresh(self, extra: list[int] = ...) -> None: ...
+
+    def signal_stop(self) -> None:
+        """Ask the ranks to save and exit."""
+        ...
+
+    async def teardown(self, grace: float, extra: list[int] = ...) -> TeardownResult: ...
+
+
+class Launcher(Protocol):
+    """Starts attempts (`launcher.ProcessLauncher`; a fake in the job loop's unit tests)."""
+
+    def prepare(self) -> None: ...
+
+    async def start(
+        self,
+        plan: LaunchPlan,
+        output: Path,
+        cwd: str | None,
+        on_rank_exit: Callable[[int, int], None],
+    ) -> Running: ...
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every attempt of one job uses: the job as resolved, its identity, its services."""
+
+    r: Resolved
+    job_id: str
+    key: str
+    heartbeat_address: str
+    launcher: Launcher
+    faults: FaultHooks
+    emit: Callable[..., None]
+    drain: Callable[[], object]  # hand the rank messages waiting now to their attempts
+    console: IO[str] | None
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """What one attempt came to: its outcome, the finding that ended it (if one did), and its
+    record for the job's history."""
+
+    number: int
+    outcome: Outcome
+    finding: Finding | None
+    record: AttemptRecord
+
+
+@dataclass
+class _End:
+    """How the watch ended, before teardown: `reason` is exit, stop or the finding's kind."""
+
+    reason: str
+    exit_task: asyncio.Task
+    exit: Exit | None = None
+    finding: Finding | None = None
+    stopping: bool = False
+
+
+class Attempt:
+    """One launch of the job's ranks, run once: `await Attempt(n, shared).run(stop)`."""
+
+    def __init__(self, number: int, shared: Shared) -> None:
+        self.number = number
+        self.s = shared
+        self.cfg = shared.r.cfg
+        self.dir = shared.r.run_dir / "attempts" / f"{number:03d}"
+        self.table = AttemptTable(number, shared.r.world, time.monotonic())
+        self._last_progress_event = 0.0
+
+    def emit(self, event: str, **facts: Any) -> None:
+        self.s.emit(event, attempt=self.number, **facts)
+
+    # --- the attempt, start to end ------------------------------------------------------------
+    async def run(self, stop: StopRequests) -> AttemptResult:
+        plan = self._plan()
+        try:
+            running = await self.s.launcher.start(
+                plan, self.dir / "output.log", self.cfg.launch.cwd or None, self._on_rank_exit
+            )
+        except OSError as exc:
+            self.emit("launch_failed", error=str(exc))
+            return self._result(Outcome("failure", f"cannot start: {exc}"), None)
+        self._launched(running)
+        try:
+            end = await self._first_end(running, stop)
+            teardown = await self._teardown(running, end)
+        except BaseException:  # the supervisor failed mid-attempt: leave nothing behind
+            await running.teardown(ABORT_GRACE_S, self._rank_pids())
+            raise
+        t = self.table
+        rc = end.exit.returncode if end.exit else None
+        outcome = decisions.attempt_outcome(
+            end.finding, rc, done=bool(t.done_ranks), stopping=end.stopping, stepped=t.stepped
+        )
+        if outcome.kind in ("failure", "bad_input"):
+            self._show_tail(running)
+        if teardown.survivors:
+            self.emit("teardown_survivors", pids=teardown.survivors)
+        return self._result(outcome, end.finding)
+
+    def _plan(self) -> LaunchPlan:
+        """The attempt's command, with the contract environment (command.txt shows it)."""
+        cfg = self.cfg
+        self.dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **cfg.launch.env,
+            protocol.ENV_JOB_ID: self.s.job_id,
+            protocol.ENV_ATTEMPT: str(self.number),
+            protocol.ENV_HEARTBEAT_ADDR: self.s.heartbeat_address,
+            protocol.ENV_HEARTBEAT_KEY: self.s.key,
+            protocol.ENV_ATTEMPT_DIR: str(self.dir),
+            protocol.ENV_HEARTBEAT_INTERVAL: repr(cfg.heartbeat.interval_s),
+            protocol.ENV_EXIT_WITH_PARENT: "1",
+            **self.s.faults.env(),
+        }
+        plan = self.s.r.plan(env, launcher.free_port() if cfg.launch.launcher == "local" else 0)
+        (self.dir / "command.txt").write_text(plan.text())
+        self.table.launched_at = time.monotonic()
+        return plan
+
+    def _launched(self, running: Running) -> None:
+        self.table.launched_at = running.started
+        self.emit(
+            "launch",
+            pids=running.pids,
+            world=running.plan.world,
+            nodes=running.plan.nodes,
+            command=str(self.dir / "command.txt"),
+            mono=round(running.started, 6),
+        )
+        self.s.faults.attempt_started(self.number)  # it may be hit from now on
+
+    async def _first_end(self, running: Running, stop: StopRequests) -> _End:
+        """Wait for the first of: the launcher's exit, a finding of the watch, a stop request."""
+        exit_task = asyncio.create_task(running.wait())
+        watch_task = asyncio.create_task(self._watch(running))
+        stop_task = asyncio.create_task(stop.beyond(0))
+        try:
+            done, _ = await asyncio.wait(
+                {exit_task, watch_task, stop_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+            self.s.faults.attempt_over()  # nothing more into an attempt that is ending
+            if exit_task in done:
+                return _End("exit", exit_task, exit=exit_task.result())
+            if watch_task in done:
+                return await self._judged(watch_task.result(), exit_task)
+            grace_end = await self._graceful_stop(running, exit_task, stop)
+            return _End("stop", exit_task, exit=grace_end, stopping=True)
+        finally:
+            watch_task.cancel()
+            stop_task.cancel()
+
+    async def _judged(self, finding: Finding, exit_task: asyncio.Task) -> _End:
+        """A finding ended the watch; for a rank gone, the launcher usually follows at once, and
+        its exit status says more: prefer it."""
+        if finding.kind == "rank_exit":
+            with contextlib.suppress(TimeoutError):
+                info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_FOLLOW_S)
+                return _End("exit", exit_task, exit=info)
+        return _End(finding.kind, exit_task, finding=finding)
+
+    async def _graceful_stop(
+        self, running: Running, exit_task: asyncio.Task, stop: StopRequests
+    ) -> Exit | None:
+        """Forward the user's stop; wait for the ranks to save and exit (or a second request)."""
+        grace = self.cfg.restart.stop_grace_s
+        self.emit("stop", signal=running.plan.stop_signal.name, grace_s=grace)
+        running.signal_stop()
+        second = asyncio.create_task(stop.beyond(1))
+        done, _ = await asyncio.wait(
+            {exit_task, second}, timeout=grace, return_when=asyncio.FIRST_COMPLETED
+        )
+        second.cancel()
+        if exit_task in done:
+            info = exit_task.result()
+            self._emit_exit(info, stopped=True)
+            return info
+        return None
+
+    async def _teardown(self, running: Running, end: _End) -> TeardownResult:
+        """What the ranks said last and the launcher's exit first, then end every process of
+        the attempt (and collect the exit status if it came meanwhile)."""
+        self.s.drain()  # what the ranks said just before they ended
+        t_detect = time.monotonic()
+        if end.exit is not None and not end.stopping:
+            self._emit_exit(end.exit)
+        start = time.monotonic()
+        since = end.exit.mono if end.exit else t_detect
+        self.emit(
+            "teardown",
+            reason=end.reason,
+            start_mono=round(start, 6),
+            latency_s=round(start - since, 6),
+        )
+        result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        self.emit(
+            "teardown_done",
+            seconds=round(result.seconds, 6),
+            terminated=result.terminated,
+            killed=result.killed,
+            survivors=len(result.survivors),
+        )
+        if end.exit is None and end.exit_task.done():
+            end.exit = end.exit_task.result()
+        if not end.exit_task.done():
+            end.exit_task.cancel()
+        return result
+
+    def _result(self, outcome: Outcome, finding: Finding | None) -> AttemptResult:
+        t = self.table
+        record = AttemptRecord(self.number, t.effective_resume_step(), t.max_step, outcome.kind)
+        detected_by = finding.kind if finding else ("stop" if outcome.kind == "stopped" else "exit")
+        self.emit(
+            "attempt_end",
+            outcome=outcome.kind,
+            detail=outcome.detail,
+            detected_by=detected_by,
+            resume_step=record.resume_step,
+            max_step=record.max_step,
+            ckpt_complete=t.ckpt_complete,
+            stale_messages=t.stale,
+        )
+        return AttemptResult(self.number, outcome, finding, record)
+
+    # --- watching -----------------------------------------------------------------------------
+    async def _watch(self, running: Running) -> Finding:
+        """Judge liveness and progress every check_s; return the first finding."""
+        hb, table = self.cfg.heartbeat, self.table
+        period = decisions.judge_period(table.world, hb.check_s)
+        last_refresh = 0.0
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            self._check_local_pids(now)
+            finding = decisions.judge_ranks(table.ranks, table.world, now, table.launched_at, hb)
+            if finding is not None:
+                self.emit(
+                    finding.kind,
+                    ranks=list(finding.ranks),
+                    reason=finding.reason,
+                    phase=finding.phase,
+                    step=finding.step,
+                    deadline_mono=round(finding.deadline, 6),
+                    detected_mono=round(now, 6),
+                    latency_s=round(now - finding.deadline, 6),
+                )
+                return finding
+            self.s.faults.poke(table, now)  # time triggers (and anything else now due)
+            if now - last_refresh > REFRESH_TREE_S:
+                last_refresh = now
+                running.refresh(self._rank_pids())
+            self._maybe_progress(now)
+
+    def _check_local_pids(self, now: float) -> None:
+        """A rank on this host whose process is gone (under mpiexec or srun) is seen at once."""
+        host = launcher.this_host()
+        for st in self.table.ranks.values():
+            if st.pid and not st.exited and st.host == host:
+                try:
+                    os.kill(st.pid, 0)
+                except ProcessLookupError:
+                    st.exited, st.exited_at = True, now
+                except PermissionError:
+                    continue
+
+    def _maybe_progress(self, now: float) -> None:
+        t = self.table
+        if now - self._last_progress_event >= PROGRESS_EVERY_S and t.max_step is not None:
+            self._last_progress_event = now
+            self.emit("progress", step=t.max_step, ckpt_complete=t.ckpt_complete)
+
+    def _rank_pids(self) -> list[int]:
+        return self.table.local_pids(launcher.this_host())
+
+    # --- what the ranks and the launcher report -----------------------------------------------
+    def on_message(self, msg: dict[str, Any], now: float) -> None:
+        for note in self.table.update(msg, now):
+            self.emit(note.event, **note.fields)
+        self.s.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
+
+    def _on_rank_exit(self, rank: int, rc: int) -> None:
+        now = time.monotonic()
+        st = self.table.ranks.get(rank)
+        if st is None:
+            st = self.table.ranks[rank] = decisions.RankState(rank, now, now)
+        st.exited, st.exited_at = True, now
+
+    def _emit_exit(self, info: Exit, **extra: Any) -> None:
+        """The launcher's exit, with what the ranks had said by then."""
+        self.emit(
+            "exit",
+            returncode=info.returncode,
+            status=decisions.describe_returncode(info.returncode),
+            rank=info.rank,
+            exit_mono=round(info.mono, 6),
+            step=self.table.max_step,
+            said_done=bool(self.table.done_ranks),
+            **extra,
+        )
+
+    def _show_tail(self, running: Running) -> None:
+        out = self.s.console
+        lines = list(running.tail)[-TAIL_LINES:]
+        if out is None or not lines:
+            return
+        out.write(f"--- last {len(lines)} lines of attempts/{self.number:03d}/output.log ---\n")
+        for line in lines:
+            out.write(f"    {line}\n")
+        out.flush()

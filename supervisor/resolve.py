@@ -1,0 +1,87 @@
+"""What `run` fixes once for the whole job: run dir, nodes, launcher program and flavor.
+
+Every attempt launches the same nodes with the same command; `validate` and `--dry-run` resolve
+too, so that whatever can only be checked once the nodes are known (a fault's target rank) is
+caught before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor import config as config_mod
+from supervisor import launcher
+from supervisor.config import Config
+
+
+@dataclass
+class Resolved:
+    """The job as it runs: the same nodes and command on every attempt."""
+
+    cfg: Config
+    run_dir: Path
+    nodes: list[str]
+    executable: str
+    flavor: str
+
+    @property
+    def world(self) -> int:
+        return len(self.nodes) * self.cfg.launch.ranks_per_node
+
+    def hostfile(self) -> Path:
+        return self.run_dir / "hostfile"
+
+    def plan(self, env: dict[str, str], master_port: int = 0) -> launcher.LaunchPlan:
+        return launcher.build_plan(
+            self.cfg,
+            self.nodes,
+            self.executable,
+            self.flavor,
+            env,
+            self.run_dir,
+            self.hostfile(),
+            master_port,
+        )
+
+    def resolved_dict(self) -> dict[str, Any]:
+        d = config_mod.to_dict(self.cfg)
+        d["job"]["run_dir"] = str(self.run_dir)
+        d["launch"]["nodes"] = list(self.nodes)
+        d["launch"]["executable"] = self.executable
+        if self.cfg.launch.launcher == "mpiexec":
+            d["launch"]["flavor"] = self.flavor
+        return d
+
+
+def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
+    """Fix run dir, nodes, launcher and its flavor; raise ConfigError / LauncherMissing."""
+    environ = dict(os.environ if environ is None else environ)
+    run_dir = config_mod.expand_run_dir(cfg)
+    flags = cfg.worker.flags
+    flags.setdefault("ckpt_dir", str(run_dir / "ckpt"))
+    for key, value in flags.items():
+        if isinstance(value, str):
+            flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)
+    nodes = launcher.resolve_nodes(cfg.launch, environ, cfg.source)
+    executable = launcher.find_executable(cfg)
+    flavor = "local"
+    if cfg.launch.launcher == "srun":
+        flavor = "srun"
+    elif cfg.launch.launcher == "mpiexec":
+        flavor = cfg.launch.flavor
+        if flavor == "auto":
+            flavor = launcher.detect_flavor(executable)
+            if flavor == "unknown":
+                raise config_mod.ConfigError(
+                    cfg.source,
+                    "launch.flavor",
+                    f'cannot tell the flavor of {executable}; set "hydra" or "pals"',
+                )
+    if cfg.faults:  # faults/: a rank or node beyond the resolved world is a config error too
+        from faults.spec import check_world, shape_of
+
+        check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes)))
+    return Resolved(cfg, run_dir, nodes, executable, flavor)

@@ -1,0 +1,247 @@
+"""The job loop against a fake launcher: no process is started (as torch elastic's agent tests do).
+
+Each fake attempt plays a script: what its rank 0 says (signed messages over the real heartbeat
+socket) and how it ends (an exit code, or never). The real Job, Attempt, decisions, heartbeat
+server and event log run as in production; only the launcher is fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from supervisor import config as C
+from supervisor import protocol
+from supervisor.decisions import ExitCode
+from supervisor.events import read_events
+from supervisor.job import Job, Resolved
+from supervisor.launcher import Exit, LaunchPlan, TeardownResult
+
+
+@dataclass
+class Script:
+    """One fake attempt: rank 0's messages, then its exit code (None: it never exits)."""
+
+    rc: int | None = 1
+    says: list[tuple[str, dict]] = field(default_factory=list)
+    stop_rc: int = 0  # its exit code when asked to stop gracefully
+    fails_to_start: bool = False
+
+
+def hello_steps(*steps: int, resumed: int | None = None, done: bool = False):
+    says = [("hello", {"phase": "init"}), ("phase", {"phase": "train", "step": 0})]
+    if resumed is not None:
+        says.append(("resumed", {"step": resumed, "restart_seconds": 1.0}))
+    says += [("step", {"step": s, "loss": 1.0, "dt": 0.01}) for s in steps]
+    if done:
+        says.append(("done", {"step": steps[-1] if steps else 0}))
+    return says
+
+
+class FakeRunning:
+    """Quacks like `launcher.Launched`; its "ranks" are a script played on the event loop."""
+
+    def __init__(self, plan: LaunchPlan, script: Script, ctx: zmq.Context) -> None:
+        self.plan, self.script = plan, script
+        self.started = time.monotonic()
+        self.tail = collections.deque(["[0] a line of rank output"])
+        self.pids: list[int] = []
+        self.stop_signals = 0
+        self.torn_down = 0
+        self._exit: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
+        self._play = asyncio.create_task(self._speak(ctx))
+
+    async def _speak(self, ctx: zmq.Context) -> None:
+        env = self.plan.procs[0].env
+        key = env[protocol.ENV_HEARTBEAT_KEY].encode()
+        ident = protocol.RankIdentity(
+            env[protocol.ENV_JOB_ID], int(env[protocol.ENV_ATTEMPT]), 0, self.plan.world,
+            socket.gethostname(), 0,
+        )  # fmt: skip
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(env[protocol.ENV_HEARTBEAT_ADDR])
+        try:
+            for kind, fields in self.script.says:
+                sock.send(protocol.encode(key, ident.message(kind, time.time(), **fields)))
+            await asyncio.sleep(0.2)  # the supervisor drains its socket every 10 ms
+            if self.script.rc is not None:
+                self._end(self.script.rc)
+        finally:
+            sock.close()
+
+    def _end(self, rc: int) -> None:
+        if not self._exit.done():
+            self._exit.set_result(Exit(rc, None, time.monotonic()))
+
+    async def wait(self) -> Exit:
+        return await asyncio.shield(self._exit)
+
+    def refresh(self, extra: list[int] = ()) -> None:
+        pass
+
+    def signal_stop(self) -> None:
+        self.stop_signals += 1
+        asyncio.get_running_loop().call_later(0.05, self._end, self.script.stop_rc)
+
+    async def teardown(self, grace: float, extra: list[int] = ()) -> TeardownResult:
+        self.torn_down += 1
+        alive = not self._exit.done()
+        self._play.cancel()
+        self._end(-signal.SIGTERM)
+        return TeardownResult(int(alive), 0, [], 0.0)
+
+
+class FakeLauncher:
+    def __init__(self, *scripts: Script) -> None:
+        self.scripts = list(scripts)
+        self.started: list[FakeRunning] = []
+        self.ctx = zmq.Context()
+
+    def prepare(self) -> None:
+        pass
+
+    async def start(self, plan, output: Path, cwd, on_rank_exit) -> FakeRunning:
+        script = self.scripts[min(len(self.started), len(self.scripts) - 1)]
+        if script.fails_to_start:
+            self.scripts.pop(0)
+            raise FileNotFoundError("no such launcher")
+        running = FakeRunning(plan, script, self.ctx)
+        self.started.append(running)
+        return running
+
+
+def make_job(tmp_path: Path, fake: FakeLauncher, **restart) -> Job:
+    cfg = C.from_dict(
+        {
+            "job": {"name": "fake", "run_dir": str(tmp_path / "run")},
+            "heartbeat": {
+                "interval_s": 0.05,
+                "timeout_s": 0.5,
+                "check_s": 0.02,
+                "progress": {"init": 0.3, "load": 2.0, "train": 2.0, "save": 2.0},
+            },
+            "restart": {"backoff_s": [0.0, 0.05, 0.1], "teardown_grace_s": 0.0, **restart},
+        }
+    )
+    r = Resolved(cfg, tmp_path / "run", [socket.gethostname()], sys.executable, "local")
+    return Job(r, console=None, launcher=fake)
+
+
+def run(job: Job, stop_after_s: float | None = None) -> tuple[ExitCode, list[dict]]:
+    async def main() -> ExitCode:
+        if stop_after_s is not None:
+            asyncio.get_running_loop().call_later(stop_after_s, job._on_signal, signal.SIGTERM)
+        return await job.run()
+
+    code = asyncio.run(asyncio.wait_for(main(), 30))
+    return code, list(read_events(job.r.run_dir / "events.jsonl"))
+
+
+def named(evs: list[dict], name: str) -> list[dict]:
+    return [e for e in evs if e["event"] == name]
+
+
+def test_failures_are_relaunched_with_backoff_until_the_budget_is_spent(tmp_path):
+    fake = FakeLauncher(Script(rc=1))
+    code, evs = run(make_job(tmp_path, fake, max_restarts=2))
+    assert code == ExitCode.BUDGET
+    assert len(fake.started) == 3 and all(a.torn_down == 1 for a in fake.started)
+    # No attempt stepped: each one more unproductive in a row, so the backoff climbs.
+    assert [e["delay_s"] for e in named(evs, "relaunch")] == [0.05, 0.1]
+    assert [e["attempt"] for e in named(evs, "attempt_end")] == [0, 1, 2]
+    (give_up,) = named(evs, "give_up")
+    assert give_up["code_name"] == "BUDGET" and give_up["restarts"] == 2
+    assert give_up["level"] == "error"
+    assert evs[-1]["event"] == "supervisor_exit" and evs[-1]["code"] == 3
+
+
+def test_a_productive_attempt_restarts_the_backoff_and_a_done_one_succeeds(tmp_path):
+    fake = FakeLauncher(
+        Script(rc=1),
+        Script(rc=-9, says=hello_steps(1, 2, 3)),
+        Script(rc=0, says=hello_steps(4, 5, resumed=3, done=True)),
+    )
+    code, evs = run(make_job(tmp_path, fake, max_restarts=5))
+    assert code == ExitCode.DONE and len(fake.started) == 3
+    assert [e["delay_s"] for e in named(evs, "relaunch")] == [0.05, 0.0]
+    ends = named(evs, "attempt_end")
+    assert [e["outcome"] for e in ends] == ["failure", "failure", "success"]
+    assert (ends[2]["resume_step"], ends[2]["max_step"]) == (3, 5)
+    (done,) = named(evs, "done")
+    assert done["step"] == 5 and done["restarts"] == 2
+
+
+def test_bad_input_is_not_retried(tmp_path):
+    fake = FakeLauncher(Script(rc=2))
+    code, evs = run(make_job(tmp_path, fake))
+    assert code == ExitCode.USAGE and len(fake.started) == 1
+    assert named(evs, "attempt_end")[0]["outcome"] == "bad_input"
+
+
+def test_the_same_resume_step_again_and_again_is_no_progress(tmp_path):
+    fake = FakeLauncher(Script(rc=1, says=hello_steps(6, resumed=5)))
+    code, evs = run(make_job(tmp_path, fake, max_same_resume=2))
+    assert code == ExitCode.NO_PROGRESS and len(fake.started) == 2
+    assert named(evs, "give_up")[0]["resume_step"] == 5
+
+
+def test_attempts_that_never_exit_are_judged_and_torn_down(tmp_path):
+    # The first never says hello (init timeout), the second goes silent after it (a hang).
+    silent, hung = Script(rc=None), Script(rc=None, says=hello_steps(1))
+    fake = FakeLauncher(silent, hung)
+    code, evs = run(make_job(tmp_path, fake, max_restarts=1))
+    assert code == ExitCode.BUDGET
+    assert [e["detected_by"] for e in named(evs, "attempt_end")] == ["no_progress", "hang"]
+    assert [e["reason"] for e in named(evs, "teardown")] == ["no_progress", "hang"]
+    assert [e["terminated"] for e in named(evs, "teardown_done")] == [1, 1]
+
+
+def test_a_launch_that_cannot_start_is_a_failure_worth_a_retry(tmp_path):
+    fake = FakeLauncher(Script(fails_to_start=True), Script(rc=0, says=hello_steps(1, done=True)))
+    code, evs = run(make_job(tmp_path, fake))
+    assert code == ExitCode.DONE
+    assert "no such launcher" in named(evs, "launch_failed")[0]["error"]
+    assert [e["outcome"] for e in named(evs, "attempt_end")] == ["failure", "success"]
+
+
+def test_a_user_stop_is_graceful_and_not_an_error(tmp_path):
+    fake = FakeLauncher(Script(rc=None, says=hello_steps(1)))
+    code, evs = run(make_job(tmp_path, fake, stop_grace_s=5.0), stop_after_s=0.3)
+    assert code == ExitCode.INTERRUPTED and fake.started[0].stop_signals == 1
+    names = [e["event"] for e in evs]
+    for name in ("signal", "stop", "exit", "teardown", "attempt_end", "give_up"):
+        assert name in names
+    (end,) = named(evs, "attempt_end")
+    assert end["outcome"] == "stopped" and end["detected_by"] == "stop"
+    assert named(evs, "exit")[0]["stopped"] is True
+    assert {e["level"] for e in evs} <= {"info", "warning"}
+    assert named(evs, "give_up")[0]["level"] == "warning"
+
+
+def test_a_stop_during_backoff_ends_the_job_at_once(tmp_path):
+    fake = FakeLauncher(Script(rc=1))
+    t0 = time.monotonic()
+    job = make_job(tmp_path, fake, backoff_s=[30.0])
+    code, evs = run(job, stop_after_s=1.5)
+    assert code == ExitCode.INTERRUPTED and len(fake.started) == 1
+    assert time.monotonic() - t0 < 10
+    assert named(evs, "give_up")[0]["reason"] == "interrupted during backoff"
+
+
+def test_each_attempt_keeps_its_own_table(tmp_path):
+    fake = FakeLauncher(
+        Script(rc=1, says=hello_steps(1, 2)), Script(rc=0, says=hello_steps(1, done=True))
+    )
+    code, evs = run(make_job(tmp_path, fake))
+    assert code == ExitCode.DONE
+    assert [e["max_step"] for e in named(evs, "attempt_end")] == [2, 1]
+    assert [e["rank"] for e in named(evs, "rank_hello")] == [0, 0]
