@@ -89,12 +89,14 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     import torch.nn.functional as F
 
     from worker.args import parse_args
+    from worker.build import build_model
     from worker.ckpt.async_save import AsyncCheckpointer, Readiness
-    from worker.ckpt.checkpointer import Checkpointer, RunIdentity, prefill_adamw_state
+    from worker.ckpt.checkpointer import Checkpointer, prefill_adamw_state
+    from worker.ckpt.resume import RunIdentity
     from worker.ckpt.storage import shard_name
     from worker.dist import detect_rank, init_process_group
     from worker.parallel import build_mesh
-    from worker.train import build_model, plan
+    from worker.train import plan
 
     info = detect_rank(os.environ)
     torch.set_num_threads(1)

@@ -83,7 +83,7 @@ def test_a_short_file_is_named(tmp_path):
 
 def staged_state():
     """A state staged the way the async path stages it: views of one aligned block."""
-    from worker.ckpt.async_save import ReusedStager
+    from worker.ckpt.staging import ReusedStager
 
     stager = ReusedStager()
     tensors = {k: v for k, v in state().items() if torch.is_tensor(v)}

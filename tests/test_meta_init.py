@@ -19,7 +19,7 @@ from worker.dist import detect_rank, init_process_group
 from worker.presets import resolve_config
 from worker.layout import plan_layout
 from worker.parallel import build_mesh
-from worker.train import build_model
+from worker.build import build_model
 
 info = detect_rank(os.environ)
 init_process_group(info, "gloo", "cpu", 60)

@@ -1,15 +1,21 @@
-"""Pure pieces of the worker: rank detection, layouts, data, checkpoint-directory decisions."""
+"""Pure pieces of the worker: rank detection, layouts, data, checkpoint names and decisions,
+test hooks, when to save."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from worker.args import parse_args
 from worker.ckpt import files, naming
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError
+from worker.hooks import Hooks
 from worker.layout import plan_layout
+from worker.loop import save_due
 from worker.presets import PRESETS, resolve_config
 
 
@@ -153,3 +159,45 @@ def test_verify_names_what_failed(tmp_path):
     assert "has 3 bytes, 8 recorded" in files.verify_problem(d, record)
     (d / "__0_0.distcp").unlink()
     assert "missing" in files.verify_problem(d, record)
+
+
+def test_step_dir_names_parse_back():
+    assert naming.parse_step(naming.step_dir(Path("/c"), 120).name) == 120
+    assert naming.marker(Path("/c"), 7) == Path("/c/step-7/.complete")
+    for other in ("step-", "step-1a", "step-3.tmp", ".set-aside-step-4-ab", "steps-5"):
+        assert naming.parse_step(other) is None
+
+
+def test_hooks_do_nothing_without_inject_flags():
+    hooks = Hooks.from_args(parse_args([]), rank=0)
+    assert type(hooks) is Hooks and hooks.write_delay_s == 0
+    hooks.in_step(1)
+    hooks.after_write(1)
+    hooks.in_async_phase("stage", 1)
+
+
+def test_injected_failure_hits_only_the_chosen_rank_and_step():
+    args = parse_args(["--inject-rank", "1", "--inject-raise-at-step", "3"])
+    Hooks.from_args(args, rank=0).in_step(3)  # not this rank
+    hooks = Hooks.from_args(args, rank=1)
+    hooks.in_step(2)
+    with pytest.raises(RuntimeError, match="injected failure at step 3"):
+        hooks.in_step(3)
+    delay = ["--inject-ckpt-delay-s", "0.5", "--async-ckpt", "--ckpt-dir", "c"]
+    assert Hooks.from_args(parse_args(delay), rank=0).write_delay_s == 0.5  # every rank
+
+
+@pytest.mark.parametrize(
+    "flags,step,stopping,due",
+    [
+        (["--save-interval", "5"], 10, False, True),
+        (["--save-interval", "5"], 11, False, False),
+        (["--save-interval", "0"], 11, True, True),  # a stop saves
+        (["--save-interval", "0"], 20, False, True),  # the last step saves
+        (["--save-interval", "0", "--no-save-on-exit"], 20, True, False),
+        (["--save-interval", "0", "--no-save-on-exit", "--train-iters", "30"], 20, False, False),
+    ],
+)
+def test_save_decision(flags, step, stopping, due):
+    args = parse_args(["--train-iters", "20", "--ckpt-dir", "c", *flags])
+    assert save_due(args, step, stopping) is due

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
+
+from supervisor.protocol import ENV_ATTEMPT_DIR
+from worker.args import TrainArgs
+
+
+def metrics_dir(args: TrainArgs) -> Path:
+    """The attempt's directory under the supervisor, else `--outdir`."""
+    return Path(os.environ.get(ENV_ATTEMPT_DIR) or args.outdir)
 
 
 class MetricsLog:

@@ -20,9 +20,7 @@ keep waiting at the same step and the main-thread collectives stay in lockstep.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -36,14 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.tensor import DTensor
 
 from worker.ckpt import files, naming, storage
 from worker.ckpt.checkpointer import Checkpointer
 from worker.ckpt.fanout import FanoutResult, fan_out
+from worker.ckpt.staging import ReusedStager
+from worker.hooks import Hooks
 
 POLL_PAUSE_S = 0.005
 
@@ -67,109 +65,6 @@ def readiness(finished: int, failed: int, world: int) -> Readiness:
     if finished + failed < world:
         return Readiness.PENDING
     return Readiness.FAILED if failed else Readiness.READY
-
-
-@dataclass(frozen=True)
-class KillHook:
-    """Test injection: SIGKILL this rank in `phase` of the save of `step`."""
-
-    phase: str | None = None
-    step: int | None = None
-    armed: bool = False  # this rank is the one to kill
-    delay_s: float = 0.0  # before the background write starts
-
-    def __call__(self, phase: str, step: int) -> None:
-        if self.armed and phase == self.phase and step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class ReusedStager:
-    """Copies a state dict into host buffers allocated once and reused by every save (`copy_`
-    into warm pages runs at memory bandwidth; DCP's default stager allocates afresh each time
-    and pays page faults). The caller must not stage again before the previous write has
-    finished with the buffers."""
-
-    def __init__(self, on_staged=lambda: None):
-        self._cache: dict[str, Any] | None = None
-        self._block: torch.Tensor | None = None
-        self._slots: dict[int, torch.Tensor] = {}  # data_ptr -> the padded bytes of a slot
-        self._cursor = 0
-        self.nbytes = 0
-        self.copy_seconds = 0.0
-        self._on_staged = on_staged
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        started = time.perf_counter()
-        if self._cache is None:
-            self._allocate(state_dict)
-        try:
-            staged = _copy_state_dict(state_dict, self._cache)
-        except CompanionMismatch:  # the state's structure changed: new buffers
-            self._allocate(state_dict)
-            staged = _copy_state_dict(state_dict, self._cache)
-        self.copy_seconds = time.perf_counter() - started
-        self._on_staged()
-        return staged
-
-    def _allocate(self, state_dict: dict[str, Any]) -> None:
-        """Mirror the state dict with host tensors that are views of one block, touched once
-        here (page faults on the first save only; one large block also gets huge pages where
-        the kernel gives them). DTensors keep their sharding spec around a host local shard.
-        Every slot starts and ends on an O_DIRECT boundary, so the writer can hand each one to
-        the device as it is (`padded`)."""
-        sizes = [_aligned(t) for t in _local_tensors(state_dict) if t.dim() > 0]
-        block = storage.aligned_zeros(sum(sizes), pin=torch.cuda.is_available())
-        self._cursor = 0
-        self._slots = {}
-        self._block = block
-        self._cache = self._mirror(state_dict)
-        self.nbytes = self._cursor
-
-    def _take(self, like: torch.Tensor) -> torch.Tensor:
-        if like.dim() == 0:
-            return torch.empty((), dtype=like.dtype)
-        start = self._cursor
-        self._cursor += _aligned(like)
-        slot = self._block[start : self._cursor]
-        self._slots[slot.data_ptr()] = slot
-        return slot[: like.numel() * like.element_size()].view(like.dtype).view(like.shape)
-
-    def padded(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The whole slot of a staged tensor (its bytes, then padding), None for anything
-        else."""
-        slot = self._slots.get(t.data_ptr())
-        return slot if slot is not None and t.numel() * t.element_size() <= len(slot) else None
-
-    def _mirror(self, tree: Any) -> Any:
-        if isinstance(tree, DTensor):
-            return DTensor(self._take(tree._local_tensor), tree._spec, requires_grad=False)
-        if isinstance(tree, torch.Tensor):
-            return self._take(tree)
-        if isinstance(tree, dict):
-            return {k: self._mirror(v) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self._mirror(v) for v in tree)
-        return tree
-
-    def close(self) -> None:
-        self._cache = self._block = None
-        self._slots = {}
-
-
-def _aligned(t: torch.Tensor) -> int:
-    return storage.round_up(t.numel() * t.element_size())
-
-
-def _local_tensors(tree: Any):
-    """Every host tensor of a staged state dict (a DTensor's local shard)."""
-    if isinstance(tree, torch.Tensor):
-        yield tree._local_tensor if isinstance(tree, DTensor) else tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _local_tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _local_tensors(v)
 
 
 class _StageWriter(storage.RawWriter):
@@ -246,19 +141,19 @@ class AsyncCheckpointer:
         stage_root: Path,
         local_rank: int,
         timeout_s: float,
-        hook: KillHook | None = None,
+        hooks: Hooks | None = None,
     ):
         self.base = base
         self.world = base.world
         self.stage_root = stage_root
         self.local_rank = local_rank
-        self.hook = hook or KillHook()
+        self.hooks = hooks or Hooks()
         timeout = timedelta(seconds=timeout_s)
         self.write_pg = dist.new_group(backend="gloo", timeout=timeout)
         self.control_pg = dist.new_group(backend="gloo", timeout=timeout)
         self.inflight: InFlight | None = None
         self._step = -1
-        self.stager = ReusedStager(on_staged=lambda: self.hook("stage", self._step))
+        self.stager = ReusedStager(on_staged=lambda: self.hooks.in_async_phase("stage", self._step))
         self._saving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._retiring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retire")
         self.clean_stage_root()
@@ -329,8 +224,8 @@ class AsyncCheckpointer:
             staged.set()  # the main thread may go on (a failure shows in this future)
         writer = _StageWriter(
             stage,
-            after_data=lambda: self.hook("write", step),
-            delay_s=self.hook.delay_s,
+            after_data=lambda: self.hooks.in_async_phase("write", step),
+            delay_s=self.hooks.write_delay_s,
             sync_files=False,  # scratch: the durable copy is the one fsynced
             padded=self.stager.padded,  # O_DIRECT from the staging block
         )
@@ -344,7 +239,7 @@ class AsyncCheckpointer:
             durable,
             self.base.rank,
             with_crc=self.base.verify == "crc",
-            midway=lambda: self.hook("fanout", step),
+            midway=lambda: self.hooks.in_async_phase("fanout", step),
         )
         if self.base.rank == 0:
             files.fsync_dir(durable.parent)  # the step dir's own entry, before any marker
@@ -371,7 +266,7 @@ class AsyncCheckpointer:
             self._drop_stage(job)
             return PollReport(job.step, written, state, error=error or "failed on another rank")
         started = time.perf_counter()
-        self.hook("marker", job.step)
+        self.hooks.in_async_phase("marker", job.step)
         result: FanoutResult = job.copy.result()
         self.base.finalize(
             job.durable,
@@ -379,7 +274,7 @@ class AsyncCheckpointer:
             local_crcs=result.crcs,
             retire=self._retiring.submit,
         )
-        self.hook("after-marker", job.step)
+        self.hooks.in_async_phase("after-marker", job.step)
         drained = time.perf_counter()
         self._drop_stage(job)
         return PollReport(

@@ -1,18 +1,15 @@
-"""Sharded checkpoints with PyTorch Distributed Checkpoint, and automatic resume.
+"""Sharded checkpoints with PyTorch Distributed Checkpoint: the sync save, and the load.
 
 Every rank writes its own shards (no gather to rank 0) into `ckpt-dir/step-N/`; rank 0 then
 writes `meta.json` (what the run needs besides tensors: step, tokens, RNG, data position,
-scheduler, fingerprints, file sizes) and `.complete`, last and atomically. Resume takes the
-newest complete checkpoint whose files verify and loads it into the already-sharded model and
-optimizer, resharding through DCP when the world size or mesh differs.
+scheduler, fingerprints, file sizes) and `.complete`, last and atomically. A load (of the
+checkpoint `resume.choose` picked) goes into the already-sharded model and optimizer,
+resharding through DCP when the world size or mesh differs.
 """
 
 from __future__ import annotations
 
-import base64
 import gc
-import pickle
-import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -31,18 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from worker.ckpt import files, naming, storage
+from worker.ckpt import files, naming, rng, storage
+from worker.ckpt.resume import RunIdentity, start_reading
 from worker.errors import UsageError
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """What a checkpoint must match (model) or may differ in (mesh: DCP reshards)."""
-
-    model_fingerprint: str
-    model_description: str
-    world: int
-    mesh: str
+from worker.hooks import Hooks
 
 
 @dataclass
@@ -50,37 +38,6 @@ class Resumed:
     step: int
     tokens_seen: int
     path: Path
-
-
-def _encode(obj: Any) -> str:
-    return base64.b64encode(pickle.dumps(obj)).decode()
-
-
-def _decode(text: str) -> Any:
-    return pickle.loads(base64.b64decode(text))
-
-
-def capture_rng(device_type: str) -> dict[str, Any]:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if device_type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state()
-    elif device_type == "xpu":
-        state["xpu"] = torch.xpu.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    if "xpu" in state:
-        torch.xpu.set_rng_state(state["xpu"])
 
 
 def prefill_adamw_state(optimizer: torch.optim.Optimizer) -> None:
@@ -97,42 +54,6 @@ def prefill_adamw_state(optimizer: torch.optim.Optimizer) -> None:
                 "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
             }
-
-
-def choose_checkpoint(
-    root: Path, *, rank: int, verify: str, log: Callable[[str], None]
-) -> Path | None:
-    """Collective: rank 0 picks the newest complete checkpoint whose files verify (a damaged
-    one is reported and the one before tried); every rank learns the choice."""
-    choice = [None]
-    if rank == 0:
-        for found in files.resume_candidates(files.scan(root)):
-            problem = _problem(found.path, verify == "crc")
-            if problem is None:
-                choice[0] = str(found.path)
-                break
-            log(f"WARNING: skipping checkpoint {found.path.name}: {problem}; trying the one before")
-    dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0]) if choice[0] else None
-
-
-def _problem(directory: Path, check_crc: bool) -> str | None:
-    try:
-        meta = files.read_meta(directory)
-    except (OSError, ValueError) as exc:
-        return f"unreadable {naming.META}: {exc}"
-    return files.verify_problem(directory, meta.get("files", {}), check_crc)
-
-
-def start_reading(
-    directory: Path, meta: dict[str, Any], *, rank: int, identity: RunIdentity
-) -> None:
-    """With this run's world and mesh, rank r's shards are rank r's file: pull it into the
-    page cache in the background (a 300 MB load went from 0.27 s to 0.21 s here with the
-    planning overlapped). Resharding reads parts of other files; only DCP's plan says which.
-    `meta`: the checkpoint's `meta.json` record."""
-    if meta.get("world") == identity.world and meta.get("mesh") == identity.mesh:
-        storage.read_ahead(directory / storage.shard_name(rank))
 
 
 def _loaded_in_place(model: torch.nn.Module, model_sd: dict[str, Any]) -> bool:
@@ -179,7 +100,7 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        after_write: Callable[[int], None] = lambda step: None,
+        hooks: Hooks | None = None,
     ):
         self.root = root
         self.rank, self.world = rank, world
@@ -188,7 +109,7 @@ class Checkpointer:
         self.keep = keep
         self.verify = verify
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.after_write = after_write  # test hook: runs between the shards and the marker
+        self.hooks = hooks or Hooks()
         self.last_saved_step = -1
 
     # ---- saving ---------------------------------------------------------------------------
@@ -202,7 +123,7 @@ class Checkpointer:
         directory = self.prepare(step)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=storage.writer(directory))
-        self.after_write(step)
+        self.hooks.after_write(step)
         self.finalize(directory, self.describe(step, tokens_seen, data))
         return time.perf_counter() - started
 
@@ -221,7 +142,7 @@ class Checkpointer:
         step being saved: it captures the scheduler and, on rank 0's record, every rank's RNG).
         `gather=False` keeps just this rank's RNG and needs no collective; `gather_rng` then
         collects them later (the async path does so at finalize)."""
-        rng = _encode(capture_rng(self.device_type))
+        mine = rng.capture(self.device_type)
         return {
             "step": step,
             "tokens_seen": tokens_seen,
@@ -231,7 +152,7 @@ class Checkpointer:
             "model": self.identity.model_description,
             "data": data,
             "scheduler": self.scheduler.state_dict(),
-            "rng": self._gather(rng) if gather else rng,
+            "rng": self._gather(mine) if gather else mine,
         }
 
     def gather_rng(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -309,6 +230,6 @@ class Checkpointer:
         self.scheduler.load_state_dict(meta["scheduler"])
         rngs = meta.get("rng") or []
         if self.rank < len(rngs) and meta["world"] == self.world:
-            restore_rng(_decode(rngs[self.rank]))
+            rng.restore(rngs[self.rank])
         self.last_saved_step = meta["step"]
         return Resumed(step=meta["step"], tokens_seen=meta["tokens_seen"], path=directory)

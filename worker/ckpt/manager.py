@@ -1,57 +1,178 @@
-"""The training loop's side of async checkpoints: metrics, heartbeats and log lines around an
-`AsyncCheckpointer`, so that the loop itself only calls `save`, `before_update`, `poll` and
-`finish`."""
+"""The one thing the training loop calls about checkpoints: a `CheckpointManager`.
+
+The loop calls `save` at a save step, `before_update` before each optimizer step, `poll` after
+each step and `close` before it exits; whether saves are sync or async (`--async-ckpt`) is the
+manager's mode, not the loop's concern. Each mode says what happened the same way: timings on
+the next step's metrics record, checkpoint states on the beacon, a line on rank 0's output.
+Without `--ckpt-dir` every call does nothing.
+
+The resume side: `resume.choose` picks the checkpoint before the model is built, `load` reads it
+once the model, optimizer and scheduler exist.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from supervisor.protocol import ENV_JOB_ID
-from worker.ckpt.async_save import (
-    AsyncCheckpointer,
-    KillHook,
-    PollReport,
-    Readiness,
-    default_stage_root,
-)
+from worker.args import TrainArgs
+from worker.beat import Beacon
+from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
+from worker.ckpt.checkpointer import Checkpointer, Resumed
+from worker.ckpt.resume import RunIdentity
+from worker.dist import RankInfo
+from worker.hooks import Hooks
+from worker.metrics import MetricsLog
 
 
-class AsyncSaves:
-    def __init__(self, args, info, ckpt, metrics, beacon, say):
-        stage_root = (
-            Path(args.ckpt_stage_dir)
-            if args.ckpt_stage_dir
-            else default_stage_root(args.ckpt_dir, os.environ.get(ENV_JOB_ID))
-        )
-        hook = KillHook(
-            phase=args.inject_kill_async_phase,
-            step=args.inject_kill_in_save_at_step,
-            armed=info.rank == args.inject_rank,
-            delay_s=args.inject_ckpt_delay_s,
-        )
-        self.saver = AsyncCheckpointer(
-            ckpt,
-            stage_root=stage_root,
-            local_rank=info.local_rank,
-            timeout_s=args.pg_timeout,
-            hook=hook,
-        )
-        self.metrics, self.beacon, self.say = metrics, beacon, say
-        self.step = 0
-        self.handover_seconds = 0.0
+class CheckpointManager:
+    """No checkpoints (no `--ckpt-dir`): nothing is saved, nothing resumed."""
+
+    def load(self, chosen: Path | None) -> Resumed | None:
+        """The state of `chosen` into the model, optimizer, scheduler and RNGs."""
+        return None
+
+    def start(self) -> None:
+        """After the load: the set-up saving needs (the async mode's collective)."""
 
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
+        """Checkpoint the state as of the end of `step`."""
+
+    def before_update(self) -> None:
+        """Before the optimizer step, which changes the state a save may still be copying."""
+
+    def poll(self, step: int) -> None:
+        """After every step: mark a save in flight as soon as every rank's copy is done."""
+
+    def close(self, step: int) -> None:
+        """Before exit: drain and mark a save in flight."""
+
+
+def create_manager(
+    args: TrainArgs,
+    info: RankInfo,
+    *,
+    identity: RunIdentity,
+    device_type: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    metrics: MetricsLog,
+    beacon: Beacon,
+    say: Callable[..., None],
+    hooks: Hooks,
+) -> CheckpointManager:
+    if not args.ckpt_dir:
+        return CheckpointManager()
+    base = Checkpointer(
+        Path(args.ckpt_dir),
+        rank=info.rank,
+        world=info.world,
+        device_type=device_type,
+        identity=identity,
+        keep=args.ckpt_keep,
+        verify=args.ckpt_verify,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        hooks=hooks,
+    )
+    if not args.async_ckpt:
+        return SyncManager(base, metrics, beacon, say)
+    stage_root = (
+        Path(args.ckpt_stage_dir)
+        if args.ckpt_stage_dir
+        else default_stage_root(args.ckpt_dir, os.environ.get(ENV_JOB_ID))
+    )
+    return AsyncManager(
+        base,
+        metrics,
+        beacon,
+        say,
+        stage_root=stage_root,
+        local_rank=info.local_rank,
+        timeout_s=args.pg_timeout,
+        hooks=hooks,
+    )
+
+
+class SyncManager(CheckpointManager):
+    """A save blocks the loop until every rank's shards are durable and the marker written."""
+
+    def __init__(
+        self, base: Checkpointer, metrics: MetricsLog, beacon: Beacon, say: Callable[..., None]
+    ):
+        self.base = base
+        self.metrics, self.beacon, self.say = metrics, beacon, say
+
+    def load(self, chosen: Path | None) -> Resumed | None:
+        if chosen is None:
+            return None
+        resumed = self.base.load(chosen)
+        self.say(f"RESUMED from step={resumed.step} ({chosen})", flush=True)
+        return resumed
+
+    def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
+        self.beacon.phase("save", step)
+        self._save(step, tokens_seen, data)
+        self.beacon.phase("train", step)
+
+    def _save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
+        seconds = self.base.save(step, tokens_seen, data)
+        self.metrics.add_to_next("train/ckpt_save_seconds", seconds)
+        self.beacon.ckpt(step, "complete")
+        self.say(f"checkpoint step={step} saved in {seconds:.2f}s", flush=True)
+
+
+class AsyncManager(SyncManager):
+    """A save blocks the loop only to hand the state over and, before the next optimizer step,
+    for what is left of the staging copy; the write, the fan-out to the durable dir and the
+    marker follow in the background (`AsyncCheckpointer`)."""
+
+    def __init__(
+        self,
+        base: Checkpointer,
+        metrics: MetricsLog,
+        beacon: Beacon,
+        say: Callable[..., None],
+        *,
+        stage_root: Path,
+        local_rank: int,
+        timeout_s: float,
+        hooks: Hooks,
+    ):
+        super().__init__(base, metrics, beacon, say)
+        self._open_saver = partial(
+            AsyncCheckpointer,
+            base,
+            stage_root=stage_root,
+            local_rank=local_rank,
+            timeout_s=timeout_s,
+            hooks=hooks,
+        )
+        self.saver: AsyncCheckpointer | None = None  # from `start` on
+        self.step = 0  # the loop's step, for the log line of a save that completes
+        self.handover_seconds = 0.0
+
+    def start(self) -> None:
+        """Collective: the save thread's process groups; the node's stale stage dir cleaned."""
+        self.saver = self._open_saver()
+
+    def _save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         self.step = step
         report = self.saver.save(step, tokens_seen, data)
-        self._handle(report.drained)
+        self._report(report.drained)
         self.handover_seconds = report.call_seconds
         if report.drained:
             self.metrics.add_to_next("train/ckpt_wait_seconds", report.wait_seconds)
 
     def before_update(self) -> None:
-        """Before the optimizer step: the save in flight must have copied the state."""
         staged = self.saver.wait_staged()
         if staged is None:
             return
@@ -69,14 +190,14 @@ class AsyncSaves:
         self.step = step
         report = self.saver.poll()
         if report is not None:
-            self._handle([report])
+            self._report([report])
 
-    def finish(self, step: int) -> None:
+    def close(self, step: int) -> None:
         self.step = step
-        self._handle(self.saver.drain())
+        self._report(self.saver.drain())
         self.saver.close()
 
-    def _handle(self, reports: list[PollReport]) -> None:
+    def _report(self, reports: list[PollReport]) -> None:
         for r in reports:
             if r.written:
                 self.beacon.ckpt(r.step, "written")

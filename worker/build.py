@@ -1,0 +1,188 @@
+"""Everything a run trains with, built once: the process group and mesh, the model, optimizer,
+scheduler, data, metrics and checkpoint manager, and the checkpoint state it resumes from.
+
+The checkpoint to resume is chosen before the model is built (its files are read meanwhile)
+and loaded after; each part's seconds go to a `startup/*` metric.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.args import TrainArgs
+from worker.beat import Beacon
+from worker.ckpt import resume
+from worker.ckpt.checkpointer import Resumed
+from worker.ckpt.manager import CheckpointManager, create_manager
+from worker.data import SyntheticData, TokenFileData
+from worker.dist import RankInfo, init_process_group, select_device, set_threads
+from worker.hooks import Hooks
+from worker.layout import Layout
+from worker.metrics import MetricsLog, metrics_dir
+from worker.model import Transformer
+from worker.parallel import build_mesh, materialize, parallelize
+from worker.presets import ModelConfig
+from worker.startup import Startup
+
+META_INIT_AUTO_PARAMS = 6e9
+
+
+@dataclass
+class Training:
+    """What the training loop works with."""
+
+    args: TrainArgs
+    info: RankInfo
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    source: SyntheticData | TokenFileData
+    data_desc: dict[str, Any]  # what a checkpoint records of the data, besides the position
+    dp_rank: int
+    tokens_per_step: int
+    metrics: MetricsLog
+    ckpt: CheckpointManager
+    resumed: Resumed | None
+    beacon: Beacon
+    hooks: Hooks
+    say: Callable[..., None]  # prints on rank 0 only
+    startup: Startup
+
+    @property
+    def start_step(self) -> int:
+        return self.resumed.step if self.resumed else 0
+
+    @property
+    def start_tokens(self) -> int:
+        return self.resumed.tokens_seen if self.resumed else 0
+
+    def data_position(self, step: int) -> dict[str, Any]:
+        """The data record of a checkpoint saved at the end of `step`."""
+        return {**self.data_desc, "next_step": step + 1}
+
+
+def build(
+    args: TrainArgs,
+    info: RankInfo,
+    cfg: ModelConfig,
+    layout: Layout,
+    beacon: Beacon,
+    say: Callable[..., None],
+    startup: Startup,
+) -> Training:
+    # DTensor warns on every step that a 2-D grad norm takes two all-reduces; known, harmless.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    device_type, backend = select_device(args.device)
+    threads = set_threads(info)
+    device = init_process_group(info, backend, device_type, args.pg_timeout)
+    mesh = build_mesh(layout, device_type)
+    startup.mark("process_group")
+    meta_init = args.meta_init == "on" or (
+        args.meta_init == "auto" and cfg.num_params() >= META_INIT_AUTO_PARAMS
+    )
+    say(
+        f"agpt {cfg.describe()} ({cfg.num_params() / 1e6:.1f}M params) on {info.world} ranks "
+        f"[{layout.describe()}] device={device_type} backend={backend} threads={threads} "
+        f"meta_init={meta_init}",
+        flush=True,
+    )
+
+    identity = resume.RunIdentity(cfg.fingerprint(), cfg.describe(), info.world, layout.describe())
+    chosen = resume.choose(args, info.rank, identity, beacon, say)  # read while building
+    startup.mark("choose")
+
+    model = build_model(cfg, mesh, layout, device, meta_init, args.seed)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    if args.data_path:
+        source = TokenFileData(
+            args.data_path, args.data_dtype, cfg.vocab_size, cfg.seq_len, args.seed
+        )
+    else:
+        source = SyntheticData(cfg.vocab_size, cfg.seq_len, args.seed)
+    write_metrics = info.rank == 0 or args.metrics_all_ranks
+    path = metrics_dir(args) / f"metrics-{info.rank}.jsonl"
+    metrics = MetricsLog(path if write_metrics else None)
+    startup.mark("model_build")
+    # What the imports and the model made lives as long as the process; a full garbage
+    # collection walked it all for 0.2-0.33 s here (once inside a checkpoint load, stalling
+    # that rank and so every rank). Frozen, later collections skip it.
+    gc.freeze()
+
+    hooks = Hooks.from_args(args, info.rank)
+    ckpt = create_manager(
+        args,
+        info,
+        identity=identity,
+        device_type=device_type,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        metrics=metrics,
+        beacon=beacon,
+        say=say,
+        hooks=hooks,
+    )
+    resumed = ckpt.load(chosen)
+    startup.mark("load")
+    ckpt.start()
+
+    return Training(
+        args=args,
+        info=info,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        source=source,
+        data_desc={"kind": type(source).__name__, "path": args.data_path, "seed": args.seed},
+        dp_rank=layout.dp_rank(info.rank),
+        tokens_per_step=args.batch_size * layout.dp * cfg.seq_len,
+        metrics=metrics,
+        ckpt=ckpt,
+        resumed=resumed,
+        beacon=beacon,
+        hooks=hooks,
+        say=say,
+        startup=startup,
+    )
+
+
+def build_model(cfg, mesh, layout, device, meta_init: bool, seed: int) -> torch.nn.Module:
+    """Dense: build whole, initialise, shard (bit-exact with a one-process run). Meta: build
+    shapes only, shard, then allocate and initialise just this rank's shards."""
+    torch.manual_seed(seed)
+    if meta_init:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        parallelize(model, mesh, layout)
+        materialize(model, device)
+        return model
+    with torch.device(device):
+        model = Transformer(cfg)
+        model.init_weights()
+    return parallelize(model, mesh, layout)
+
+
+def lr_lambda(args: TrainArgs) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak at the last step."""
+    warmup = args.warmup_iters if args.warmup_iters is not None else max(1, args.train_iters // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, args.train_iters - warmup))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine
+
+    return factor

@@ -1,0 +1,36 @@
+"""Every random generator's state, as a checkpoint's `meta.json` holds it (one text per rank):
+a resumed run draws what the uninterrupted one would have drawn."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def capture(device_type: str) -> str:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if device_type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    elif device_type == "xpu":
+        state["xpu"] = torch.xpu.get_rng_state()
+    return base64.b64encode(pickle.dumps(state)).decode()
+
+
+def restore(text: str) -> None:
+    state = pickle.loads(base64.b64decode(text))
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    if "xpu" in state:
+        torch.xpu.set_rng_state(state["xpu"])
