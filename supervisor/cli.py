@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from supervisor import config as config_mod
 from supervisor import events as events_mod
 from supervisor import job as job_mod
-from supervisor import worker_flags
+from supervisor import ownership, preflight
 from supervisor.decisions import ExitCode
 from worker.ckpt import files as ckpt_files
 
@@ -129,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
     r = job_mod.resolve(cfg)
-    note = worker_flags.check(cfg, r.world)
+    notes = preflight.check(r)
     print(
         f"{args.config}: ok ({cfg.launch.launcher} [{r.flavor}], {len(r.nodes)} node(s) x "
         f"{cfg.launch.ranks_per_node} ranks = {r.world}, worker {cfg.worker.module})"
     )
-    if note:
+    for note in notes:
         print(f"note: {note}")
     return ExitCode.DONE
 
@@ -142,8 +143,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
     r = job_mod.resolve(cfg)
-    note = worker_flags.check(cfg, r.world)
-    if note:
+    for note in preflight.check(r):
         print(f"note: {note}", file=sys.stderr)
     if args.dry_run:
         print(f"# resolved config ({args.config})")
@@ -159,7 +159,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(r.plan({**cfg.launch.env, **env}, master_port=0).text(), end="")
         return ExitCode.DONE
     job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
-    code = int(asyncio.run(job.run()))
+    held = ownership.claim(r.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name)
+    try:
+        code = int(asyncio.run(job.run()))
+    finally:
+        for fd in held:
+            os.close(fd)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(
             sig, signal.SIG_IGN

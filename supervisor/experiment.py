@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor import config as config_mod
+from supervisor import ownership, preflight
 from supervisor.decisions import ExitCode
 
 PHASES = ("baseline", "sync", "async")
@@ -124,9 +126,16 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     for phase in e.phases:
         cfg = phase_config(e, phase)
         r = job_mod.resolve(cfg)
+        preflight.check(r)
         print(f"=== phase {phase}: {r.run_dir}", flush=True)
         job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
-        codes[phase] = int(asyncio.run(job.run()))
+        ckpt_dir = cfg.worker.flags.get("ckpt_dir")
+        held = ownership.claim(r.run_dir, ckpt_dir, job.job_id, cfg.job.name)
+        try:
+            codes[phase] = int(asyncio.run(job.run()))
+        finally:
+            for fd in held:
+                os.close(fd)
         print(f"=== phase {phase}: exit {codes[phase]} ({ExitCode(codes[phase]).name})", flush=True)
         if codes[phase] in (ExitCode.INTERRUPTED, ExitCode.USAGE):
             break

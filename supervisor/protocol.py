@@ -1,16 +1,19 @@
-"""The two contracts between the supervisor and the ranks, in one place.
+"""The contracts between the supervisor and the ranks, in one place.
 
-Environment names (supervisor -> ranks) and the heartbeat message schema with its signing
-(ranks -> supervisor). This module imports only the standard library: it is the one piece of
-`supervisor/` that `worker/` imports, so neither side can drift from the other.
+Environment names (supervisor -> ranks), the heartbeat message schema with its signing
+(ranks -> supervisor), and who owns a run or checkpoint directory (a lock file). This module
+imports only the standard library: it is the one piece of `supervisor/` that `worker/` imports,
+so neither side can drift from the other.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import hmac
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,62 @@ ENV_HEARTBEAT_INTERVAL = "ES_HEARTBEAT_INTERVAL"
 # Optional: "1" asks each rank to die with its parent (PR_SET_PDEATHSIG, and a parent-pid watch
 # in the beat thread), so that a supervisor killed with SIGKILL leaves no rank behind.
 ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
+
+# --- who owns a directory ------------------------------------------------------------------------
+# One job per run dir and per checkpoint dir: its owner holds an flock on this file for its whole
+# life (the kernel drops it when the owner dies, however it dies) and writes who it is into it.
+LOCK_FILE = ".es-lock"
+
+
+class DirInUse(Exception):
+    """The directory's lock is held; `holder` is what its owner wrote (may be empty)."""
+
+    def __init__(self, path: str, holder: dict[str, Any]) -> None:
+        self.path, self.holder = path, holder
+        who = ", ".join(f"{k} {holder[k]}" for k in ("job", "host", "pid") if k in holder)
+        super().__init__(f"{path} is in use by another job ({who or 'owner unknown'})")
+
+
+def lock_dir(path: str | os.PathLike, holder: dict[str, Any]) -> int:
+    """Take `path`'s lock for as long as the returned descriptor stays open (not inherited by
+    children), or raise DirInUse naming the owner."""
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DirInUse(str(path), read_lock_holder(path)) from None
+    body = json.dumps(holder).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, body, 0)
+    return fd
+
+
+def lock_holder(path: str | os.PathLike) -> dict[str, Any] | None:
+    """Who holds `path`'s lock now, or None when nobody does (or there is no lock file)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return read_lock_holder(path)
+    finally:
+        os.close(fd)  # also drops the shared lock taken to test it
+    return None
+
+
+def read_lock_holder(path: str | os.PathLike) -> dict[str, Any]:
+    """What the owner wrote (JSON, never unpickled); {} when unreadable."""
+    try:
+        with open(os.path.join(path, LOCK_FILE), "rb") as f:
+            data = json.loads(f.read(4096) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
 
 # --- ranks -> supervisor: messages --------------------------------------------------------------
 VERSION = 1

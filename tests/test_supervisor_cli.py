@@ -62,7 +62,8 @@ def test_status_shows_the_newest_step_and_a_graceful_stop_is_no_failure(tmp_path
             {"event": "progress", "attempt": 1, "step": 25},
             {"event": "attempt_end", "attempt": 1, "outcome": "stopped", "max_step": 31,
              "detail": "the ranks stopped gracefully", "detected_by": "exit"},
-            {"event": "supervisor_exit", "code": 5, "code_name": "INTERRUPTED", "reason": "SIGTERM"},
+            {"event": "supervisor_exit", "code": 5, "code_name": "INTERRUPTED",
+             "reason": "SIGTERM"},
         ):  # fmt: skip
             f.write(json.dumps({**e, "ts": 10.0, "mono": 10.0}) + "\n")
     assert cli.main(["status", str(run)]) == 0

@@ -116,3 +116,12 @@ def test_parse_toml_file_returns_the_tables(tmp_path):
     path = tmp_path / "ok.toml"
     path.write_text('[job]\nname = "x"\n')
     assert C.parse_toml_file(path) == {"job": {"name": "x"}}
+
+
+def test_a_host_that_does_not_resolve_is_refused_before_launch(capsys, monkeypatch):
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for command in (["validate"], ["run", "--dry-run"], ["run"]):
+        rc = cli.main([*command, str(DEMO), "--set", 'launch.nodes=["no-such-host-xyz.invalid"]'])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1, err
+        assert "launch.nodes: host 'no-such-host-xyz.invalid' does not resolve" in err

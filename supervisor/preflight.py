@@ -1,0 +1,54 @@
+"""Everything checked once the job is resolved and before anything launches.
+
+What fails here would fail every attempt the same way (a flag the worker refuses, a host that
+does not resolve), so it ends `validate`, `run` and `run --dry-run` with exit 2 and one line
+instead of spending the restart budget on relaunches that cannot work.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from supervisor import launcher, worker_flags
+from supervisor.config import ConfigError
+
+if TYPE_CHECKING:
+    from supervisor.resolve import Resolved
+
+RESOLVE_WORKERS = 32
+
+
+def check(r: Resolved) -> list[str]:
+    """Raise ConfigError for the first problem; return notes on what could not be checked."""
+    notes = []
+    check_hosts(r)
+    note = worker_flags.check(r.cfg, r.world)
+    if note:
+        notes.append(note)
+    return notes
+
+
+def check_hosts(r: Resolved) -> None:
+    """Every node other than this host must resolve: Hydra's ssh and PALS reach nodes by name,
+    and a name that does not resolve fails every attempt ("Could not resolve hostname")."""
+    if r.cfg.launch.launcher != "mpiexec":
+        return  # local: this host; srun: Slurm places the ranks on nodes it knows
+    others = [n for n in r.nodes if not launcher.is_this_host(n)]
+    with ThreadPoolExecutor(max_workers=min(RESOLVE_WORKERS, len(others) or 1)) as pool:
+        for node, error in zip(others, pool.map(_resolve_error, others), strict=True):
+            if error:
+                raise ConfigError(
+                    r.cfg.source,
+                    "launch.nodes",
+                    f"host {node!r} does not resolve ({error}); fix the name or leave the node out",
+                )
+
+
+def _resolve_error(host: str) -> str | None:
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        return str(exc.args[-1]) if exc.args else type(exc).__name__
+    return None
