@@ -26,6 +26,8 @@ from supervisor.launcher import ProcessLauncher
 from supervisor.resolve import Resolved, resolve
 from supervisor.stop import StopRequests
 
+BAD_MESSAGES_EVERY_S = 5.0
+
 __all__ = ["Job", "Resolved", "resolve"]  # cli and experiment resolve through this module
 
 
@@ -204,14 +206,21 @@ class Job:
             to.on_message(msg, now)
 
     async def _report_dropped(self) -> None:
-        """A `bad_messages` event whenever the count of dropped (unsigned, malformed) moves."""
-        reported = 0
+        """A `bad_messages` event when the count of dropped (unsigned, malformed) messages
+        moves, at most one every BAD_MESSAGES_EVERY_S: a flood must not flood the log too."""
+        reported, last = 0, -BAD_MESSAGES_EVERY_S
         while True:
             await asyncio.sleep(self.cfg.heartbeat.check_s)
             dropped = sum(self.server.dropped.values())
-            if dropped != reported:
-                reported = dropped
-                self.emit("bad_messages", total=dropped, by_reason=dict(self.server.dropped))
+            now = asyncio.get_running_loop().time()
+            if dropped != reported and now - last >= BAD_MESSAGES_EVERY_S:
+                self.emit(
+                    "bad_messages",
+                    total=dropped,
+                    new=dropped - reported,
+                    by_reason=dict(self.server.dropped),
+                )
+                reported, last = dropped, now
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop.request()
