@@ -129,7 +129,7 @@ class Attempt:
             )
         except OSError as exc:
             self.emit("launch_failed", error=str(exc))
-            return self._result(Outcome("failure", f"cannot start: {exc}"), None)
+            return self._result(Outcome("failure", f"cannot start: {exc}"), None, str(exc))
         self._launched(running)
         try:
             end = await self._first_end(running, stop)
@@ -146,7 +146,8 @@ class Attempt:
             self._show_tail(running)
         if teardown.survivors:
             self.emit("teardown_survivors", pids=teardown.survivors)
-        return self._result(outcome, end.finding)
+        error = decisions.error_of(t.errors, list(running.tail))
+        return self._result(outcome, end.finding, error if outcome.kind != "success" else None)
 
     def _plan(self) -> LaunchPlan:
         """The attempt's command, with the contract environment (command.txt shows it)."""
@@ -256,9 +257,13 @@ class Attempt:
             end.exit_task.cancel()
         return result
 
-    def _result(self, outcome: Outcome, finding: Finding | None) -> AttemptResult:
+    def _result(
+        self, outcome: Outcome, finding: Finding | None, error: str | None = None
+    ) -> AttemptResult:
         t = self.table
-        record = AttemptRecord(self.number, t.effective_resume_step(), t.max_step, outcome.kind)
+        record = AttemptRecord(
+            self.number, t.effective_resume_step(), t.max_step, outcome.kind, error
+        )
         detected_by = finding.kind if finding else ("stop" if outcome.kind == "stopped" else "exit")
         self.emit(
             "attempt_end",
@@ -269,6 +274,7 @@ class Attempt:
             max_step=record.max_step,
             ckpt_complete=t.ckpt_complete,
             stale_messages=t.stale,
+            error=error,
         )
         return AttemptResult(self.number, outcome, finding, record)
 

@@ -8,6 +8,7 @@ values. `attempt.py` and `job.py` gather the facts and act on the answers.
 from __future__ import annotations
 
 import enum
+import re
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -205,6 +206,7 @@ class AttemptRecord:
     resume_step: int | None
     max_step: int | None
     outcome: str = "failure"
+    error: str | None = None  # what the ranks or the launcher said last (`error_of`)
 
 
 def made_progress(rec: AttemptRecord, min_steps: int) -> bool:
@@ -239,6 +241,46 @@ def stuck_resume(history: Sequence[AttemptRecord], times: int) -> int | None:
     return None
 
 
+def error_of(rank_errors: Mapping[int, str], tail: Sequence[str]) -> str | None:
+    """One line that says what went wrong: the lowest rank's own error (its last line: a
+    traceback ends with the exception), else the last line of output that reads like an error.
+    Two attempts that fail alike give the same line (no pids or times in it)."""
+    if rank_errors:
+        message = rank_errors[min(rank_errors)].strip().splitlines()
+        return message[-1][:MAX_ERROR_CHARS] if message else None
+    for line in reversed(tail):
+        text = _RANK_PREFIX.sub("", line).strip()
+        if _ERRORISH.search(text):
+            return text[:MAX_ERROR_CHARS]
+    return None
+
+
+def early_repeat(history: Sequence[AttemptRecord], times: int = 2) -> str | None:
+    """The error of the last `times` attempts if each failed before its first step with that
+    same error: relaunching again would only fail the same way."""
+    last = history[-times:]
+    if len(last) < times or any(r.max_step is not None or r.outcome != "failure" for r in last):
+        return None
+    errors = {r.error for r in last}
+    return last[0].error if len(errors) == 1 and last[0].error else None
+
+
+def unfixable_launch(error: str | None) -> str | None:
+    """A launcher failure that no relaunch on these nodes can fix, said with the host."""
+    if not error:
+        return None
+    match = _UNRESOLVED_HOST.search(error)
+    if match:
+        return f"host {match.group(1)!r} does not resolve ({error})"
+    return None
+
+
+MAX_ERROR_CHARS = 300
+_RANK_PREFIX = re.compile(r"^\[\d+\]\s?")
+_ERRORISH = re.compile(r"error|exception|could not|cannot|failed|denied|not found", re.I)
+_UNRESOLVED_HOST = re.compile(r"[Cc]ould not resolve hostname ([^\s:]+)")
+
+
 def restarts_left(max_restarts: int, restarts_done: int) -> int:
     return max(0, max_restarts - restarts_done)
 
@@ -266,6 +308,18 @@ def decide(
         return Decision("stop", ExitCode.INTERRUPTED, "interrupted: " + outcome.detail)
     if outcome.kind == "bad_input":
         return Decision("stop", ExitCode.USAGE, outcome.detail)
+    last_error = history[-1].error if history else None
+    unfixable = unfixable_launch(last_error)
+    if unfixable is not None:
+        return Decision("stop", ExitCode.USAGE, f"the launcher cannot start: {unfixable}")
+    repeated = early_repeat(history)
+    if repeated is not None:
+        return Decision(
+            "stop",
+            ExitCode.NO_PROGRESS,
+            f"2 attempts in a row failed before their first step with: {repeated}",
+            facts={"error": repeated},
+        )
     step = stuck_resume(history, cfg.max_same_resume)
     if step is not None:
         return Decision(

@@ -15,6 +15,8 @@ from supervisor.decisions import (
     consecutive_unproductive,
     decide,
     describe_returncode,
+    early_repeat,
+    error_of,
     judge_period,
     judge_ranks,
     made_progress,
@@ -147,3 +149,37 @@ def test_judge_period_stretches_for_large_jobs():
     assert judge_period(2, 0.1) == 0.1
     assert judge_period(10_000, 0.1) == pytest.approx(0.2)
     assert judge_period(100_000, 0.1) == pytest.approx(2.0)
+
+
+def test_error_of_prefers_the_ranks_own_words_then_the_output():
+    assert error_of({1: "Traceback...\nValueError: x", 0: "RuntimeError: y"}, []) == (
+        "RuntimeError: y"
+    )
+    tail = ["[0] step 3", "[1] ssh: Could not resolve hostname n9: Name or service not known", ""]
+    assert error_of({}, tail) == "ssh: Could not resolve hostname n9: Name or service not known"
+    assert error_of({}, ["[0] step 3 loss 1.0"]) is None
+
+
+def test_the_same_early_error_twice_stops_with_it():
+    cfg = RestartConfig(max_restarts=10)
+    boom = "ZeroDivisionError: integer division or modulo by zero"
+    history = [AttemptRecord(0, None, None, "failure", boom)]
+    assert decide(Outcome("failure", "exit 1"), history, 0, cfg).action == "relaunch"
+    history.append(AttemptRecord(1, None, None, "failure", boom))
+    d = decide(Outcome("failure", "exit 1"), history, 1, cfg)
+    assert (d.action, d.exit_code) == ("stop", ExitCode.NO_PROGRESS)
+    assert d.reason.endswith(boom)
+    # Different errors, an attempt that stepped, or no error said: no verdict.
+    assert early_repeat([AttemptRecord(0, None, None, "failure", "A"),
+                         AttemptRecord(1, None, None, "failure", "B")]) is None  # fmt: skip
+    assert early_repeat([AttemptRecord(0, 0, 3, "failure", boom),
+                         AttemptRecord(1, None, None, "failure", boom)]) is None  # fmt: skip
+    assert early_repeat([AttemptRecord(0, None, None, "failure", None)] * 2) is None
+
+
+def test_a_host_that_does_not_resolve_ends_the_job_at_once():
+    said = "ssh: Could not resolve hostname no-such-host-xyz: Name or service not known"
+    d = decide(Outcome("failure", "exit 255"), [AttemptRecord(0, None, None, "failure", said)],
+               0, RestartConfig())  # fmt: skip
+    assert (d.action, d.exit_code) == ("stop", ExitCode.USAGE)
+    assert "host 'no-such-host-xyz' does not resolve" in d.reason

@@ -279,6 +279,26 @@ def test_budget_exhausted(tmp_path):
     assert next(e for e in evs if e["event"] == "give_up")["code_name"] == "BUDGET"
 
 
+def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
+    run = tmp_path / "run"
+    config = write_config(
+        tmp_path,
+        launcher="local",
+        worker={"inject_rank": 0, "inject_raise_at_step": 1},  # fails inside its first step
+        restart={"max_restarts": 5, "backoff_s": [0, 30]},
+    )
+    rc, out = finish(start(config))
+    assert rc == 4, out
+    evs = events(run)
+    assert sum(e["event"] == "launch" for e in evs) == 2  # not 6, and no 30 s backoff
+    give_up = next(e for e in evs if e["event"] == "give_up")
+    assert give_up["code_name"] == "NO_PROGRESS"
+    assert give_up["reason"] == (
+        "2 attempts in a row failed before their first step with: "
+        "RuntimeError: injected failure at step 1"
+    )
+
+
 def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
     # The token file is the worker's to check (it may exist only where the ranks run).
     worker = {"data_path": str(tmp_path / "no-such-tokens.bin")}
