@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import itertools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -251,6 +253,41 @@ def build_plan(
     return LaunchPlan("hydra", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["hydra"])
 
 
+_HYDRA_PREFIX = re.compile(rb"\[(\d+)\] ")
+
+
+class HydraLines:
+    """Whole lines out of Hydra's `-prepend-rank` stream. Hydra prefixes every chunk a rank
+    writes, not every line, so a rank that writes half a line at a time makes `[1] abc[1] def`,
+    and other ranks' chunks land in between. Each rank's pieces are joined until its newline."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.pending: dict[bytes, bytearray] = {}
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        """One line as read from the launcher; the whole lines it completes, prefixed."""
+        marks = [m for m in _HYDRA_PREFIX.finditer(raw) if int(m.group(1)) < self.world]
+        if not marks or marks[0].start() != 0:
+            return [raw]  # the launcher's own words
+        out: list[bytes] = []
+        for m, nxt in zip(marks, [*marks[1:], None], strict=True):
+            rank = m.group(1)
+            buf = self.pending.setdefault(rank, bytearray())
+            buf += raw[m.end() : nxt.start() if nxt else len(raw)]
+            while b"\n" in buf:
+                line, _, rest = bytes(buf).partition(b"\n")
+                out.append(b"[" + rank + b"] " + line + b"\n")
+                buf[:] = rest
+        return out
+
+    def flush(self) -> list[bytes]:
+        """What ranks wrote without a final newline, once the stream ended."""
+        out = [b"[" + r + b"] " + bytes(b) + b"\n" for r, b in self.pending.items() if b]
+        self.pending.clear()
+        return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -401,13 +438,19 @@ class Launched:
 
     def _pump(self, popen: subprocess.Popen, label: str, log, lock, pumps: list[int]) -> None:
         prefix = label.encode()
+        hydra = HydraLines(self.plan.world) if self.plan.launcher == "hydra" else None
         assert popen.stdout is not None
-        for line in iter(popen.stdout.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with lock:
-                log.write(prefix + line)
-            self.tail.append(label + line.decode(errors="replace").rstrip("\n"))
+        for raw in itertools.chain(iter(popen.stdout.readline, b""), [None]):
+            if raw is None:  # the end: what ranks left without a newline
+                lines = hydra.flush() if hydra else []
+            else:
+                lines = hydra.feed(raw) if hydra else [raw]
+            for line in lines:
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with lock:
+                    log.write(prefix + line)
+                self.tail.append(label + line.decode(errors="replace").rstrip("\n"))
         popen.stdout.close()
         with lock:
             pumps[0] -= 1

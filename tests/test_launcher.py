@@ -126,3 +126,39 @@ def test_exit_is_seen_at_once_and_teardown_leaves_nothing(tmp_path: Path):
     assert leftovers == []
     log = (tmp_path / "out.log").read_text()
     assert "[0] ready" in log and "[1] ready" in log
+
+
+def test_hydra_chunk_prefixes_make_whole_lines():
+    h = L.HydraLines(world=2)
+    assert h.feed(b"[1] abc[1] def\n") == [b"[1] abcdef\n"]
+    assert h.feed(b"[1] Zero[0] Zero[1] : one\n") == [b"[1] Zero: one\n"]
+    assert h.feed(b"[1] Div[0] : zero\n") == [b"[0] Zero: zero\n"]
+    assert h.feed(b"[0] a list [5] item\n") == [b"[0] a list [5] item\n"]  # no rank 5
+    assert h.feed(b"hydra's own [0] words\n") == [b"hydra's own [0] words\n"]
+    assert h.flush() == [b"[1] Div\n"]  # ended without its newline
+
+
+@pytest.mark.slow
+def test_output_log_has_one_rank_prefix_a_line_under_hydra(tmp_path: Path):
+    from conftest import mpiexec
+
+    script = (
+        "import os, sys, time\n"
+        "for i in range(20):\n"
+        "    os.write(2, b'ZeroDivisionError'); time.sleep(0.002); os.write(2, b': half\\n')\n"
+    )
+    argv = [mpiexec(), "-n", "2", "-prepend-rank", sys.executable, "-c", script]
+    plan = L.LaunchPlan("hydra", [L.ProcSpec(argv, {})], 2, ["localhost"])
+    out = tmp_path / "output.log"
+
+    async def main():
+        launched = await L.Launched.start(plan, out)
+        await asyncio.wait_for(launched.wait(), 60)
+        await launched.teardown(1.0)
+
+    asyncio.run(main())
+    time.sleep(0.2)  # the pump closes the log after the last line
+    lines = out.read_text().splitlines()
+    assert len(lines) == 40, lines
+    assert all(line in ("[0] ZeroDivisionError: half", "[1] ZeroDivisionError: half")
+               for line in lines), lines  # fmt: skip
