@@ -152,7 +152,8 @@ class Attempt:
     def _plan(self) -> LaunchPlan:
         """The attempt's command, with the contract environment (command.txt shows it)."""
         cfg = self.cfg
-        self.dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # unwritable: said when command.txt is not written
+            self.dir.mkdir(parents=True, exist_ok=True)
         env = {
             **cfg.launch.env,
             protocol.ENV_JOB_ID: self.s.job_id,
@@ -165,7 +166,10 @@ class Attempt:
             **self.s.faults.env(),
         }
         plan = self.s.r.plan(env, launcher.free_port() if cfg.launch.launcher == "local" else 0)
-        (self.dir / "command.txt").write_text(plan.text())
+        try:
+            (self.dir / "command.txt").write_text(plan.text())
+        except OSError as exc:  # a full run dir: the attempt runs all the same
+            self.emit("run_dir_unwritable", path=str(self.dir), error=exc.strerror or str(exc))
         self.table.launched_at = time.monotonic()
         return plan
 

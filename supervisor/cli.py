@@ -18,7 +18,7 @@ from pathlib import Path
 from supervisor import config as config_mod
 from supervisor import events as events_mod
 from supervisor import job as job_mod
-from supervisor import ownership, preflight
+from supervisor import ownership, preflight, protocol
 from supervisor.decisions import ExitCode
 from worker.ckpt import files as ckpt_files
 
@@ -165,6 +165,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         for fd in held:
             os.close(fd)
+    if job.events_failing:
+        print(
+            f"events: {r.run_dir / 'events.jsonl'} is incomplete ({job.events_failing}); "
+            f"the job ended with exit {code}",
+            file=sys.stderr,
+        )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(
             sig, signal.SIG_IGN
@@ -220,7 +226,13 @@ def _add_report_commands(sub, fmt) -> None:
 
 # --- tail / status --------------------------------------------------------------------------------
 def cmd_tail(args: argparse.Namespace) -> int:
-    path = _events_path(args.run_dir)
+    path, missing = _events_path(args.run_dir)
+    if missing:
+        print(f"note: {missing}", file=sys.stderr)
+        if not args.follow:
+            return ExitCode.DONE
+        while not path.is_file():  # a running job writes a new one with its next event
+            time.sleep(0.25)
     data = path.read_bytes()
     # Only whole lines: a last line without its newline is still being written.
     offset = data.rfind(b"\n") + 1
@@ -262,17 +274,19 @@ def _print_event_line(line: str, raw: bool) -> None:
         print(events_mod.render(event))
 
 
-def _events_path(run_dir: str) -> Path:
-    path = Path(run_dir) / "events.jsonl"
-    if not path.is_file():
-        raise config_mod.ConfigError(run_dir, "", "not a run directory (no events.jsonl)")
-    return path
+def _events_path(run_dir: str) -> tuple[Path, str | None]:
+    try:
+        return events_mod.run_dir_events(run_dir)
+    except ValueError as exc:
+        raise config_mod.ConfigError(run_dir, "", str(exc).split(": ", 1)[1]) from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    path = _events_path(args.run_dir)
+    path, missing = _events_path(args.run_dir)
     run_dir = Path(args.run_dir)
     events = list(events_mod.read_events(path))
+    if missing:
+        print(f"note: {missing}")
     try:
         resolved = tomllib.loads((run_dir / "config.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError):
@@ -291,16 +305,24 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     restarts = sum(1 for e in events if e.get("event") == "relaunch")
     last_start = starts[-1] if starts else {}
     name = resolved.get("job", {}).get("name", "?")
-    if ends and (not starts or ends[-1].get("ts", 0) >= last_start.get("ts", 0)):
+    holder = protocol.lock_holder(run_dir)  # the supervisor that owns the run dir now
+    if holder is not None:
+        state = f"running (supervisor pid {holder.get('pid')} on {holder.get('host')})"
+    elif ends and (not starts or ends[-1].get("ts", 0) >= last_start.get("ts", 0)):
         end = ends[-1]
         state = f"finished: {end.get('code_name')} (exit {end.get('code')}): {end.get('reason')}"
     elif last_start and _alive(last_start.get("pid")):
         state = f"running (supervisor pid {last_start.get('pid')})"
     elif last_start:
         state = "ended without a final event (the supervisor was killed?)"
+    elif events or any((run_dir / "attempts").glob("[0-9]*")):
+        state = "not running (the events that would say how it ended are lost)"
     else:
         state = "not started"
     out = [f"run:      {run_dir}", f"job:      {name}", f"state:    {state}"]
+    reopened = sum(1 for e in events if e.get("event") == "events_reopened")
+    if reopened:
+        out.append(f"events:   events.jsonl was recreated {reopened} time(s): earlier events lost")
     left = "?" if max_restarts is None else max(0, max_restarts - restarts)
     out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
     newest = newest_step(events, run_dir)

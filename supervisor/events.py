@@ -8,7 +8,9 @@ events in real time.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -47,16 +49,74 @@ def _stamp(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
-class _JsonTee:
-    """Writes each event as one JSON line, flushed (`tail -f` and crashes see it); passes it on."""
+class _JsonFile:
+    """Writes each event as one JSON line with one write (`tail -f` and a crash see whole lines)
+    and passes it on. The log outlives what happens to its file: deleted or rotated, it is
+    opened again (and says so); a failed write (a full disk) never stops the job: it is said
+    once on the console, and again when writing works again."""
 
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
+    def __init__(self, path: Path, console: IO[str] | None) -> None:
+        self.path = path
+        self.console = console
+        self.failing: str | None = None  # why the last write failed
+        self.reopened = 0
+        self._fd: int | None = None
+        self._ino: int | None = None
+        self._open()
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._ino = os.fstat(self._fd).st_ino
 
     def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-        self._stream.write(json.dumps(event, default=str, separators=(",", ":")) + "\n")
-        self._stream.flush()
+        line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
+        try:
+            if self._moved():
+                self._reopen(event)
+            os.write(self._fd, line)
+        except OSError as exc:
+            self._failed(exc)
+        else:
+            if self.failing is not None:
+                self._say(f"events: writing {self.path} works again")
+                self.failing = None
         return event
+
+    def _moved(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino != self._ino
+        except FileNotFoundError:
+            return True
+
+    def _reopen(self, event: dict[str, Any]) -> None:
+        """A new file where the old one was; its first line says what happened."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._open()
+        self.reopened += 1
+        note = {**{k: event[k] for k in ("ts", "mono") if k in event}, "event": "events_reopened"}
+        note.update(level="warning", reason="events.jsonl was deleted or moved; earlier events "
+                    "are not in this file", count=self.reopened)  # fmt: skip
+        os.write(self._fd, (json.dumps(note, separators=(",", ":")) + "\n").encode())
+        self._say(f"events: {self.path} was deleted or moved: writing a new one")
+
+    def _failed(self, exc: OSError) -> None:
+        why = exc.strerror or str(exc)
+        if self.failing is None:
+            self._say(f"events: cannot write {self.path} ({why}); the job goes on, unrecorded")
+        self.failing = why
+
+    def _say(self, text: str) -> None:
+        if self.console is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.console.write(text + "\n")
+                self.console.flush()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class _Console:
@@ -82,10 +142,10 @@ class EventLog:
     """The job's logger. `emit("launch", attempt=0, ...)` writes both sinks."""
 
     def __init__(self, path: Path | None, console: IO[str] | None = sys.stderr) -> None:
-        self._file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self._file = _JsonFile(path, console) if path else None
         processors: list[Any] = [_stamp]
         if self._file:
-            processors.append(_JsonTee(self._file))
+            processors.append(self._file)
         if console is not None:
             processors.append(_Console(colors=console.isatty()))
             sink: Any = structlog.PrintLogger(console)
@@ -95,12 +155,35 @@ class EventLog:
         self._log = structlog.wrap_logger(sink, processors=processors)
 
     def emit(self, event: str, **facts: Any) -> None:
-        self._log.info(event, **facts)
+        try:
+            self._log.info(event, **facts)
+        except OSError:
+            pass  # the console is gone (a closed terminal): events.jsonl has it
+
+    @property
+    def failing(self) -> str | None:
+        """Why events.jsonl cannot be written now (None: it can)."""
+        return self._file.failing if self._file else None
 
     def close(self) -> None:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def run_dir_events(run_dir: str | Path) -> tuple[Path, str | None]:
+    """A run dir's events.jsonl and, when it cannot be read, what that leaves out; a directory
+    that is no run dir at all (none of events.jsonl, config.toml, attempts/) is a ValueError."""
+    run = Path(run_dir)
+    path = run / "events.jsonl"
+    if path.is_file():
+        return path, None
+    if not ((run / "config.toml").is_file() or (run / "attempts").is_dir()):
+        raise ValueError(f"{run}: not a run directory (no events.jsonl, config.toml or attempts/)")
+    return path, (
+        f"{path} is missing (deleted?): failures, detection and relaunches are unknown; "
+        "what follows comes from config.toml, attempts/ and the checkpoints"
+    )
 
 
 def read_events(path: Path) -> Iterator[dict[str, Any]]:

@@ -52,6 +52,7 @@ class Job:
         # Attempts that take rank messages: the running one(s), and the last one ended until the
         # next starts (its stragglers are counted as stale there).
         self.attempts: dict[int, Attempt] = {}
+        self.events_failing: str | None = None  # why events.jsonl could not be written at the end
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> ExitCode:
@@ -115,6 +116,7 @@ class Job:
             dropped=dict(self.server.dropped),
         )
         self.server.close()
+        self.events_failing = self.log.failing
         self.log.close()
 
     async def _attempts(self, number: int) -> tuple[ExitCode, str]:
@@ -179,9 +181,15 @@ class Job:
     def _prepare(self) -> int:
         """The run dir, its resolved config and host file; the first attempt's number."""
         run_dir = self.r.run_dir
-        (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_mod.dumps(self.r.resolved_dict()))
-        self.r.hostfile().write_text("".join(f"{n}\n" for n in self.r.nodes))
+        try:
+            (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(config_mod.dumps(self.r.resolved_dict()))
+            self.r.hostfile().write_text("".join(f"{n}\n" for n in self.r.nodes))
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            raise config_mod.ConfigError(
+                str(run_dir), "", f"run dir cannot be written ({why}); free it or choose another"
+            ) from None
         existing = [int(p.name) for p in (run_dir / "attempts").iterdir() if p.name.isdigit()]
         return max(existing) + 1 if existing else 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
 import itertools
 import os
@@ -367,7 +368,10 @@ class Launched:
         on_rank_exit: Callable[[int, int], None] | None = None,
     ) -> Launched:
         loop = asyncio.get_running_loop()
-        log = open(output, "ab", buffering=0)  # noqa: SIM115 - closed by the last pump
+        try:
+            log = open(output, "ab", buffering=0)  # noqa: SIM115 - closed by the last pump
+        except OSError:  # a full or read-only run dir: the ranks run all the same
+            log = open(os.devnull, "ab", buffering=0)  # noqa: SIM115
         lock = threading.Lock()
         popens: list[subprocess.Popen] = []
         started, started_wall = time.monotonic(), time.time()
@@ -448,7 +452,7 @@ class Launched:
             for line in lines:
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                with lock:
+                with lock, contextlib.suppress(OSError):  # a full disk: keep draining
                     log.write(prefix + line)
                 self.tail.append(label + line.decode(errors="replace").rstrip("\n"))
         popen.stdout.close()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.events import read_events
+from supervisor.events import read_events, run_dir_events
 
 DETECTED_BY = {
     "exit": "exit",
@@ -56,14 +56,17 @@ class RunData:
     records: list[StepRecord]
     config: dict[str, Any]
     skipped_lines: int = 0
+    notes: list[str] = field(default_factory=list)  # what the run dir lacks
 
 
 def load_run(run_dir: str | Path) -> RunData:
     """Read a run directory; malformed or torn lines are skipped and counted, never raised."""
     run = Path(run_dir)
-    if not (run / "events.jsonl").is_file():
-        raise NotARunDir(f"{run}: not a run directory (no events.jsonl)")
-    events = list(read_events(run / "events.jsonl"))
+    try:
+        path, missing = run_dir_events(run)
+    except ValueError as exc:
+        raise NotARunDir(str(exc)) from None
+    events = list(read_events(path))
     records: list[StepRecord] = []
     skipped = 0
     for adir in sorted((run / "attempts").glob("[0-9]*")):
@@ -76,7 +79,10 @@ def load_run(run_dir: str | Path) -> RunData:
         config = tomllib.loads((run / "config.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
         config = {}
-    return RunData(run, events, records, config, skipped)
+    notes = [missing] if missing else []
+    if any(e.get("event") == "events_reopened" for e in events):
+        notes.append("events.jsonl was deleted or moved while the job ran: earlier events are lost")
+    return RunData(run, events, records, config, skipped, notes)
 
 
 def parse_metrics(path: Path, attempt: int) -> tuple[list[StepRecord], int]:
@@ -221,6 +227,7 @@ class Analysis:
     save_interval: int | None
     mode: str  # "sync", "async" or "none" (no checkpoints)
     baseline: Analysis | None = None
+    notes: list[str] = field(default_factory=list)  # what the run dir lacks
 
 
 # --- analysis ------------------------------------------------------------------------------------
@@ -289,6 +296,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         save_interval=save_interval,
         mode=mode,
         baseline=base,
+        notes=list(data.notes),
     )
 
 

@@ -123,6 +123,7 @@ def interval_md(a: Analysis) -> list[str]:
 
 def render(a: Analysis) -> str:
     lines = [f"# Run report: {a.name}", "", f"`{a.run_dir}` · checkpoints: {a.mode}", ""]
+    lines += [f"**Note:** {note}" for note in a.notes] + ([""] if a.notes else [])
     lines += ["## Per failure", "", *failures_md(a), ""]
     lines += [
         "detection: failure (the fault's time, else the launcher's exit or the last step) → "

@@ -16,6 +16,7 @@ def summary(a: Analysis, written: list[Path]) -> str:
         f"== {a.name}: {state} at step {_n(t.final_step)} in {_duration(t.wall_s)}, "
         f"goodput {t.goodput:.0%} ==",
     ]
+    lines += [f"Note: {note}" for note in a.notes]
     if not a.failures:
         lines.append("No failures.")
     else:

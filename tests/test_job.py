@@ -245,3 +245,20 @@ def test_each_attempt_keeps_its_own_table(tmp_path):
     assert code == ExitCode.DONE
     assert [e["max_step"] for e in named(evs, "attempt_end")] == [2, 1]
     assert [e["rank"] for e in named(evs, "rank_hello")] == [0, 0]
+
+
+def test_a_full_run_dir_never_stops_the_job(tmp_path, monkeypatch):
+    import errno
+
+    from supervisor import events as events_mod
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fake = FakeLauncher(Script(rc=1), Script(rc=0, says=hello_steps(1, 2, done=True)))
+    job = make_job(tmp_path, fake, max_restarts=3)
+    monkeypatch.setattr(events_mod.os, "write", full)  # every event from the first on
+    code, evs = run(job)
+    assert code == ExitCode.DONE and len(fake.started) == 2  # supervised and relaunched
+    assert job.events_failing == "No space left on device"
+    assert evs == []
