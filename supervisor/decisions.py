@@ -265,13 +265,16 @@ def early_repeat(history: Sequence[AttemptRecord], times: int = 2) -> str | None
     return last[0].error if len(errors) == 1 and last[0].error else None
 
 
-def unfixable_launch(error: str | None) -> str | None:
-    """A launcher failure that no relaunch on these nodes can fix, said with the host."""
+def unfixable(error: str | None) -> str | None:
+    """An error that no relaunch on these nodes can fix, said as the job's end: a host that
+    does not resolve, a checkpoint or stage dir that is full or read-only (the worker's line)."""
     if not error:
         return None
     match = _UNRESOLVED_HOST.search(error)
     if match:
-        return f"host {match.group(1)!r} does not resolve ({error})"
+        return f"the launcher cannot start: host {match.group(1)!r} does not resolve ({error})"
+    if _STORAGE_FULL.match(error):
+        return error
     return None
 
 
@@ -279,6 +282,7 @@ MAX_ERROR_CHARS = 300
 _RANK_PREFIX = re.compile(r"^\[\d+\]\s?")
 _ERRORISH = re.compile(r"error|exception|could not|cannot|failed|denied|not found", re.I)
 _UNRESOLVED_HOST = re.compile(r"[Cc]ould not resolve hostname ([^\s:]+)")
+_STORAGE_FULL = re.compile(r"(disk full|disk quota exceeded|read-only file system): ")
 
 
 def restarts_left(max_restarts: int, restarts_done: int) -> int:
@@ -309,9 +313,9 @@ def decide(
     if outcome.kind == "bad_input":
         return Decision("stop", ExitCode.USAGE, outcome.detail)
     last_error = history[-1].error if history else None
-    unfixable = unfixable_launch(last_error)
-    if unfixable is not None:
-        return Decision("stop", ExitCode.USAGE, f"the launcher cannot start: {unfixable}")
+    cannot = unfixable(last_error)
+    if cannot is not None:
+        return Decision("stop", ExitCode.USAGE, cannot)
     repeated = early_repeat(history)
     if repeated is not None:
         return Decision(

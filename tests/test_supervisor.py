@@ -299,6 +299,28 @@ def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
     )
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_checkpoint_disk_ends_the_job_in_one_line(tmp_path, mode):
+    run = tmp_path / "run"
+    worker = {"inject_rank": 0, "inject_disk_full_at_step": 10}  # ENOSPC writing the shard
+    if mode == "async":
+        worker.update(async_ckpt=True, ckpt_stage_dir=str(tmp_path / "stage"))
+    rc, out = finish(start(write_config(tmp_path, worker=worker)))
+    assert rc == 2, out
+    evs = events(run)
+    assert sum(e["event"] == "launch" for e in evs) == 1  # no relaunch can make room
+    give_up = next(e for e in evs if e["event"] == "give_up")
+    where = f"ckpt-dir {run / 'ckpt'}" if mode == "sync" else f"{tmp_path / 'stage'}"
+    assert give_up["reason"].startswith(f"disk full: {where}")
+    assert "at the save of step 10 (No space left on device)" in give_up["reason"]
+    assert "Traceback" not in out and "CheckpointException" not in out
+    errors = [e["message"] for e in evs if e["event"] == "rank_error"]
+    assert errors and all(len(m) < 400 for m in errors)  # one line each, no DCP traceback
+    ckpt = run / "ckpt"
+    assert not (ckpt / "step-10").exists()  # the partial save is gone at once
+    assert (ckpt / "step-5" / ".complete").exists()  # the newest complete one stays
+
+
 def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
     # The token file is the worker's to check (it may exist only where the ranks run).
     worker = {"data_path": str(tmp_path / "no-such-tokens.bin")}

@@ -53,6 +53,7 @@ class TrainArgs:
     inject_kill_in_save_at_step: int | None
     inject_kill_async_phase: str | None
     inject_ckpt_delay_s: float
+    inject_disk_full_at_step: int | None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -143,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="with --async-ckpt: the background write and fan-out start this long after the "
         "stage, on every rank (a slow file system; training meanwhile changes the state)",
+    )
+    i.add_argument(
+        "--inject-disk-full-at-step",
+        type=int,
+        default=None,
+        help="the save of this step fails as on a full disk (ENOSPC writing the shard)",
     )
     return p
 

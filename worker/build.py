@@ -12,13 +12,14 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from worker.args import TrainArgs
 from worker.beat import Beacon
-from worker.ckpt import resume
+from worker.ckpt import owner, resume
 from worker.ckpt.checkpointer import Resumed
 from worker.ckpt.manager import CheckpointManager, create_manager
 from worker.data import SyntheticData, TokenFileData
@@ -84,6 +85,8 @@ def build(
     threads = set_threads(info)
     device = init_process_group(info, backend, device_type, args.pg_timeout)
     mesh = build_mesh(layout, device_type)
+    if args.ckpt_dir:  # every rank has checked it by now: they are all in the group
+        owner.hold_if_alone(Path(args.ckpt_dir), info.rank)
     startup.mark("process_group")
     meta_init = args.meta_init == "on" or (
         args.meta_init == "auto" and cfg.num_params() >= META_INIT_AUTO_PARAMS

@@ -9,10 +9,12 @@ No torch here.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from worker.args import TrainArgs
@@ -33,6 +35,7 @@ class Hooks:
             args.inject_stall_at_step,
             args.inject_kill_in_save_at_step,
             args.inject_kill_async_phase,
+            args.inject_disk_full_at_step,
         )
         if all(a is None for a in asked) and not args.inject_ckpt_delay_s:
             return Hooks()
@@ -43,6 +46,7 @@ class Hooks:
             kill_in_save_at_step=args.inject_kill_in_save_at_step,
             kill_async_phase=args.inject_kill_async_phase,
             write_delay_s=args.inject_ckpt_delay_s,
+            disk_full_at_step=args.inject_disk_full_at_step,
         )
 
     def in_step(self, step: int) -> None:
@@ -53,6 +57,9 @@ class Hooks:
 
     def in_async_phase(self, phase: AsyncPhase, step: int) -> None:
         """An async save of `step` has reached `phase` (on the thread that runs it)."""
+
+    def before_shard(self, step: int, path: Path) -> None:
+        """The save of `step` is about to write this rank's shard file `path`."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class InjectedFaults(Hooks):
     kill_in_save_at_step: int | None = None
     kill_async_phase: str | None = None
     write_delay_s: float = 0.0
+    disk_full_at_step: int | None = None
 
     def in_step(self, step: int) -> None:
         if not self.armed:
@@ -83,6 +91,10 @@ class InjectedFaults(Hooks):
     def in_async_phase(self, phase: AsyncPhase, step: int) -> None:
         if self.armed and phase == self.kill_async_phase and step == self.kill_in_save_at_step:
             _die()
+
+    def before_shard(self, step: int, path: Path) -> None:
+        if self.armed and step == self.disk_full_at_step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def _die() -> None:

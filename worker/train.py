@@ -19,6 +19,7 @@ from pathlib import Path
 
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
+from worker.ckpt import owner
 from worker.dist import RankInfo, abort_job, detect_rank
 from worker.errors import UsageError
 from worker.layout import Layout
@@ -55,6 +56,8 @@ def check_paths(args: TrainArgs) -> None:
             raise UsageError(
                 f"{label} directory {path} is not writable ({exc.strerror}); choose a writable path"
             ) from None
+    if args.ckpt_dir:
+        owner.refuse_if_owned(Path(args.ckpt_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,7 @@ class PollReport:
     drain_seconds: float = 0.0  # main thread blocked on finalize
     save_to_marker_seconds: float = 0.0
     error: str | None = None
+    exception: BaseException | None = None  # this rank's own failure, if it failed
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ class AsyncCheckpointer:
             delay_s=self.hooks.write_delay_s,
             sync_files=False,  # scratch: the durable copy is the one fsynced
             padded=self.stager.padded,  # O_DIRECT from the staging block
+            before_write=partial(self.hooks.before_shard, step),
         )
         # The same state structure every save: DCP may reuse its plans (this thread's Python
         # takes turns with the training step's; planning afresh cost the step 0.26 s per save
@@ -263,8 +266,11 @@ class AsyncCheckpointer:
         self.inflight = None
         if state is Readiness.FAILED:
             error = _error_text(job.copy)
+            own = job.copy.exception() if job.copy.done() else None
             self._drop_stage(job)
-            return PollReport(job.step, written, state, error=error or "failed on another rank")
+            return PollReport(
+                job.step, written, state, error=error or "failed on another rank", exception=own
+            )
         started = time.perf_counter()
         self.hooks.in_async_phase("marker", job.step)
         result: FanoutResult = job.copy.result()

@@ -10,10 +10,12 @@ resharding through DCP when the world size or mesh differs.
 from __future__ import annotations
 
 import gc
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +124,20 @@ class Checkpointer:
         started = time.perf_counter()
         directory = self.prepare(step)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=storage.writer(directory))
+        writer = storage.writer(directory, before_write=partial(self.hooks.before_shard, step))
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
         self.hooks.after_write(step)
         self.finalize(directory, self.describe(step, tokens_seen, data))
         return time.perf_counter() - started
+
+    def discard(self, step: int) -> None:
+        """A save that cannot complete (its storage is full): its partial files and what was
+        set aside go at once, since the disk needs the room; older checkpoints stay."""
+        if self.rank == 0:
+            directory = naming.step_dir(self.root, step)
+            (directory / naming.MARKER).unlink(missing_ok=True)
+            shutil.rmtree(directory, ignore_errors=True)
+            files.remove_set_aside(self.root)
 
     def prepare(self, step: int) -> Path:
         """Empty the step directory (a stale marker first) before any rank writes into it."""

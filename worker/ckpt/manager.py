@@ -23,6 +23,7 @@ import torch
 from supervisor.protocol import ENV_JOB_ID
 from worker.args import TrainArgs
 from worker.beat import Beacon
+from worker.ckpt import disk
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
 from worker.ckpt.resume import RunIdentity
@@ -120,8 +121,19 @@ class SyncManager(CheckpointManager):
 
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         self.beacon.phase("save", step)
-        self._save(step, tokens_seen, data)
+        try:
+            self._save(step, tokens_seen, data)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            self._fail_if_full(exc, step)
+            raise
         self.beacon.phase("train", step)
+
+    def _fail_if_full(self, exc: BaseException, step: int) -> None:
+        """A full or read-only disk: one line, exit 2, the partial save removed at once."""
+        full = disk.storage_failure(exc, self.base.root, step)
+        if full is not None:
+            self.base.discard(step)
+            raise full from None
 
     def _save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         seconds = self.base.save(step, tokens_seen, data)
@@ -212,4 +224,6 @@ class AsyncManager(SyncManager):
                     flush=True,
                 )
             elif r.state is Readiness.FAILED:
+                if r.exception is not None:
+                    self._fail_if_full(r.exception, r.step)
                 self.say(f"WARNING: checkpoint step={r.step} failed: {r.error}", flush=True)

@@ -143,16 +143,24 @@ class RawWriter(FileSystemWriter):
     memory and anything else through a small aligned bounce buffer."""
 
     def __init__(
-        self, path, *, padded: Callable[[torch.Tensor], torch.Tensor | None] | None = None, **kw
+        self,
+        path,
+        *,
+        padded: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+        before_write: Callable[[Path], None] | None = None,
+        **kw,
     ):
         super().__init__(path, **kw)
         self.padded = padded
+        self.before_write = before_write  # test hooks: a full disk at this file
         self._direct = False
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"
         path = Path(self.path) / name
         results = []
+        if self.before_write is not None:
+            self.before_write(path)
         fd = self._open(path)
         try:
             reserve(fd, _tensor_bytes(plan, padded=self._direct))
@@ -378,8 +386,8 @@ def stop_read_ahead(path: Path) -> None:
         stop.set()
 
 
-def writer(directory: Path, *, durable: bool = True, padded=None) -> RawWriter:
-    return RawWriter(directory, sync_files=durable, padded=padded)
+def writer(directory: Path, *, durable: bool = True, padded=None, before_write=None) -> RawWriter:
+    return RawWriter(directory, sync_files=durable, padded=padded, before_write=before_write)
 
 
 def reader(directory: Path) -> RawReader:
