@@ -13,13 +13,15 @@ into the few notes worth an event (hello, first step, checkpoint complete, resum
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from supervisor import protocol
 from supervisor.decisions import RankState
@@ -42,13 +44,20 @@ class HeartbeatServer:
         bind: str = "127.0.0.1",
         port: int = 0,
         advertise: str | None = None,
+        allow: Sequence[str] = (),
     ) -> None:
         self.key = key
         self.job = job
         self.dropped: Counter[str] = Counter()
         self.received = 0
         self._ctx = zmq.Context()
+        self._auth = None
         self._sock = self._ctx.socket(zmq.PULL)
+        if allow:  # only these addresses may connect at all (ZeroMQ's ZAP, before any frame)
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.allow(*allow)
+            self._sock.zap_domain = b"elastic-supervisor"
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         # A peer sending a bigger frame than any message can be is dropped by ZeroMQ itself.
@@ -90,7 +99,21 @@ class HeartbeatServer:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
+
+
+def node_addresses(nodes: Sequence[str]) -> list[str]:
+    """Every address the job's nodes (and this host's loopback) may connect from."""
+    found = {"127.0.0.1", "::1"}
+    for node in nodes:
+        try:
+            infos = socket.getaddrinfo(node, None, proto=socket.IPPROTO_TCP)
+        except (socket.gaierror, UnicodeError):
+            continue  # preflight refused a node that does not resolve; this one vanished since
+        found.update(str(info[4][0]) for info in infos)
+    return sorted(found)
 
 
 @dataclass

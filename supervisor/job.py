@@ -21,7 +21,7 @@ from supervisor import decisions, fault_hooks, launcher
 from supervisor.attempt import Attempt, AttemptResult, Launcher, Shared
 from supervisor.decisions import AttemptRecord, Decision, ExitCode
 from supervisor.events import EventLog
-from supervisor.heartbeat import HeartbeatServer
+from supervisor.heartbeat import HeartbeatServer, node_addresses
 from supervisor.launcher import ProcessLauncher
 from supervisor.resolve import Resolved, resolve
 from supervisor.stop import StopRequests
@@ -202,7 +202,9 @@ class Job:
             if hb.advertise != "auto"
             else ("127.0.0.1" if local else launcher.this_host())
         )
-        return HeartbeatServer(self.key.encode(), self.job_id, bind, hb.port, advertise)
+        # Bound beyond loopback (a multi-node job): only the job's nodes may even connect.
+        allow = () if bind.startswith("127.") else node_addresses(self.r.nodes)
+        return HeartbeatServer(self.key.encode(), self.job_id, bind, hb.port, advertise, allow)
 
     def emit(self, event: str, **facts: Any) -> None:
         self.log.emit(event, **facts)

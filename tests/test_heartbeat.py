@@ -208,3 +208,30 @@ def test_rank_dies_with_its_parent(monkeypatch, tmp_path):
 def test_beat_module_does_not_import_torch():
     code = "import sys, worker.beat; sys.exit('torch' in sys.modules or 'zmq' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_an_allow_list_keeps_other_hosts_from_connecting():
+    async def main(allow):
+        server = HeartbeatServer(KEY.encode(), JOB, allow=allow)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(server.address)
+        ident = P.RankIdentity(JOB, 0, 0, 1, "h", 1)
+        for _ in range(3):
+            push.send(P.encode(KEY.encode(), ident.message("beat", time.time(), phase="train",
+                                                           step=1)), zmq.NOBLOCK)  # fmt: skip
+        got = await collect(server, lambda g: len(g) >= 3, timeout=1.5)
+        push.close()
+        ctx.term()
+        server.close()
+        return got
+
+    assert len(asyncio.run(main(["127.0.0.1"]))) == 3
+    assert asyncio.run(main(["192.0.2.7"])) == []  # loopback is not on the list: refused
+
+
+def test_node_addresses_has_loopback_and_the_nodes():
+    from supervisor.heartbeat import node_addresses
+
+    assert {"127.0.0.1", "::1"} <= set(node_addresses(["localhost", "no-such-host.invalid"]))
