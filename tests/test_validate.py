@@ -17,6 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "debug.toml"
 
 
+@pytest.fixture(autouse=True)
+def launcher_on_path(monkeypatch):
+    """The demo's launcher (mpiexec) comes with the mpich wheel, beside this python."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+
 def validate(capsys, *argv: str) -> tuple[int, str]:
     rc = cli.main(["validate", *argv])
     out = capsys.readouterr()
