@@ -371,8 +371,6 @@ def newest_step(events: list[dict], run_dir: Path) -> tuple[int, int] | None:
 
 def _last_metrics_record(path: Path) -> dict:
     """The last whole JSON line of a metrics file (read from its end: it may be large)."""
-    import json
-
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -380,14 +378,7 @@ def _last_metrics_record(path: Path) -> dict:
             lines = f.read().split(b"\n")
     except OSError:
         return {}
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            return record
-    return {}
+    return next(events_mod.json_objects(reversed(lines)), {})
 
 
 def _newest_checkpoint(resolved: dict, events: list[dict]) -> str:

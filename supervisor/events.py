@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -193,10 +193,15 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
     except FileNotFoundError:
         return
     with f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                yield event
+        yield from json_objects(f)
+
+
+def json_objects(lines: Iterable[str | bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects among `lines`; a torn or malformed line is skipped."""
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            yield obj
