@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from supervisor import cli, ownership
 from supervisor import protocol as P
 from supervisor.config import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_lock_names_its_holder_and_dies_with_it(tmp_path):
@@ -25,23 +20,6 @@ def test_lock_names_its_holder_and_dies_with_it(tmp_path):
     os.close(fd)
     assert P.lock_holder(tmp_path) is None  # released: the file's old words no longer count
     os.close(P.lock_dir(tmp_path, {"job": "j-2"}))
-
-
-def test_a_killed_holder_releases_the_lock(tmp_path):
-    code = (
-        "import sys, time; from supervisor import protocol as P; "
-        f"P.lock_dir({str(tmp_path)!r}, {{'job': 'child'}}); print('locked', flush=True); "
-        "time.sleep(60)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
-                             text=True)  # fmt: skip
-    try:
-        assert child.stdout.readline().strip() == "locked"
-        assert P.lock_holder(tmp_path) == {"job": "child"}
-    finally:
-        child.kill()
-        child.wait(timeout=10)
-    assert P.lock_holder(tmp_path) is None
 
 
 def test_claim_takes_run_and_checkpoint_dirs(tmp_path):
@@ -81,63 +59,3 @@ def test_a_second_supervisor_on_the_same_run_dir_exits_2_at_once(tmp_path, capsy
     assert err.count("\n") == 1
     assert f"error: {run}: run dir in use: job twice-0001 (pid 4242 on here, since " in err
     assert not (run / "events.jsonl").exists() and not (run / "attempts").exists()
-
-
-def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **extra)  # fmt: skip
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-TINY_WORKER = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
-               "--vocab-size", "64", "--seq-len", "16", "--device", "cpu"]  # fmt: skip
-
-
-def test_a_worker_by_hand_on_a_supervised_checkpoint_dir_is_refused(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    fd = P.lock_dir(ckpt, {"job": "sup-1234", "host": "n1", "pid": 77})
-    try:
-        cmd = [sys.executable, "-m", "worker.train", *TINY_WORKER, "--train-iters", "2",
-               "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path / "out")]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.strip() == (
-            f"error: --ckpt-dir {ckpt} is in use by job sup-1234 (pid 77 on n1); wait for it "
-            "to end or choose another --ckpt-dir"
-        )
-        # The supervisor's own ranks (its job id) go ahead.
-        mine = subprocess.run(cmd, cwd=REPO, env=worker_env(ES_JOB_ID="sup-1234"),
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert mine.returncode == 0, mine.stderr
-    finally:
-        os.close(fd)
-
-
-def test_a_worker_run_by_hand_holds_its_checkpoint_dir(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "worker.train", *TINY_WORKER, "--train-iters", "100000",
-           "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path / "out")]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while P.lock_holder(ckpt) is None and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
-        holder = P.lock_holder(ckpt)
-        assert holder is not None and holder["pid"] == proc.pid
-        with pytest.raises(ConfigError, match="checkpoint dir in use: job worker.train-"):
-            ownership.claim(tmp_path / "run", str(ckpt), "sup-2", "sup")
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)

@@ -1,0 +1,166 @@
+"""Async checkpoints end to end: real mpiexec, real SIGKILL in each phase of a save, DCP on disk.
+The pure parts (readiness, which files a rank copies, fan-out) are in unit/test_async_ckpt.py."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import TINY, losses, read_metrics, run_worker, start_worker
+from worker.ckpt import files, naming
+
+ITERS, INTERVAL, KILL_STEP = 12, 4, 8
+COMMON = [*TINY, "--train-iters", str(ITERS), "--save-interval", str(INTERVAL)]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's loss at every step (no checkpoints at all)."""
+    out = tmp_path_factory.mktemp("baseline")
+    done = run_worker(2, *TINY, "--train-iters", str(ITERS), "--outdir", str(out))
+    assert done.returncode == 0, done.stderr
+    return losses(out / "metrics-0.jsonl")
+
+
+def async_args(tmp_path: Path) -> list[str]:
+    return [
+        *COMMON,
+        "--async-ckpt",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-stage-dir",
+        str(tmp_path / "stage"),
+        "--outdir",
+        str(tmp_path / "m"),
+    ]
+
+
+def assert_bit_exact(metrics: Path, want: dict[int, float]) -> None:
+    """Every record, recomputed steps included, equals the uninterrupted run's loss."""
+    got = read_metrics(metrics)
+    assert {r["step"] for r in got} == set(want)
+    for r in got:
+        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]])
+
+
+# phase -> (rank killed, newest marked step afterwards)
+KILLS = {
+    "stage": (1, INTERVAL),
+    "write": (1, INTERVAL),
+    "fanout": (1, INTERVAL),
+    "marker": (1, INTERVAL),
+    "after-marker": (0, KILL_STEP),  # rank 0 writes the marker
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", list(KILLS))
+def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
+    rank, marked = KILLS[phase]
+    args = async_args(tmp_path)
+    ckpt, stage = tmp_path / "ckpt", tmp_path / "stage"
+    died = run_worker(
+        2,
+        *args,
+        "--inject-rank",
+        str(rank),
+        "--inject-kill-in-save-at-step",
+        str(KILL_STEP),
+        "--inject-kill-async-phase",
+        phase,
+    )
+    assert died.returncode != 0, died.stdout
+    found = {f.step: f.complete for f in files.scan(ckpt)}
+    assert max(s for s, complete in found.items() if complete) == marked, found
+    if phase == "write":  # the dead attempt's local copy is still there ...
+        assert list(naming.step_dir(stage, KILL_STEP).glob("__1_*.distcp"))
+    if phase == "fanout":  # ... or its half-copied file, under its temporary name only
+        durable = naming.step_dir(ckpt, KILL_STEP)
+        assert list(durable.glob(".tmp-__1_*")) and not list(durable.glob("__1_*"))
+
+    again = run_worker(2, *args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"RESUMED from step={marked}" in again.stdout
+    assert_bit_exact(tmp_path / "m/metrics-0.jsonl", baseline)
+    # ... and gone after the next start; the finished run leaves no stage copies behind.
+    assert list(stage.iterdir()) == []
+    assert all(complete for complete in {f.complete for f in files.scan(ckpt)})
+
+
+@pytest.mark.slow
+def test_slow_write_marks_before_next_save_and_stages_one_step(tmp_path):
+    """The background write starts well after the stage while training runs on and changes
+    every parameter; the marker still lands before the next save (not at it: the study's second
+    dead end), and the checkpoint holds exactly the saved step's state."""
+    iters, interval, delay = 60, 30, 0.2  # 30 steps outlast 0.2 s
+    args = [
+        *TINY,
+        "--train-iters",
+        str(iters),
+        "--save-interval",
+        str(interval),
+        "--async-ckpt",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-stage-dir",
+        str(tmp_path / "stage"),
+        "--log-every",
+        "30",
+    ]
+    first = run_worker(
+        2, *args, "--outdir", str(tmp_path / "a"), "--inject-ckpt-delay-s", str(delay)
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    marked = re.search(rf"checkpoint step={interval} complete at step=(\d+)", first.stdout)
+    assert marked, first.stdout
+    assert interval < int(marked.group(1)) < iters
+    records = read_metrics(tmp_path / "a/metrics-0.jsonl")
+    took = [r["train/ckpt_marker_seconds"] for r in records if "train/ckpt_marker_seconds" in r]
+    assert took[0] >= delay
+    assert "train/ckpt_stage_seconds" in records[interval]  # the stall, on step interval + 1
+
+    files.remove([f for f in files.scan(tmp_path / "ckpt") if f.step == iters])
+    second = run_worker(2, *args, "--outdir", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"RESUMED from step={interval}" in second.stdout
+    want = losses(tmp_path / "a/metrics-0.jsonl")
+    got = losses(tmp_path / "b/metrics-0.jsonl")
+    assert sorted(got) == list(range(interval + 1, iters + 1))
+    assert all(got[s] == want[s] for s in got), [(s, got[s], want[s]) for s in got]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_and_marks_the_stop_step(tmp_path):
+    """A graceful stop saves at the stop step and marks it before exit 0, with a save from an
+    earlier step possibly still in flight."""
+    out = tmp_path / "m"
+    args = [
+        *TINY,
+        "--train-iters",
+        "400",
+        "--save-interval",
+        "3",
+        "--async-ckpt",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-stage-dir",
+        str(tmp_path / "stage"),
+        "--outdir",
+        str(out),
+    ]
+    proc = start_worker(2, *args)
+    deadline = time.monotonic() + 120
+    while not [r for r in read_metrics(out / "metrics-0.jsonl") if r["step"] >= 4]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    stop = read_metrics(out / "metrics-0.jsonl")[-1]["step"]
+    assert f"checkpoint step={stop} complete" in output
+    assert (naming.step_dir(tmp_path / "ckpt", stop) / naming.MARKER).exists()
+    assert list((tmp_path / "stage").iterdir()) == []
