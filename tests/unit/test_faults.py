@@ -1,13 +1,11 @@
 """faults/: parsing, the pure schedule (which faults fire when), checkpoint damage, and the
-control channel over real ZeroMQ sockets. No ranks here: see test_faults_e2e.py for those."""
+control channel over real ZeroMQ sockets. No ranks here: see e2e/test_faults_e2e.py for those."""
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import zmq
@@ -17,11 +15,11 @@ from faults.schedule import Facts, Schedule, interval, targets
 from faults.spec import JobShape, parse_all
 from supervisor import cli, protocol
 from supervisor import config as C
+from tests.support import fake_checkpoints
 from worker.beat import StepFaults, ZmqBeacon
 from worker.ckpt import files as ckpt_files
 from worker.ckpt import naming
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPE = JobShape(train_iters=100, save_interval=10, world=4, nodes=2, ranks_per_node=2)
 ALL = frozenset(range(4))
 
@@ -128,20 +126,6 @@ def test_config_errors_exit_2_naming_file_and_key(tmp_path, capsys):
                     "target = 'rank:2'\n")  # fmt: skip
     assert cli.main(["validate", str(path)]) == 2
     assert "faults[0].target: rank 2 does not exist: the job has 2 ranks" in capsys.readouterr().err
-
-
-def test_shipped_configs_with_faults_validate(capsys, monkeypatch):
-    # validate checks the launcher exists; the mpich wheel puts mpiexec beside this python.
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    for name in ("debug.toml", "chaos.toml"):
-        assert cli.main(["validate", str(REPO / "configs" / name)]) == 0, capsys.readouterr().err
-    (f,) = C.load(REPO / "configs" / "agpt2b.toml").faults  # parsed once, typed, as loaded
-    assert f.trigger.at_step == (500, 1000, 1500) and f.trigger.after_checkpoint
-    assert f.table["at_step"] == [500, 1000, 1500]  # ... and the table as given, for the dump
-    chaos = C.load(REPO / "configs" / "chaos.toml").faults
-    assert {s.action.kind for s in chaos} == {
-        "kill", "term", "hang", "stall", "slow", "corrupt", "unmark"
-    }  # fmt: skip
 
 
 # --- the schedule -------------------------------------------------------------------------------
@@ -281,13 +265,6 @@ def test_targets():
 
 
 # --- actions --------------------------------------------------------------------------------------
-def fake_checkpoints(root: Path, steps=(5, 10)) -> None:
-    for step in steps:
-        d = naming.step_dir(root, step)
-        d.mkdir(parents=True)
-        for r in (0, 1):
-            (d / f"__{r}_0.distcp").write_bytes(bytes(range(256)) * 4)
-        ckpt_files.mark_complete(d, {"step": step, "files": ckpt_files.record_files(d)})
 
 
 def test_corrupt_truncates_or_flips_a_shard_of_the_newest_checkpoint(tmp_path):
@@ -386,62 +363,7 @@ def test_control_message_checks():
         protocol.decode_control(key, protocol.encode(key, {**msg, "signal": "9"}), "job", 0, 1)
 
 
-# --- the engine against a real process (no torch: a `sleep` stands in for a rank) ----------------
-def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
-    import subprocess
-
-    from faults.engine import FaultEngine
-    from supervisor import launcher
-    from supervisor.heartbeat import AttemptTable
-
-    cfg = C.from_dict(
-        {
-            "launch": {"ranks_per_node": 2},
-            "worker": {"train_iters": 50, "save_interval": 5, "ckpt_dir": str(tmp_path)},
-            "faults": [
-                {"at_step": 7, "after_checkpoint": True, "action": "corrupt", "target": "rank:1"}
-            ],
-        }
-    )
-    fake_checkpoints(tmp_path, steps=(5, 10))
-    emitted = []
-    engine = FaultEngine.create(cfg, 2, "k" * 64, "job", "tcp://127.0.0.1:1",
-                                lambda e, **kw: emitted.append({"event": e, **kw}))  # fmt: skip
-    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
-    try:
-        assert engine.env()[protocol.ENV_CONTROL_ADDR].startswith("tcp://127.0.0.1:")
-        table = AttemptTable(attempt=0, world=2, launched_at=0.0)
-        engine.attempt_started(0)
-        host = launcher.this_host()
-        for r, p in enumerate(ranks):
-            msg = {"attempt": 0, "rank": r, "world": 2, "host": host, "pid": p.pid, "t": 0.0}
-            table.update({**msg, "kind": "hello", "phase": "init"}, 1.0)
-            table.update({**msg, "kind": "phase", "phase": "train", "step": 0}, 1.0)
-        step0 = {"attempt": 0, "rank": 0, "world": 2, "host": host, "pid": ranks[0].pid}
-        for step in range(1, 11):
-            m = {**step0, "t": 0.0, "kind": "step", "step": step, "loss": 1.0, "dt": 0.1}
-            table.update(m, 2.0)
-            engine.on_message(m, table, 2.0)
-        assert emitted == []  # step 10 reached, its checkpoint not complete yet
-        m = {**step0, "t": 0.0, "kind": "ckpt", "step": 10, "state": "complete"}
-        table.update(m, 2.0)
-        engine.on_message(m, table, 2.0)
-        (event,) = emitted
-        assert ranks[1].wait(10) == -signal.SIGKILL and ranks[0].poll() is None
-        assert event["event"] == "fault" and event["action"] == "corrupt"
-        assert event["ranks"] == [1] and event["pids"] == [ranks[1].pid]
-        assert event["via"] == ["signal"] and event["signal"] == "SIGKILL"
-        assert event["point"] == {"step": 7} and event["step"] == 10 and event["steps"] == [0]
-        assert event["damaged"]["step"] == 10 and event["damaged"]["file"] == "__1_0.distcp"
-        assert event["marker"]["step"] == 10 and event["marker"]["mtime"] <= event["ts"]
-        engine.poke(table, 3.0)
-        assert len(emitted) == 1  # the attempt is over for faults
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
-        engine.close()
-    assert emitted[-1] == {"event": "fault_summary", "total": 1, "fired": {"faults[0]": 1}}
+# --- the engine ---------------------------------------------------------------------------------
 
 
 def test_a_fault_to_many_ranks_never_stalls_the_event_loop():

@@ -6,7 +6,8 @@ import math
 import time
 
 import pytest
-from conftest import TINY, losses, read_metrics, run_worker
+
+from tests.support import TINY, losses, read_metrics, run_worker
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO
+
 PACKAGES = ("supervisor", "faults", "worker")
 
 

@@ -1,5 +1,5 @@
-"""Bad input caught before anything launches: unreadable config files, and `[worker]` keys and
-values checked against the worker's own parser (without torch, without ranks)."""
+"""`validate` and `run --dry-run` on configs whose launcher is mpiexec: they run `mpiexec --version`
+(and the torch check runs a python), so they are here, not in unit/test_validate.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import cli
-from supervisor import config as C
+from tests.support import REPO, validate
 
-REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "debug.toml"
 
 
@@ -21,12 +20,6 @@ DEMO = REPO / "configs" / "debug.toml"
 def launcher_on_path(monkeypatch):
     """The demo's launcher (mpiexec) comes with the mpich wheel, beside this python."""
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-
-
-def validate(capsys, *argv: str) -> tuple[int, str]:
-    rc = cli.main(["validate", *argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 @pytest.mark.parametrize(
@@ -78,50 +71,6 @@ def test_the_check_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        (b"\x00\x01\x02\xff", "not UTF-8 text at byte 3 (a binary file?)"),
-        (b'[job]\nname = "caf\xe9"\n', "not UTF-8 text at byte 17"),
-        (b"", "is empty"),
-        (b"  \n\n", "is empty"),
-        (b"[job]\nname = \x00\n", "not a text file (it holds NUL bytes)"),
-        (b"[job\n", "not valid TOML"),
-    ],
-)
-def test_unreadable_configs_are_one_line(tmp_path, capsys, content, message):
-    path = tmp_path / "job.toml"
-    path.write_bytes(content)
-    for command in (["validate"], ["run"], ["run", "--dry-run"], ["experiment"]):
-        rc = cli.main([*command, str(path)])
-        out = capsys.readouterr()
-        assert rc == 2
-        assert out.err.count("\n") == 1 and message in out.err, out.err
-        assert "Traceback" not in out.err
-
-
-def test_a_directory_a_missing_file_and_no_permission(tmp_path, capsys, monkeypatch):
-    rc, out = validate(capsys, str(tmp_path))
-    assert rc == 2 and out == f"error: {tmp_path}: is a directory, expected a TOML file\n"
-    rc, out = validate(capsys, str(tmp_path / "nope.toml"))
-    assert rc == 2 and "nope.toml: no such file" in out
-    locked = tmp_path / "locked.toml"
-    locked.write_text("[job]\n")
-
-    def denied(self):
-        raise PermissionError(13, "Permission denied", str(self))
-
-    monkeypatch.setattr(Path, "read_bytes", denied)  # root reads anything: make it fail
-    rc, out = validate(capsys, str(locked))
-    assert rc == 2 and "locked.toml: permission denied" in out
-
-
-def test_parse_toml_file_returns_the_tables(tmp_path):
-    path = tmp_path / "ok.toml"
-    path.write_text('[job]\nname = "x"\n')
-    assert C.parse_toml_file(path) == {"job": {"name": "x"}}
 
 
 def test_a_host_that_does_not_resolve_is_refused_before_launch(capsys, monkeypatch):

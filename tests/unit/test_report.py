@@ -1,114 +1,18 @@
 """The report's numbers on a hand-made run whose answers are known; the CLI on bad input.
 
-The end-to-end study (real supervisor, real worker, real faults) is in test_experiment.py.
+The end-to-end study (real supervisor, real worker, real faults) is in e2e/test_experiment.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from supervisor.report import analyze, load_run, young_daly
 from supervisor.report_md import render, write_report
-
-REPO = Path(__file__).resolve().parents[1]
-T0 = 1000.0  # the synthetic run's start; ts = T0 + mono
-
-
-def ev(event: str, mono: float, **facts) -> dict:
-    return {"event": event, "ts": T0 + mono, "mono": mono, **facts}
-
-
-def rec(step: int, t: float, **extra) -> dict:
-    return {"step": step, "t": t, "loss": 5.0, "train/dt": 0.5, "train/tps": 100.0, **extra}
-
-
-def write_run(root: Path, events: list[dict], metrics: dict[int, list], config: str = "") -> Path:
-    root.mkdir(parents=True)
-    (root / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    for attempt, lines in metrics.items():
-        d = root / "attempts" / f"{attempt:03d}"
-        d.mkdir(parents=True)
-        text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
-        (d / "metrics-0.jsonl").write_text(text)
-    (root / "config.toml").write_text(
-        config or '[job]\nname = "syn"\n\n[worker]\nsave_interval = 10\n'
-    )
-    return root
-
-
-def synthetic_events() -> list[dict]:
-    """Attempt 0 killed by a fault at step 25 (resumes from 20); attempt 1 hangs after step 40
-    (no fault: a natural failure; resumes from 40); attempt 2 finishes at step 50."""
-    return [
-        ev("start", 0.0, world=2),
-        ev("launch", 0.0, attempt=0),
-        ev("first_step", 10.0, attempt=0, step=1),
-        ev("phase", 19.1, attempt=0, phase="save", step=10),
-        ev("ckpt_complete", 19.4, attempt=0, step=10),
-        ev("phase", 29.1, attempt=0, phase="save", step=20),
-        ev("ckpt_complete", 29.8, attempt=0, step=20),
-        ev("fault", 35.5, attempt=0, name="k", action="kill", target="all", step=25),
-        ev("exit", 35.6, attempt=0, returncode=137, exit_mono=35.6),
-        ev("teardown", 35.7, attempt=0, reason="exit", start_mono=35.7, latency_s=0.1),
-        ev("attempt_end", 35.9, attempt=0, outcome="failure", detail="exit 137",
-           detected_by="exit", resume_step=0, max_step=25),
-        ev("relaunch", 35.9, attempt=1, after=0),
-        ev("launch", 36.0, attempt=1),
-        ev("resumed", 45.0, attempt=1, step=20, restart_seconds=8.0),
-        ev("first_step", 45.0, attempt=1, step=21),
-        ev("phase", 54.1, attempt=1, phase="save", step=30),
-        ev("ckpt_complete", 54.5, attempt=1, step=30),
-        ev("phase", 64.05, attempt=1, phase="save", step=40),
-        ev("ckpt_complete", 64.5, attempt=1, step=40),
-        ev("hang", 70.0, attempt=1, ranks=[1], detected_mono=70.0, latency_s=0.05),
-        ev("teardown", 70.1, attempt=1, reason="hang", start_mono=70.1, latency_s=0.1),
-        ev("attempt_end", 70.5, attempt=1, outcome="failure", detail="hang: rank 1",
-           detected_by="hang", resume_step=20, max_step=40),
-        ev("relaunch", 70.5, attempt=2, after=1),
-        ev("launch", 71.0, attempt=2),
-        ev("resumed", 80.0, attempt=2, step=40, restart_seconds=7.0),
-        ev("first_step", 80.0, attempt=2, step=41),
-        ev("attempt_end", 89.5, attempt=2, outcome="success", detected_by="exit", max_step=50),
-        ev("done", 89.5, attempt=2, step=50),
-        ev("supervisor_exit", 90.0, code=0, code_name="DONE"),
-    ]  # fmt: skip
-
-
-def synthetic_metrics() -> dict[int, list]:
-    a0 = [rec(k, T0 + 9 + k) for k in range(1, 26)]
-    a0[10]["train/ckpt_save_seconds"] = 0.4  # step 11: the save at 10
-    a0[20]["train/ckpt_save_seconds"] = 0.6  # step 21: the save at 20
-    a1 = [rec(k, T0 + 45 + (k - 21)) for k in range(21, 41)]
-    a1[0]["train/restart_seconds"] = 8.0
-    a1[10]["train/ckpt_save_seconds"] = 0.5  # step 31: the save at 30
-    a1.insert(3, '{"step": 24, "t": 10')  # a torn line
-    a1.insert(5, '{"step": "x", "t": 1.0}')  # a malformed one
-    a2 = [rec(k, T0 + 80 + (k - 41)) for k in range(41, 51)]
-    return {0: a0, 1: a1, 2: a2}
-
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    return write_run(tmp_path / "run", synthetic_events(), synthetic_metrics())
-
-
-@pytest.fixture
-def baseline_dir(tmp_path: Path) -> Path:
-    events = [
-        {"event": "start", "ts": 2000.0, "mono": 500.0},
-        {"event": "launch", "ts": 2000.0, "mono": 500.0, "attempt": 0},
-        {"event": "first_step", "ts": 2009.0, "mono": 509.0, "attempt": 0, "step": 1},
-        {"event": "done", "ts": 2059.0, "mono": 559.0, "attempt": 0, "step": 50},
-        {"event": "supervisor_exit", "ts": 2060.0, "mono": 560.0, "code": 0, "code_name": "DONE"},
-    ]
-    metrics = {0: [{**rec(k, 2008.0 + k)} for k in range(1, 51)]}
-    return write_run(tmp_path / "base", events, metrics, "[worker]\nsave_interval = 0\n")
+from tests.support import REPO, T0, ev, rec, synthetic_events, synthetic_metrics, write_run
 
 
 def test_per_failure_rows_have_the_known_answers(run_dir: Path) -> None:
@@ -219,44 +123,6 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = matplotlib.image.imread(str(path))
     assert img.shape[0] > 400 and img.shape[1] > 600
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
-def test_cli_report(run_dir: Path, baseline_dir: Path, tmp_path: Path) -> None:
-    p = cli("report", str(run_dir), "--baseline", str(baseline_dir), "--no-plot")
-    assert p.returncode == 0, p.stderr
-    assert "## Per failure" in p.stdout and (run_dir / "report.md").is_file()
-    assert not (run_dir / "report.png").exists()
-    p = cli("report", str(tmp_path / "nope"))
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not a run directory" in p.stderr
-    p = cli("report", str(run_dir), "--baseline", str(tmp_path / "nope"))
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-
-
-def test_cli_experiment_bad_config_is_exit_2(tmp_path: Path) -> None:
-    bad = tmp_path / "x.toml"
-    bad.write_text('[experiment]\nphases = ["baseline", "chaos"]\n')
-    p = cli("experiment", str(bad))
-    assert p.returncode == 2 and "experiment.phases" in p.stderr and "Traceback" not in p.stderr
-    bad.write_text('[experiment]\n[worker]\nmodel = "debug"\n[restart]\nmax_restarts = -1\n')
-    p = cli("experiment", str(bad))
-    assert p.returncode == 2 and "restart.max_restarts" in p.stderr
-    p = cli("experiment", str(tmp_path / "none.toml"))
-    assert p.returncode == 2 and "no such file" in p.stderr
-
-
-def test_run_and_status_do_not_import_the_report() -> None:
-    code = (
-        "import sys, supervisor.cli as c; c.build_parser(); "
-        "assert not {'matplotlib', 'supervisor.report', 'supervisor.plot'} & set(sys.modules)"
-    )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
 def test_shipped_experiment_configs_are_valid() -> None:

@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import events
 
 from supervisor.report import analyze, load_run
+from tests.support import REPO, events
 
-REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
 STUDY_TIMEOUT = 420
 

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import events, read_metrics, run_worker, toml_value
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO, events, read_metrics, run_worker, toml_value
+
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 420
 

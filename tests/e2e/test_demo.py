@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.events import read_events
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "debug.toml"
 
 

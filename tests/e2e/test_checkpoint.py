@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import TINY, read_metrics, run_worker, start_worker
 
+from tests.support import TINY, read_metrics, run_worker, start_worker
 from worker.ckpt import files, naming
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from conftest import events, toml_value
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO, events, toml_value
+
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 150
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import mpiexec, rank_env
+
+from tests.support import mpiexec, rank_env
 
 pytestmark = pytest.mark.slow
 

@@ -5,31 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
-import psutil
-import pytest
 import zmq
 
 from supervisor import protocol as P
 from supervisor.heartbeat import AttemptTable, HeartbeatServer
+from tests.support import BEACON_JOB as JOB
+from tests.support import BEACON_KEY as KEY
+from tests.support import beacon_env
 from worker.beat import Beacon, ZmqBeacon
-
-KEY = "s3cret" * 8
-JOB = "job-1"
-
-
-def beacon_env(monkeypatch, addr, attempt=0, interval=0.1):
-    monkeypatch.setenv(P.ENV_HEARTBEAT_ADDR, addr)
-    monkeypatch.setenv(P.ENV_HEARTBEAT_KEY, KEY)
-    monkeypatch.setenv(P.ENV_JOB_ID, JOB)
-    monkeypatch.setenv(P.ENV_ATTEMPT, str(attempt))
-    monkeypatch.setenv(P.ENV_HEARTBEAT_INTERVAL, str(interval))
-    monkeypatch.delenv(P.ENV_EXIT_WITH_PARENT, raising=False)
 
 
 async def collect(server, until, timeout=10.0):
@@ -163,51 +148,6 @@ def test_attempt_table_notes_and_stale_messages():
     assert t.update(old, 11.0) == [] and t.stale == 1 and 1 not in t.ranks
     assert t.effective_resume_step() == 10 and t.max_step == 12
     assert t.local_pids("h") == [7]
-
-
-CHILD = textwrap.dedent(
-    """
-    import os, sys, time
-    from worker.beat import Beacon
-    b = Beacon.from_env(0, 1)
-    b.hello("init")
-    print(os.getpid(), flush=True)
-    time.sleep(120)
-    """
-)
-PARENT = textwrap.dedent(
-    """
-    import subprocess, sys, time
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=sys.stdout)
-    time.sleep(120)
-    """
-)
-
-
-@pytest.mark.timeout(60)
-def test_rank_dies_with_its_parent(monkeypatch, tmp_path):
-    """ES_EXIT_WITH_PARENT: a rank whose launcher was SIGKILLed does not train on alone."""
-    beacon_env(monkeypatch, "tcp://127.0.0.1:9")
-    monkeypatch.setenv(P.ENV_EXIT_WITH_PARENT, "1")
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        child_pid = int(parent.stdout.readline())
-        child = psutil.Process(child_pid)
-        assert child.is_running()
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(10)
-        gone, alive = psutil.wait_procs([child], timeout=10)
-        assert not alive, "the rank survived its parent"
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-
-
-def test_beat_module_does_not_import_torch():
-    code = "import sys, worker.beat; sys.exit('torch' in sys.modules or 'zmq' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 def test_an_allow_list_keeps_other_hosts_from_connecting():
