@@ -62,7 +62,8 @@ def main() -> None:
     env["PYTHONPATH"] = str(REPO)
     with tempfile.TemporaryDirectory(prefix="es-downtime-") as tmp:
         run = Path(tmp) / "run"
-        sets = [f"job.run_dir={run}", "worker.train_iters=100000", *args.set]
+        # The bench's own kills only: the demo config's [[faults]] are left out.
+        sets = [f"job.run_dir={run}", "worker.train_iters=100000", "faults=[]", *args.set]
         if args.launcher:
             sets.append(f"launch.launcher={args.launcher}")
         cmd = [sys.executable, "-m", "supervisor", "run", args.config, "--quiet"]
