@@ -361,6 +361,31 @@ def test_supervisor_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     assert "INTERRUPTED" in status.stdout
 
 
+def test_a_second_supervisor_on_a_running_jobs_dirs_is_refused(tmp_path):
+    run = tmp_path / "run"
+    config = write_config(tmp_path, launcher="local", worker={"train_iters": 5000})
+    first = start(config)
+    try:
+        wait_for(run, lambda e: e["event"] == "first_step", first)
+        started = time.monotonic()
+        rc, out = finish(start(config), timeout=60)  # the same run dir and checkpoint dir
+        assert rc == 2, out
+        assert time.monotonic() - started < 30  # at once, not after a launch
+        assert f"{run}: run dir in use: job t-" in out and f"(pid {first.pid} on " in out
+        # Another run dir, the same checkpoint dir: refused too.
+        (tmp_path / "b").mkdir()
+        other = write_config(
+            tmp_path / "b", launcher="local", worker={"ckpt_dir": str(run / "ckpt")}
+        )
+        rc, out = finish(start(other), timeout=60)
+        assert rc == 2 and f"{run / 'ckpt'}: checkpoint dir in use: job t-" in out, out
+        assert sum(e["event"] == "start" for e in events(run)) == 1
+        assert not (tmp_path / "b" / "run" / "events.jsonl").exists()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        finish(first)
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "local"])
 def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
     run = tmp_path / "run"
