@@ -30,6 +30,7 @@ REFRESH_TREE_S = 2.0  # how often the attempt's process tree is re-read (for tea
 TAIL_LINES = 15  # rank output shown when an attempt fails
 EXIT_FOLLOW_S = 0.1  # after a rank's process ended, how long to wait for the launcher's exit
 ABORT_GRACE_S = 0.5  # teardown grace when the supervisor itself fails mid-attempt
+OUTPUT_READ_S = 1.0  # after teardown, how long to wait for the ranks' last output lines
 
 
 class Running(Protocol):
@@ -53,6 +54,10 @@ class Running(Protocol):
         ...
 
     async def teardown(self, grace: float, extra: list[int] = ...) -> TeardownResult: ...
+
+    async def output_read(self, timeout: float) -> None:
+        """Until what the ended processes wrote has all been read (or `timeout`)."""
+        ...
 
 
 class Launcher(Protocol):
@@ -143,6 +148,7 @@ class Attempt:
             end.finding, rc, done=bool(t.done_ranks), stopping=end.stopping, stepped=t.stepped
         )
         if outcome.kind in ("failure", "bad_input"):
+            await running.output_read(OUTPUT_READ_S)  # their last words, before showing them
             self._show_tail(running)
         if teardown.survivors:
             self.emit("teardown_survivors", pids=teardown.survivors)

@@ -358,6 +358,7 @@ class Launched:
     exits: dict[int, int] = field(default_factory=dict)
     _known: dict[int, psutil.Process] = field(default_factory=dict)
     _future: asyncio.Future | None = None
+    _output_done: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     async def start(
@@ -414,6 +415,11 @@ class Launched:
     def pids(self) -> list[int]:
         return [p.pid for p in self.popens]
 
+    async def output_read(self, timeout: float) -> None:
+        """Wait (up to `timeout`) until every line the ended processes wrote has been read:
+        a rank's last words may still be in its pipe when its exit is seen."""
+        await asyncio.get_running_loop().run_in_executor(None, self._output_done.wait, timeout)
+
     async def wait(self) -> Exit:
         """The first failing exit, or 0 once every process ended cleanly."""
         assert self._future is not None
@@ -460,6 +466,7 @@ class Launched:
             pumps[0] -= 1
             if pumps[0] == 0:
                 log.close()
+                self._output_done.set()
 
     def refresh(self, extra: list[int] = ()) -> None:
         """Remember every process of this attempt we can see now (teardown kills them all)."""

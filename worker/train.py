@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         check_paths(args)
         cfg, layout = plan(args, info)
     except UsageError as exc:
-        say(f"error: {exc}", file=sys.stderr, flush=True)
+        say_once(info, exc)
         return exc.exit_code
     beacon = Beacon.from_env(info.rank, info.world)
     beacon.hello("init")
@@ -78,12 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return loop.run(args, info, cfg, layout, beacon, say, lambda: stop.requested)
     except UsageError as exc:
-        if info.rank != 0:
-            # Most such errors (another model's checkpoint, say) hit every rank at once: give
-            # rank 0 the time to print the one line and end the job, else say it here.
-            time.sleep(PEER_ERROR_GRACE_S)
-            print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
-        say(f"error: {exc}", file=sys.stderr, flush=True)
+        say_once(info, exc)
         beacon.error(str(exc))
         beacon.close()
         abort_job(info, exc.exit_code)
@@ -93,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         beacon.close()
         abort_job(info, 1)
     return 1
+
+
+def say_once(info: RankInfo, exc: UsageError) -> None:
+    """A usage error, said once for the job: most (a bad flag, another model's checkpoint) hit
+    every rank at once, so rank 0 says it; another rank first gives rank 0 the time to say it
+    and end the job (a peer that exits first would have the launcher kill rank 0 unheard),
+    and says it itself only if the job is still there."""
+    if info.rank != 0:
+        time.sleep(PEER_ERROR_GRACE_S)
+        print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
+    else:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
 
 
 def plan(args: TrainArgs, info: RankInfo) -> tuple[ModelConfig, Layout]:

@@ -92,6 +92,9 @@ class FakeRunning:
         self.stop_signals += 1
         asyncio.get_running_loop().call_later(0.05, self._end, self.script.stop_rc)
 
+    async def output_read(self, timeout: float) -> None:
+        pass
+
     async def teardown(self, grace: float, extra: list[int] = ()) -> TeardownResult:
         self.torn_down += 1
         alive = not self._exit.done()
