@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         beacon.close()
         abort_job(info, exc.exit_code)
     except BaseException as exc:  # a bug or a broken peer: bring every rank down, never hang
-        traceback.print_exc()
+        # One write: the launcher kills every rank at the abort below, and output a rank wrote
+        # in pieces could be cut before the launcher read it all (seen: a traceback cut after
+        # its first frame, the exception's own line lost).
+        sys.stderr.flush()
+        said = "".join(traceback.format_exception(exc)) + f"error (rank {info.rank}): "
+        os.write(sys.stderr.fileno(), (said + f"{type(exc).__name__}: {exc}\n").encode())
         beacon.error(f"{type(exc).__name__}: {exc}")
         beacon.close()
         abort_job(info, 1)
