@@ -24,7 +24,6 @@ DCP's stock writer made.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import io
@@ -58,7 +57,7 @@ SHARD_SUFFIX = ".distcp"
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 GAP_SKIP = 1 << 20  # bytes between two records (padding) read and dropped rather than sought
 _SYNC_FILE_RANGE_WRITE = 2
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc: no ldconfig run at import
 _sync_file_range = getattr(_libc, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
