@@ -278,7 +278,7 @@ def _events_path(run_dir: str) -> tuple[Path, str | None]:
     try:
         return events_mod.run_dir_events(run_dir)
     except ValueError as exc:
-        raise config_mod.ConfigError(run_dir, "", str(exc).split(": ", 1)[1]) from None
+        raise config_mod.ConfigError(run_dir, "", str(exc)) from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -359,13 +359,13 @@ def newest_step(events: list[dict], run_dir: Path) -> tuple[int, int] | None:
         ):
             if best is None or step >= best[0]:
                 best = (step, e.get("attempt", 0))
-    attempts = sorted((run_dir / "attempts").glob("[0-9][0-9][0-9]*"))
-    if attempts:
-        last = _last_metrics_record(attempts[-1] / "metrics-0.jsonl")
+    numbers = [int(p.name) for p in (run_dir / "attempts").glob("*") if p.name.isdigit()]
+    if numbers:
+        newest = max(numbers)
+        last = _last_metrics_record(run_dir / "attempts" / f"{newest:03d}" / "metrics-0.jsonl")
         step = last.get("step")
         if isinstance(step, int) and (best is None or step >= best[0]):
-            suffix = attempts[-1].name
-            best = (step, int(suffix) if suffix.isdigit() else best[1] if best else 0)
+            best = (step, newest)
     return best
 
 

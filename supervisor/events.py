@@ -69,11 +69,10 @@ class _JsonFile:
         self._ino = os.fstat(self._fd).st_ino
 
     def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-        line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
         try:
             if self._moved():
                 self._reopen(event)
-            os.write(self._fd, line)
+            os.write(self._fd, _json_line(event))
         except OSError as exc:
             self._failed(exc)
         else:
@@ -98,7 +97,7 @@ class _JsonFile:
         note = {**{k: event[k] for k in ("ts", "mono") if k in event}, "event": "events_reopened"}
         note.update(level="warning", reason="events.jsonl was deleted or moved; earlier events "
                     "are not in this file", count=self.reopened)  # fmt: skip
-        os.write(self._fd, (json.dumps(note, separators=(",", ":")) + "\n").encode())
+        os.write(self._fd, _json_line(note))
         self._say(f"events: {self.path} was deleted or moved: writing a new one")
 
     def _failed(self, exc: OSError) -> None:
@@ -117,6 +116,10 @@ class _JsonFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _json_line(event: dict[str, Any]) -> bytes:
+    return (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
 
 
 class _Console:
@@ -179,7 +182,7 @@ def run_dir_events(run_dir: str | Path) -> tuple[Path, str | None]:
     if path.is_file():
         return path, None
     if not ((run / "config.toml").is_file() or (run / "attempts").is_dir()):
-        raise ValueError(f"{run}: not a run directory (no events.jsonl, config.toml or attempts/)")
+        raise ValueError("not a run directory (no events.jsonl, config.toml or attempts/)")
     return path, (
         f"{path} is missing (deleted?): failures, detection and relaunches are unknown; "
         "what follows comes from config.toml, attempts/ and the checkpoints"

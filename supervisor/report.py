@@ -65,7 +65,7 @@ def load_run(run_dir: str | Path) -> RunData:
     try:
         path, missing = run_dir_events(run)
     except ValueError as exc:
-        raise NotARunDir(str(exc)) from None
+        raise NotARunDir(f"{run}: {exc}") from None
     events = list(read_events(path))
     records: list[StepRecord] = []
     skipped = 0

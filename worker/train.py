@@ -86,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         # One write: the launcher kills every rank at the abort below, and output a rank wrote
         # in pieces could be cut before the launcher read it all (seen: a traceback cut after
         # its first frame, the exception's own line lost).
+        what = f"{type(exc).__name__}: {exc}"
+        said = "".join(traceback.format_exception(exc)) + f"error (rank {info.rank}): {what}\n"
         sys.stderr.flush()
-        said = "".join(traceback.format_exception(exc)) + f"error (rank {info.rank}): "
-        os.write(sys.stderr.fileno(), (said + f"{type(exc).__name__}: {exc}\n").encode())
-        beacon.error(f"{type(exc).__name__}: {exc}")
+        os.write(sys.stderr.fileno(), said.encode())
+        beacon.error(what)
         beacon.close()
         abort_job(info, 1)
     return 1

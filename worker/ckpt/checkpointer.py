@@ -10,7 +10,6 @@ resharding through DCP when the world size or mesh differs.
 from __future__ import annotations
 
 import gc
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -134,9 +133,7 @@ class Checkpointer:
         """A save that cannot complete (its storage is full): its partial files and what was
         set aside go at once, since the disk needs the room; older checkpoints stay."""
         if self.rank == 0:
-            directory = naming.step_dir(self.root, step)
-            (directory / naming.MARKER).unlink(missing_ok=True)
-            shutil.rmtree(directory, ignore_errors=True)
+            files.remove_step_dir(naming.step_dir(self.root, step))
             files.remove_set_aside(self.root)
 
     def prepare(self, step: int) -> Path:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from worker.ckpt import files
+
 DCP_METADATA = ".metadata"
 COPY_CHUNK = 16 << 20
 
@@ -65,14 +67,6 @@ def same_file_system(a: Path, b: Path) -> bool:
     return a.stat().st_dev == b.stat().st_dev
 
 
-def file_crc(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while data := f.read(COPY_CHUNK):
-            crc = zlib.crc32(data, crc)
-    return crc
-
-
 def copy_file_durably(
     src: Path,
     dst: Path,
@@ -92,7 +86,7 @@ def copy_file_durably(
         os.link(src, tmp)
         with tmp.open("rb+") as out:
             if with_crc:
-                crc = file_crc(tmp)
+                crc = files.file_crc(tmp)
             midway()
             os.fsync(out.fileno())
         os.replace(tmp, dst)

@@ -145,8 +145,10 @@ def mark_complete(directory: Path, meta: dict) -> None:
 
 def remove(found: list[Found]) -> None:
     for f in found:
-        # The marker goes first: a half-deleted directory must not look complete.
-        marker = f.path / MARKER
-        if marker.exists():
-            marker.unlink()
-        shutil.rmtree(f.path, ignore_errors=True)
+        remove_step_dir(f.path)
+
+
+def remove_step_dir(directory: Path) -> None:
+    # The marker goes first: a half-deleted directory must not look complete.
+    (directory / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
