@@ -28,6 +28,11 @@ ENV_HEARTBEAT_INTERVAL = "ES_HEARTBEAT_INTERVAL"
 # Optional: "1" asks each rank to die with its parent (PR_SET_PDEATHSIG, and a parent-pid watch
 # in the beat thread), so that a supervisor killed with SIGKILL leaves no rank behind.
 ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
+# Optional: "1" starts the ranks as a warm standby ([restart] standby): they prepare everything a
+# resume does not need (imports, process group, model, optimizer, one warm-up forward and
+# backward), say phase `standby`, and wait for a signed `go` (resume and train as attempt
+# ES_ATTEMPT) or `exit` on the control channel, which is then always set.
+ENV_STANDBY = "ES_STANDBY"
 
 # --- who owns a directory ------------------------------------------------------------------------
 # One job per run dir and per checkpoint dir: its owner holds an flock on this file for its whole
@@ -90,7 +95,7 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024
 
 KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done"})
-PHASES = ("init", "load", "train", "save", "done")
+PHASES = ("init", "standby", "load", "train", "save", "done")
 CKPT_STATES = frozenset({"staged", "written", "complete"})
 
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -232,13 +237,16 @@ class RankIdentity:
         }
 
 
-# --- supervisor -> ranks: control (fault injection; faults/) ------------------------------------
-# Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER). Set only when the
-# job declares faults; a rank connects a DEALER whose routing id is `control_identity(...)`.
+# --- supervisor -> ranks: control (fault injection, standby) -------------------------------------
+# Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER). Set when the job
+# declares faults or keeps a standby; a rank connects a DEALER whose routing id is
+# `control_identity(...)`.
 ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
 # signal: the rank signals itself (`signal` = the number); stall: it blocks inside its next step
 # while its beat thread keeps beating; slow: it sleeps `delay_s` per step for `duration_s`.
-CONTROL_ACTIONS = frozenset({"signal", "stall", "slow"})
+# go / exit: a standby rank resumes and trains / ends (`fault` is 0 for both).
+CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "go", "exit"})
+STANDBY_ACTIONS = frozenset({"go", "exit"})
 CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
     "job": str,
