@@ -12,52 +12,16 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zmq
-
-from supervisor import protocol
+from supervisor.control import ControlServer  # noqa: F401  (the channel the faults use)
 from worker.ckpt import files as ckpt_files  # the checkpoint layout itself; no torch there
 
 FLIP_BYTES = 64
-
-
-class ControlServer:
-    """The supervisor's end of the control channel."""
-
-    def __init__(self, key: bytes, job: str, bind: str, advertise: str) -> None:
-        self.key, self.job = key, job
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # Unknown routing id -> EHOSTUNREACH instead of a silent drop: we learn of it.
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Ranks send nothing on it: cap what a stray peer could make us buffer.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1024)
-        port = self._sock.bind_to_random_port(f"tcp://{bind}")
-        self.address = f"tcp://{advertise}:{port}"
-
-    def send(self, attempt: int, rank: int, message: dict[str, Any]) -> str | None:
-        """Queue one command for a rank; None when sent, else why not."""
-        frame = protocol.encode(self.key, message)
-        try:
-            self._sock.send_multipart(
-                [protocol.control_identity(attempt, rank), frame], flags=zmq.NOBLOCK
-            )
-        except zmq.ZMQError as exc:
-            if exc.errno == errno.EHOSTUNREACH:
-                return "rank not connected to the control channel"
-            return f"control send failed: {exc}"
-        return None
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 def send_signal(pid: int, signum: int) -> str | None:

@@ -29,6 +29,7 @@ from typing import Any
 from faults import actions
 from faults.schedule import Facts, Firing, Schedule
 from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec
+from supervisor import control as control_mod
 from supervisor import protocol
 from worker.ckpt import naming
 
@@ -63,13 +64,16 @@ class FaultEngine:
         advertise: str,
         this_host: str,
         emit: Callable[..., None],
+        control: actions.ControlServer | None = None,
     ) -> None:
         self.schedule = Schedule(specs)
         self.job_id, self.world, self.rpn = job_id, world, ranks_per_node
         self.ckpt_dir = ckpt_dir
         self.this_host = this_host
         self.emit = emit
-        self.control = actions.ControlServer(key, job_id, bind, advertise)
+        # The job's channel when it has one (a standby uses it too), else the engine's own.
+        self._owns_control = control is None
+        self.control = control or actions.ControlServer(key, job_id, bind, advertise)
         self.started = time.monotonic()
         self.attempt: int | None = None
         self.ready_since: float | None = None
@@ -82,7 +86,14 @@ class FaultEngine:
 
     @classmethod
     def create(
-        cls, cfg: Any, world: int, key: str, job_id: str, heartbeat_address: str, emit: Callable
+        cls,
+        cfg: Any,
+        world: int,
+        key: str,
+        job_id: str,
+        heartbeat_address: str,
+        emit: Callable,
+        control: actions.ControlServer | None = None,
     ) -> FaultEngine | None:
         """The engine of a job with [[faults]] (typed specs, checked against the resolved world
         by `supervisor.resolve`), or None without (nothing of faults/ then runs)."""
@@ -90,8 +101,7 @@ class FaultEngine:
             return None
         from supervisor import launcher
 
-        host = heartbeat_address.removeprefix("tcp://").rsplit(":", 1)[0]
-        bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else "0.0.0.0"
+        bind, host = control_mod.bind_for(heartbeat_address)
         ckpt = cfg.worker.flags.get("ckpt_dir")
         ckpt_dir = Path(cfg.launch.cwd or ".", ckpt).absolute() if ckpt else None
         return cls(
@@ -105,6 +115,7 @@ class FaultEngine:
             advertise=host,
             this_host=launcher.this_host(),
             emit=emit,
+            control=control,
         )
 
     # --- hooks --------------------------------------------------------------------------------
@@ -160,7 +171,8 @@ class FaultEngine:
                 retry.timer.cancel()
         self.retrying.clear()
         self.emit("fault_summary", total=self.total, fired=self.schedule.fired())
-        self.control.close()
+        if self._owns_control:
+            self.control.close()
 
     # --- facts and actions ----------------------------------------------------------------------
     def facts(self, table: Any, now: float) -> Facts:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from supervisor import decisions, launcher, protocol
+from supervisor.control import ControlServer
 from supervisor.decisions import AttemptRecord, Finding, Outcome
 from supervisor.fault_hooks import FaultHooks
 from supervisor.heartbeat import AttemptTable
@@ -87,6 +88,7 @@ class Shared:
     emit: Callable[..., None]
     drain: Callable[[], object]  # hand the rank messages waiting now to their attempts
     console: IO[str] | None
+    control: ControlServer | None = None  # signed commands to ranks (faults, standby go/exit)
 
 
 @dataclass(frozen=True)
@@ -112,30 +114,51 @@ class _End:
 
 
 class Attempt:
-    """One launch of the job's ranks, run once: `await Attempt(n, shared).run(stop)`."""
+    """One launch of the job's ranks, run once: `await Attempt(n, shared).run(stop)`.
 
-    def __init__(self, number: int, shared: Shared) -> None:
+    A standby (`standby=True`) is started early (`start`), waits prepared (`wait_as_standby`)
+    and becomes the running attempt on `go`; `run` then watches it like any other."""
+
+    def __init__(self, number: int, shared: Shared, standby: bool = False) -> None:
         self.number = number
         self.s = shared
         self.cfg = shared.r.cfg
         self.dir = shared.r.run_dir / "attempts" / f"{number:03d}"
         self.table = AttemptTable(number, shared.r.world, time.monotonic())
         self._last_progress_event = 0.0
+        self.standby = standby  # until `go`: faults, progress limits and the job leave it be
+        self.running: Running | None = None
+        self.launch_error: str | None = None
+        self.ready_at: float | None = None  # monotonic: every standby rank said it waits
+        self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
+        self.prepared = ""  # what a standby holds ready, as its rank 0 says it
 
     def emit(self, event: str, **facts: Any) -> None:
         self.s.emit(event, attempt=self.number, **facts)
 
     # --- the attempt, start to end ------------------------------------------------------------
-    async def run(self, stop: StopRequests) -> AttemptResult:
+    async def start(self) -> bool:
+        """Launch the ranks; False (and `launch_error`) when they cannot be started."""
         plan = self._plan()
         try:
             running = await self.s.launcher.start(
                 plan, self.dir / "output.log", self.cfg.launch.cwd or None, self._on_rank_exit
             )
         except OSError as exc:
-            self.emit("launch_failed", error=str(exc))
-            return self._result(Outcome("failure", f"cannot start: {exc}"), None, str(exc))
+            self.launch_error = str(exc)
+            self.emit("launch_failed", error=str(exc), standby=self.standby)
+            return False
+        self.running = running
         self._launched(running)
+        return True
+
+    async def run(self, stop: StopRequests) -> AttemptResult:
+        if self.running is None and self.launch_error is None:
+            await self.start()
+        running = self.running
+        if running is None:
+            err = self.launch_error
+            return self._result(Outcome("failure", f"cannot start: {err}"), None, err)
         try:
             end = await self._first_end(running, stop)
             teardown = await self._teardown(running, end)
@@ -171,6 +194,10 @@ class Attempt:
             protocol.ENV_EXIT_WITH_PARENT: "1",
             **self.s.faults.env(),
         }
+        if self.s.control is not None:
+            env[protocol.ENV_CONTROL_ADDR] = self.s.control.address
+        if self.standby:
+            env[protocol.ENV_STANDBY] = "1"
         plan = self.s.r.plan(env, launcher.free_port() if cfg.launch.launcher == "local" else 0)
         try:
             (self.dir / "command.txt").write_text(plan.text())
@@ -182,14 +209,89 @@ class Attempt:
     def _launched(self, running: Running) -> None:
         self.table.launched_at = running.started
         self.emit(
-            "launch",
+            "standby_launch" if self.standby else "launch",
             pids=running.pids,
             world=running.plan.world,
             nodes=running.plan.nodes,
             command=str(self.dir / "command.txt"),
             mono=round(running.started, 6),
         )
+        if not self.standby:
+            self.s.faults.attempt_started(self.number)  # it may be hit from now on
+
+    # --- a standby: waiting, go, exit -----------------------------------------------------------
+    async def wait_as_standby(self) -> str:
+        """Watch a started standby until it is lost; return why. Sets `ready_at` (and emits
+        `standby_ready`) once every rank waits. Cancelled when the standby is taken."""
+        assert self.running is not None
+        running, hb, table = self.running, self.cfg.heartbeat, self.table
+        exit_task = asyncio.create_task(running.wait())
+        period = decisions.judge_period(table.world, hb.check_s)
+        last_refresh = 0.0
+        try:
+            while True:
+                await asyncio.wait({exit_task}, timeout=period)
+                if exit_task.done():
+                    rc = exit_task.result().returncode
+                    return f"its ranks exited ({decisions.describe_returncode(rc)})"
+                now = time.monotonic()
+                self._check_local_pids(now)
+                finding = decisions.judge_ranks(
+                    table.ranks, table.world, now, table.launched_at, hb, waiting=True
+                )
+                if finding is not None:
+                    return f"{finding.kind}: {finding.reason}"
+                if self.ready_at is None and decisions.standby_ready(table.ranks, table.world):
+                    self.ready_at = now
+                    self.emit(
+                        "standby_ready",
+                        seconds=round(now - table.launched_at, 6),
+                        prepared=self.prepared,
+                    )
+                if now - last_refresh > REFRESH_TREE_S:
+                    last_refresh = now
+                    running.refresh(self._rank_pids())
+        finally:
+            exit_task.cancel()
+
+    def go(self) -> str | None:
+        """Make the standby the running attempt: `go` to every rank. None when every command
+        was sent, else why not (then the standby is of no use: tear it down)."""
+        assert self.s.control is not None and self.ready_at is not None
+        t = time.time()
+        for rank in range(self.table.world):
+            err = self.s.control.command(self.number, rank, "go", t)
+            if err is not None:
+                return f"rank {rank}: {err}"
+        now = time.monotonic()
+        self.standby = False
+        for st in self.table.ranks.values():
+            st.last_progress = now  # the load timeout runs from here
+        self.emit("standby_go", waited_s=round(now - self.ready_at, 6))
         self.s.faults.attempt_started(self.number)  # it may be hit from now on
+        return None
+
+    async def end_standby(self, reason: str) -> TeardownResult | None:
+        """`exit` to every rank, a short wait for them to go, then the teardown of whatever is
+        left (a standby holds nothing worth saving)."""
+        running = self.running
+        if running is None:
+            return None
+        if self.s.control is not None:
+            t = time.time()
+            for rank in range(self.table.world):
+                self.s.control.command(self.number, rank, "exit", t)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(running.wait(), self.cfg.restart.teardown_grace_s)
+        result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        self.emit(
+            "standby_exit",
+            reason=reason,
+            seconds=round(result.seconds, 6),
+            killed=result.killed,
+            survivors=len(result.survivors),
+        )
+        return result
 
     async def _first_end(self, running: Running, stop: StopRequests) -> _End:
         """Wait for the first of: the launcher's exit, a finding of the watch, a stop request."""
@@ -342,7 +444,14 @@ class Attempt:
     def on_message(self, msg: dict[str, Any], now: float) -> None:
         for note in self.table.update(msg, now):
             self.emit(note.event, **note.fields)
-        self.s.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
+            if note.event == "first_step" and self.on_stepped is not None:
+                self.on_stepped()
+        if msg["kind"] == "phase" and msg["phase"] == "standby" and msg["rank"] == 0:
+            prepared = msg.get("prepared")
+            if isinstance(prepared, str):
+                self.prepared = prepared[:200]
+        if not self.standby:
+            self.s.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
 
     def _on_rank_exit(self, rank: int, rc: int) -> None:
         now = time.monotonic()

@@ -82,6 +82,10 @@ class RestartConfig:
     teardown_grace_s: float = 3.0
     # On the supervisor's own SIGINT/SIGTERM: time for the ranks to checkpoint and exit.
     stop_grace_s: float = 60.0
+    # A warm standby: once an attempt has stepped, the next attempt's ranks are started beside
+    # it and wait, prepared, for a failure (a second set of processes per node). False: every
+    # relaunch starts cold.
+    standby: bool = True
 
 
 @dataclass

@@ -65,15 +65,20 @@ def judge_ranks(
     now: float,
     launched_at: float,
     hb: HeartbeatConfig,
+    waiting: bool = False,
 ) -> Finding | None:
     """A rank gone before `done` first, then liveness (no message for `timeout_s`), then
-    progress (the phase's timeout), then ranks that never said hello (the init timeout)."""
+    progress (the phase's timeout), then ranks that never said hello (the init timeout).
+
+    `waiting`: the attempt is a standby; its ranks may stay in phase `standby` for good. Once
+    told to go, one still in `standby` has the load timeout to move on."""
     gone: list[RankState] = []
     lost: list[RankState] = []
     stalled: list[tuple[RankState, float]] = []
     liveness_deadline = now - hb.timeout_s
     p = hb.progress
-    limits = {"init": p.init, "load": p.load, "train": p.train, "save": p.save}
+    standby = float("inf") if waiting else p.load
+    limits = {"init": p.init, "standby": standby, "load": p.load, "train": p.train, "save": p.save}
     train = p.train
     # One pass over the ranks heard from: this runs every check for every rank of the job.
     for st in ranks.values():
@@ -133,6 +138,38 @@ def judge_ranks(
             deadline=launched_at + hb.progress.init,
         )
     return None
+
+
+# --- the warm standby --------------------------------------------------------------------------
+def standby_ready(ranks: Mapping[int, RankState], world: int) -> bool:
+    """Every rank of the standby has said it is prepared and waiting."""
+    return len(ranks) == world and all(st.phase == "standby" for st in ranks.values())
+
+
+def standby_unusable(
+    ready: bool, alive: bool, standby_nodes: Sequence[str], bad_nodes: Sequence[str]
+) -> str | None:
+    """Why the next attempt cannot be the standby (it then starts cold), or None to use it."""
+    if not alive:
+        return "no standby running"
+    if not ready:
+        return "the standby was not ready"
+    bad = sorted(set(standby_nodes) & set(bad_nodes))
+    if bad:
+        return f"the standby runs on the failed node {', '.join(bad)}"
+    return None
+
+
+STANDBY_GIVE_UP_AFTER = 5  # standbys lost in a row before ever being ready: stop keeping one
+
+
+def standby_retry_delay(lost_in_a_row: int, schedule: Sequence[float]) -> float | None:
+    """Seconds before starting another standby after `lost_in_a_row` (>= 1) were lost without
+    getting ready, or None to stop keeping one (a broken environment must not loop). The
+    restart schedule's delays, at least 1 s: a standby is never urgent."""
+    if lost_in_a_row >= STANDBY_GIVE_UP_AFTER:
+        return None
+    return max(1.0, backoff_delay(lost_in_a_row - 1, schedule))
 
 
 def judge_period(world: int, check_s: float) -> float:

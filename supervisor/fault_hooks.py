@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from supervisor.config import Config
+    from supervisor.control import ControlServer
     from supervisor.heartbeat import AttemptTable
 
 
@@ -71,10 +72,12 @@ def for_job(
     job_id: str,
     heartbeat_address: str,
     emit: Callable[..., None],
+    control: ControlServer | None = None,
 ) -> FaultHooks:
-    """The job's fault hooks: the fault engine when the config declares [[faults]]."""
+    """The job's fault hooks: the fault engine when the config declares [[faults]] (on the
+    job's control channel when it has one)."""
     if not cfg.faults:
         return NoFaults()
     from faults.engine import FaultEngine
 
-    return FaultEngine.create(cfg, world, key, job_id, heartbeat_address, emit)
+    return FaultEngine.create(cfg, world, key, job_id, heartbeat_address, emit, control)

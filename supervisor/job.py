@@ -19,11 +19,13 @@ from typing import IO, Any
 from supervisor import config as config_mod
 from supervisor import decisions, fault_hooks, launcher
 from supervisor.attempt import Attempt, AttemptResult, Launcher, Shared
+from supervisor.control import ControlServer, bind_for
 from supervisor.decisions import AttemptRecord, Decision, ExitCode
 from supervisor.events import EventLog
 from supervisor.heartbeat import HeartbeatServer, node_addresses
 from supervisor.launcher import ProcessLauncher
 from supervisor.resolve import Resolved, resolve
+from supervisor.standby import StandbyKeeper
 from supervisor.stop import StopRequests
 
 BAD_MESSAGES_EVERY_S = 5.0
@@ -49,9 +51,13 @@ class Job:
         self.history: list[AttemptRecord] = []
         self.restarts = 0
         self.stop = StopRequests()
-        # Attempts that take rank messages: the running one(s), and the last one ended until the
-        # next starts (its stragglers are counted as stale there).
+        # Attempts that take rank messages by number: the running one, the standby, and the last
+        # one ended until the next starts (its stragglers are counted as stale there).
         self.attempts: dict[int, Attempt] = {}
+        self.active: Attempt | None = None
+        self.numbers = 0  # the next attempt number (a standby takes one too)
+        self.control: ControlServer | None = None
+        self.standby: StandbyKeeper | None = None
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
 
     # --- the loop ------------------------------------------------------------------------------
@@ -70,13 +76,17 @@ class Job:
         self.log = EventLog(self.r.run_dir / "events.jsonl", self.console)
         self.launcher.prepare()
         self.server = server = self._bind()
+        if self.cfg.restart.standby or self.cfg.faults:
+            self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
         self.faults = fault_hooks.for_job(
-            self.cfg, self.r.world, self.key, self.job_id, server.address, self.emit
+            self.cfg, self.r.world, self.key, self.job_id, server.address, self.emit, self.control
         )
         self.shared = Shared(
             self.r, self.job_id, self.key, server.address, self.launcher, self.faults,
-            self.emit, lambda: server.drain(self._on_message), self.console,
+            self.emit, lambda: server.drain(self._on_message), self.console, self.control,
         )  # fmt: skip
+        if self.cfg.restart.standby:
+            self.standby = StandbyKeeper(self.shared, self._next_number, self._route, self._unroute)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -106,7 +116,9 @@ class Job:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self.faults.close()  # a summary event, the control socket closed
+        self.faults.close()  # a summary event
+        if self.control is not None:
+            self.control.close()
         self.emit(
             "supervisor_exit",
             code=int(code),
@@ -119,9 +131,19 @@ class Job:
         self.events_failing = self.log.failing
         self.log.close()
 
-    async def _attempts(self, number: int) -> tuple[ExitCode, str]:
+    async def _attempts(self, first: int) -> tuple[ExitCode, str]:
+        self.numbers = first
+        attempt = Attempt(self._next_number(), self.shared)
+        try:
+            return await self._attempts_from(attempt)
+        finally:
+            if self.standby is not None:  # the job is over, however: no standby outlives it
+                await self.standby.close("job over")
+
+    async def _attempts_from(self, attempt: Attempt) -> tuple[ExitCode, str]:
         while True:
-            result = await self._attempt(number)
+            number = attempt.number
+            result = await self._attempt(attempt)
             self.history.append(result.record)
             decision = decisions.decide(
                 result.outcome,
@@ -137,34 +159,66 @@ class Job:
             if decision.action == "stop":
                 self._give_up(number, decision.exit_code, decision.reason, **decision.facts)
                 return decision.exit_code, decision.reason
-            if not await self._back_off(number, decision):
+            attempt = await self._relaunch(number, decision)
+            if attempt is None:
                 self._give_up(number, ExitCode.INTERRUPTED, "interrupted during backoff")
                 return ExitCode.INTERRUPTED, "interrupted"
-            number += 1
 
-    async def _attempt(self, number: int) -> AttemptResult:
-        """Run attempt `number`; until it ends, the rank messages of that number go to it."""
-        attempt = Attempt(number, self.shared)
-        self.attempts = {number: attempt}  # the previous one is over: its stragglers come here
+    async def _attempt(self, attempt: Attempt) -> AttemptResult:
+        """Run `attempt`; until it ends, the rank messages of its number go to it."""
+        previous, self.active = self.active, attempt
+        keep = (attempt, previous, self.standby.attempt if self.standby else None)
+        self.attempts = {a.number: a for a in keep if a is not None}
+        if self.standby is not None:
+            attempt.on_stepped = self.standby.ensure  # a standby once it has stepped
         return await attempt.run(self.stop)
 
-    async def _back_off(self, after: int, decision: Decision) -> bool:
-        """Count the restart and wait the backoff; False if the user asked to stop meanwhile."""
+    async def _relaunch(self, after: int, decision: Decision) -> Attempt | None:
+        """Count the restart, take the standby (else a cold attempt), wait the backoff, and
+        say go; None if the user asked to stop meanwhile."""
         self.restarts += 1
         left = decisions.restarts_left(self.cfg.restart.max_restarts, self.restarts)
+        standby, cold_because = None, "standby off"
+        if self.standby is not None:
+            standby, cold_because = await self.standby.take()
+        number = standby.number if standby else self._next_number()
         self.emit(
             "relaunch",
-            attempt=after + 1,
+            attempt=number,
             after=after,
             delay_s=decision.delay_s,
             restarts=self.restarts,
             restarts_left=left,
             reason=decision.reason,
+            mode="warm" if standby else "cold",
+            **({} if standby else {"cold_because": cold_because}),
         )
         if decision.delay_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.beyond(0), decision.delay_s)
-        return self.stop.count == 0
+        if self.stop.count:
+            if standby is not None:
+                await standby.end_standby("interrupted")
+            return None
+        if standby is None:
+            return Attempt(number, self.shared)
+        why = standby.go() if standby.running is not None else "no standby running"
+        if why is None:
+            return standby
+        self.emit("standby_lost", attempt=standby.number, reason=why, was_ready=True)
+        await standby.end_standby("go failed")
+        return Attempt(self._next_number(), self.shared)
+
+    def _next_number(self) -> int:
+        self.numbers += 1
+        return self.numbers - 1
+
+    def _route(self, attempt: Attempt) -> None:
+        self.attempts[attempt.number] = attempt
+
+    def _unroute(self, attempt: Attempt) -> None:
+        if attempt is not self.active:
+            self.attempts.pop(attempt.number, None)
 
     def _give_up(self, attempt: int, code: ExitCode, reason: str, **facts: Any) -> None:
         self.emit(
@@ -210,8 +264,9 @@ class Job:
         self.log.emit(event, **facts)
 
     def _on_message(self, msg: dict[str, Any], now: float) -> None:
-        """A verified rank message, to its attempt (a straggler: to the newest, as stale)."""
-        to = self.attempts.get(msg["attempt"]) or next(reversed(self.attempts.values()), None)
+        """A verified rank message, to its attempt (a straggler: to the running one, as
+        stale)."""
+        to = self.attempts.get(msg["attempt"]) or self.active
         if to is not None:
             to.on_message(msg, now)
 

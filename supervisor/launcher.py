@@ -219,6 +219,7 @@ def build_plan(
             "--label",
             "--kill-on-bad-exit=1",
             "--export=ALL",
+            *(["--overlap"] if cfg.restart.standby else []),  # the standby's step shares CPUs
             *la.args,
             *worker,
         ]

@@ -132,7 +132,12 @@ def make_job(tmp_path: Path, fake: FakeLauncher, **restart) -> Job:
                 "check_s": 0.02,
                 "progress": {"init": 0.3, "load": 2.0, "train": 2.0, "save": 2.0},
             },
-            "restart": {"backoff_s": [0.0, 0.05, 0.1], "teardown_grace_s": 0.0, **restart},
+            "restart": {
+                "backoff_s": [0.0, 0.05, 0.1],
+                "teardown_grace_s": 0.0,
+                "standby": False,  # the cold path; the standby runs real ranks (tests/e2e)
+                **restart,
+            },
         }
     )
     r = Resolved(cfg, tmp_path / "run", [socket.gethostname()], sys.executable, "local")
