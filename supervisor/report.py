@@ -131,6 +131,7 @@ class Failure:
     downtime_s: float | None  # failure -> the first productive step after resume
     recompute_s: float | None  # first productive step -> step_at_failure done again
     fault: bool = False
+    relaunch: str | None = None  # warm (a standby took over) | cold | None (not relaunched)
 
     @property
     def total_s(self) -> float | None:
@@ -334,7 +335,14 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
         at_failure = end.get("max_step")
         if steps and (at_failure is None or max(steps) > at_failure):
             at_failure = max(steps)
-        nxt = a + 1  # the attempt that got going again (one dying before a step is skipped)
+        # The attempt that got going again: the relaunch's (a standby has its own number), one
+        # dying before a step skipped.
+        relaunch = next(
+            (e for e in ev if e.get("event") == "relaunch" and e.get("after") == a), None
+        )
+        nxt = (
+            relaunch["attempt"] if relaunch and isinstance(relaunch.get("attempt"), int) else a + 1
+        )
         last = max(by_attempt, default=a)
         while (
             nxt < last
@@ -368,6 +376,10 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
         if at_failure is not None and resumed_from is not None:
             lost = max(0, at_failure - resumed_from)
         detected = end.get("detected_by")
+        mode = None
+        if relaunch is not None:
+            went = any(e.get("event") == "standby_go" and e.get("attempt") == nxt for e in ev)
+            mode = "warm" if went else "cold"
         out.append(
             Failure(
                 attempt=a,
@@ -382,6 +394,7 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
                 downtime_s=downtime,
                 recompute_s=recompute,
                 fault=fault is not None,
+                relaunch=mode,
             )
         )
     return out

@@ -27,14 +27,16 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 FAILURE_HEADER = [
     "#", "attempt", "at (min)", "cause", "detected by", "detection (s)", "step at failure",
-    "resumed from", "lost steps", "restart (s)", "downtime (s)", "recompute (s)", "total (s)",
+    "resumed from", "relaunch", "lost steps", "restart (s)", "downtime (s)", "recompute (s)",
+    "total (s)",
 ]  # fmt: skip
 
 
 def failure_row(i: int, f: Failure) -> list[str]:
     return [
         str(i), str(f.attempt), _min(f.at_s), f.cause, f.detected_by, _s(f.detection_s, 3),
-        _i(f.step_at_failure), _i(f.resumed_from), _i(f.lost_steps), _s(f.restart_s),
+        _i(f.step_at_failure), _i(f.resumed_from), f.relaunch or "–", _i(f.lost_steps),
+        _s(f.restart_s),
         _s(f.downtime_s), _s(f.recompute_s), _s(f.total_s),
     ]  # fmt: skip
 
@@ -127,7 +129,8 @@ def render(a: Analysis) -> str:
     lines += ["## Per failure", "", *failures_md(a), ""]
     lines += [
         "detection: failure (the fault's time, else the launcher's exit or the last step) → "
-        "teardown began; downtime: failure → first productive step after resume; total: "
+        "teardown began; relaunch: warm (the standby took over) or cold (new processes); "
+        "downtime: failure → first productive step after resume; total: "
         "downtime + recomputing the lost steps.",
         "",
     ]

@@ -28,7 +28,7 @@ def summary(a: Analysis, written: list[Path]) -> str:
         )
         rows = [_row(i + 1, f) for i, f in enumerate(a.failures)]
         lines += _columns(
-            ["#", "failure", "detected by", "in", "downtime", "lost", "resumed"], rows
+            ["#", "failure", "detected by", "in", "relaunch", "downtime", "lost", "resumed"], rows
         )
     c = a.checkpoints
     if c.saves:
@@ -56,6 +56,7 @@ def _row(i: int, f: Failure) -> list[str]:
         cause if len(cause) <= 48 else cause[:47] + "…",
         f.detected_by,
         _s(f.detection_s),
+        f.relaunch or "–",
         _s(f.downtime_s),
         _n(f.lost_steps),
         "–" if f.resumed_from is None else f"step {f.resumed_from}",

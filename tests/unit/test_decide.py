@@ -21,6 +21,9 @@ from supervisor.decisions import (
     judge_ranks,
     made_progress,
     restarts_left,
+    standby_ready,
+    standby_retry_delay,
+    standby_unusable,
     stuck_resume,
 )
 
@@ -183,3 +186,36 @@ def test_a_host_that_does_not_resolve_ends_the_job_at_once():
                0, RestartConfig())  # fmt: skip
     assert (d.action, d.exit_code) == ("stop", ExitCode.USAGE)
     assert "host 'no-such-host-xyz' does not resolve" in d.reason
+
+
+def test_a_waiting_standby_has_no_progress_limit_but_liveness_still_applies():
+    waiting = {0: rank(0, 999, 0, phase="standby"), 1: rank(1, 999, 0, phase="standby")}
+    assert judge_ranks(waiting, 2, now=1000, launched_at=0, hb=HB, waiting=True) is None
+    told_to_go = judge_ranks(waiting, 2, now=1000, launched_at=0, hb=HB)  # load limit: 100 s
+    assert told_to_go is not None and told_to_go.kind == "no_progress"
+    silent = {0: rank(0, 900, 0, phase="standby"), 1: rank(1, 999, 0, phase="standby")}
+    lost = judge_ranks(silent, 2, now=1000, launched_at=0, hb=HB, waiting=True)
+    assert lost is not None and lost.kind == "hang" and lost.ranks == (0,)
+    preparing = {0: rank(0, 999, 0, phase="init")}  # a standby still starting: the init limit
+    stuck = judge_ranks(preparing, 1, now=1000, launched_at=0, hb=HB, waiting=True)
+    assert stuck is not None and stuck.kind == "no_progress"
+
+
+def test_a_standby_is_ready_when_every_rank_waits():
+    assert not standby_ready({0: rank(0, 1, 1, phase="standby")}, 2)
+    assert not standby_ready({0: rank(0, 1, 1, phase="standby"), 1: rank(1, 1, 1, "init")}, 2)
+    assert standby_ready({r: rank(r, 1, 1, phase="standby") for r in range(2)}, 2)
+
+
+def test_which_standby_can_take_over():
+    assert standby_unusable(True, True, ["a", "b"], []) is None
+    assert standby_unusable(True, False, ["a"], []) == "no standby running"
+    assert standby_unusable(False, True, ["a"], []) == "the standby was not ready"
+    on_b = standby_unusable(True, True, ["a", "b"], ["b"])
+    assert on_b == "the standby runs on the failed node b"
+
+
+def test_a_lost_standby_is_retried_with_a_backoff_then_given_up():
+    schedule = [0.0, 2.0, 5.0]
+    delays = [standby_retry_delay(n, schedule) for n in range(1, 6)]
+    assert delays == [1.0, 2.0, 5.0, 5.0, None]

@@ -111,7 +111,8 @@ def test_report_md_and_png(run_dir: Path, baseline_dir: Path, tmp_path: Path) ->
     assert written == [out / "report.md", out / "report.png"]
     md = (out / "report.md").read_text()
     assert md == text
-    assert "| 1 | 0 | 0.59 | fault k: kill all | exit | 0.200 | 25 | 20 | 5 | 8.00 | 9.50 |" in md
+    row = "| 1 | 0 | 0.59 | fault k: kill all | exit | 0.200 | 25 | 20 | cold | 5 | 8.00 | 9.50 |"
+    assert row in md
     assert "| overhead per failure (s) | 15.00 |" in md and "| goodput" in md
     assert "Daly" in md
     assert_png(out / "report.png")
@@ -190,3 +191,32 @@ def test_the_end_of_run_summary_is_short(run_dir: Path, monkeypatch) -> None:
     assert "exit" in row and "0.20 s" in row and "9.50 s" in row and "step 20" in row
     assert "Report: run/report.md" in text
     assert "python -m supervisor tail|status|report run" in text
+
+
+def test_a_warm_relaunch_follows_the_relaunch_to_the_standby_s_number(tmp_path: Path) -> None:
+    """Attempt 0 is killed; standby 2 (standby 1 was lost) takes over: its row says warm."""
+    events = [
+        ev("start", 0.0, world=2),
+        ev("launch", 0.0, attempt=0),
+        ev("first_step", 3.0, attempt=0, step=1),
+        ev("standby_launch", 3.1, attempt=1),
+        ev("standby_lost", 4.0, attempt=1, reason="hang"),
+        ev("standby_launch", 5.0, attempt=2),
+        ev("standby_ready", 8.0, attempt=2, seconds=3.0),
+        ev("fault", 12.0, attempt=0, name="k", action="kill", target="all", step=9),
+        ev("exit", 12.05, attempt=0, returncode=137, exit_mono=12.05),
+        ev("teardown", 12.06, attempt=0, reason="exit", start_mono=12.06),
+        ev("attempt_end", 12.1, attempt=0, outcome="failure", detected_by="exit", max_step=9),
+        ev("relaunch", 12.1, attempt=2, after=0, mode="warm", delay_s=0.0),
+        ev("standby_go", 12.1, attempt=2),
+        ev("resumed", 12.4, attempt=2, step=5, restart_seconds=0.3),
+        ev("first_step", 12.45, attempt=2, step=6),
+        ev("supervisor_exit", 20.0, code=0),
+    ]
+    m0 = [rec(k, T0 + 3.0 + k) for k in range(1, 10)]
+    m2 = [rec(k, T0 + 12.4 + (k - 6) * 0.5) for k in range(6, 12)]
+    a = analyze(load_run(write_run(tmp_path / "run", events, {0: m0, 2: m2})))
+    (f,) = a.failures
+    assert (f.relaunch, f.resumed_from, f.lost_steps) == ("warm", 5, 4)
+    assert f.downtime_s == pytest.approx(0.4)  # the kill at 12.0 -> step 6 at 12.4
+    assert "| warm |" in render(a)
