@@ -48,6 +48,7 @@ save_interval = 4
 [restart]
 max_restarts = 4
 backoff_s = [0]
+standby = false
 teardown_grace_s = 1.0
 
 [heartbeat]

@@ -56,7 +56,7 @@ def write_config(
     text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
     text += table("[worker]", {**WORKER, **worker})
     text += table("[restart]", {"max_restarts": 8, "teardown_grace_s": 1.0, "backoff_s": [0],
-                                "max_same_resume": 4})  # fmt: skip
+                                "max_same_resume": 4, "standby": False})  # fmt: skip
     text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
     progress = {"init": 120, "load": 120, "train": train_progress_s, "save": 120}
     text += table("[heartbeat.progress]", progress)

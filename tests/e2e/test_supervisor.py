@@ -46,7 +46,13 @@ def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, 
         "job": {"name": "t", "run_dir": str(tmp_path / "run")},
         "launch": {"launcher": launcher, "ranks_per_node": 2},
         "worker": {**TINY, **(worker or {})},
-        "restart": {"max_restarts": 3, "teardown_grace_s": 1.0, **(restart or {})},
+        # The cold path (the standby has tests/e2e/test_standby.py).
+        "restart": {
+            "max_restarts": 3,
+            "teardown_grace_s": 1.0,
+            "standby": False,
+            **(restart or {}),
+        },  # fmt: skip
         "heartbeat": {"interval_s": 0.25, "timeout_s": 3.0, **(heartbeat or {})},
         "heartbeat.progress": {"init": 60, "load": 60, "train": 30, "save": 60, **(progress or {})},
     }

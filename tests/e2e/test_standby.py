@@ -1,0 +1,183 @@
+"""The warm standby end to end: the real supervisor keeps a second real mpiexec job of the worker
+waiting beside the running one; the test SIGKILLs the running ranks and the standby takes over.
+
+The running attempt is paced by a `slow` fault (it sleeps inside each step; the numbers do not
+change) so that the standby is ready before the kill on a loaded 2-core host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from tests.e2e.test_supervisor import finish, rank_pid, start, wait_for
+from tests.support import events, read_metrics, run_worker, toml_value
+
+pytestmark = pytest.mark.slow
+
+SIZES = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+         "vocab_size": 128, "seq_len": 32}  # fmt: skip
+LAYOUTS = {
+    "fsdp2": (2, {}),
+    "hsdp2x2": (4, {"replicate": 2}),
+    "fsdp_tp2": (4, {"tp": 2}),
+}
+PACE = {"name": "pace", "at_step": 1, "action": "slow", "target": "all", "delay_s": 0.1,
+        "duration_s": 600}  # fmt: skip
+
+
+def write_config(tmp_path, ranks: int, worker: dict, faults=(PACE,), restart=None):
+    tables = {
+        "job": {"name": "s", "run_dir": str(tmp_path / "run")},
+        "launch": {"launcher": "mpiexec", "ranks_per_node": ranks},
+        "launch.env": {"OMP_NUM_THREADS": "1"},
+        "worker": {"model": "debug", "device": "cpu", **SIZES, **worker},
+        "restart": {
+            "max_restarts": 3,
+            "teardown_grace_s": 1.0,
+            "backoff_s": [0],
+            "standby": True,
+            **(restart or {}),
+        },  # fmt: skip
+        "heartbeat": {"interval_s": 0.25, "timeout_s": 5.0},
+        "heartbeat.progress": {"init": 120, "load": 120, "train": 60, "save": 120},
+    }
+    text = "".join(
+        f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in t.items()) + "\n"
+        for name, t in tables.items()
+    )
+    text += "".join(
+        "[[faults]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in f.items()) + "\n"
+        for f in faults
+    )
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def flags(worker: dict) -> list[str]:
+    out = []
+    for k, v in {**SIZES, **worker}.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def kill_ranks(run, attempt: int, ranks: int) -> list[int]:
+    pids = [rank_pid(run, r, attempt) for r in range(ranks)]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def all_losses(run) -> dict[int, list[float]]:
+    """Every rank-0 record of every attempt, by step (a recomputed step appears twice)."""
+    out: dict[int, list[float]] = {}
+    for adir in sorted((run / "attempts").iterdir()):
+        for r in read_metrics(adir / "metrics-0.jsonl"):
+            out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def standby_pids(run, attempt: int) -> list[int]:
+    return [e["pid"] for e in events(run) if e["event"] == "rank_hello" and e["attempt"] == attempt]
+
+
+@pytest.mark.parametrize(
+    "layout,before_ckpt",
+    [("fsdp2", False), ("fsdp2", True), ("hsdp2x2", False), ("fsdp_tp2", False)],
+)
+def test_a_warm_relaunch_is_the_same_run(tmp_path, layout, before_ckpt):
+    ranks, par = LAYOUTS[layout]
+    worker = {**par, "train_iters": 150, "save_interval": 1000 if before_ckpt else 5}
+    base = run_worker(ranks, *flags(worker), "--outdir", str(tmp_path / "base"))
+    assert base.returncode == 0, base.stderr
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base" / "metrics-0.jsonl")}
+
+    run = tmp_path / "run"
+    proc = start(write_config(tmp_path, ranks, worker))
+    try:
+        first = wait_for(run, lambda e: e["event"] == "first_step" and e["attempt"] == 0, proc)
+        ready = wait_for(run, lambda e: e["event"] == "standby_ready", proc, timeout=120)
+        assert ready["mono"] > first["mono"] and ready["attempt"] == 1  # launched after step 1
+        if not before_ckpt:
+            wait_for(run, lambda e: e["event"] == "ckpt_complete" and e["step"] >= 10, proc)
+        standby = standby_pids(run, 1)
+        kill_ranks(run, 0, ranks)
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, out
+    evs = events(run)
+    relaunch = next(e for e in evs if e["event"] == "relaunch")
+    assert (relaunch["attempt"], relaunch["mode"]) == (1, "warm")
+    assert any(e["event"] == "standby_go" and e["attempt"] == 1 for e in evs)
+    assert not any(e["event"] == "launch" and e["attempt"] == 1 for e in evs)  # no cold start
+    # The standby's own processes trained on: the pids that said hello as the standby.
+    trained = {e["pid"] for e in evs if e["event"] == "rank_hello" and e["attempt"] == 1}
+    assert trained == set(standby)
+    resumed = [e for e in evs if e["event"] == "resumed" and e["attempt"] == 1]
+    if before_ckpt:
+        assert not resumed  # nothing to resume: the standby started fresh
+    else:
+        assert resumed and resumed[0]["step"] >= 10
+    got = all_losses(run)
+    assert set(got) == set(want)
+    for step, values in got.items():
+        assert all(v == want[step] for v in values), (step, values, want[step])
+    md = (run / "report.md").read_text()
+    assert "| warm |" in md
+
+
+def test_a_lost_standby_is_replaced_without_spending_the_budget(tmp_path):
+    run = tmp_path / "run"
+    proc = start(write_config(tmp_path, 2, {"train_iters": 200, "save_interval": 10}))
+    try:
+        wait_for(run, lambda e: e["event"] == "standby_ready" and e["attempt"] == 1, proc)
+        kill_ranks(run, 1, 2)  # the standby's ranks
+        lost = wait_for(run, lambda e: e["event"] == "standby_lost", proc)
+        assert lost["attempt"] == 1 and lost["was_ready"] and lost["retry_in_s"] >= 1
+        wait_for(run, lambda e: e["event"] == "standby_ready" and e["attempt"] == 2, proc)
+        # The running attempt was never touched by the standby's loss.
+        assert not any(e["event"] in ("relaunch", "teardown") for e in events(run))
+        proc.send_signal(signal.SIGTERM)
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 5, out  # interrupted
+    final = next(e for e in events(run) if e["event"] == "supervisor_exit")
+    assert final["restarts"] == 0
+
+
+@pytest.mark.parametrize("how", ["done", "sigterm", "sigkill"])
+def test_no_standby_process_survives_the_job(tmp_path, how):
+    run = tmp_path / "run"
+    iters = 120 if how == "done" else 5000
+    proc = start(write_config(tmp_path, 2, {"train_iters": iters, "save_interval": 10}))
+    try:
+        launch = wait_for(run, lambda e: e["event"] == "standby_launch", proc)
+        wait_for(run, lambda e: e["event"] == "standby_ready", proc)
+        pids = [*standby_pids(run, launch["attempt"]), *launch["pids"]]
+        procs = [psutil.Process(p) for p in pids]
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        elif how == "sigkill":
+            proc.kill()
+        try:
+            proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the supervisor did not end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    assert not alive, f"standby processes left after {how}: {alive}"
+    if how != "sigkill":
+        exits = [e for e in events(run) if e["event"] == "standby_exit"]
+        assert exits and exits[-1]["survivors"] == 0
