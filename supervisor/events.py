@@ -27,6 +27,8 @@ _LEVELS = {
     "give_up": "error",
     "teardown_survivors": "error",
     "bad_messages": "warning",
+    "standby_lost": "warning",
+    "standby_off": "warning",
 }
 _HIDDEN = ("ts", "mono", "level", "timestamp")
 
