@@ -138,7 +138,7 @@ class Job:
             return await self._attempts_from(attempt)
         finally:
             if self.standby is not None:  # the job is over, however: no standby outlives it
-                await self.standby.close("job over")
+                await self.standby.close("job over", for_good=True)
 
     async def _attempts_from(self, attempt: Attempt) -> tuple[ExitCode, str]:
         while True:

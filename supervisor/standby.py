@@ -36,10 +36,11 @@ class StandbyKeeper:
         self._ending: asyncio.Future | None = None  # a lost standby's teardown under way
         self.lost_in_a_row = 0
         self.given_up = False
+        self.over = False  # the job is over: keep none from now on
 
     def ensure(self) -> None:
         """Keep a standby from now on (the running attempt has stepped)."""
-        if self._task is None and not self.given_up:
+        if self._task is None and not self.given_up and not self.over:
             self._task = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
@@ -98,8 +99,9 @@ class StandbyKeeper:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def close(self, reason: str) -> None:
-        """End the standby (if any) and keep none until `ensure`."""
+    async def close(self, reason: str, for_good: bool = False) -> None:
+        """End the standby (if any) and keep none until `ensure` (never again: `for_good`)."""
+        self.over = self.over or for_good
         await self._stop_keeping()
         if self._ending is not None:
             await self._ending
