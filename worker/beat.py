@@ -7,10 +7,11 @@ linger 0, and sends a `beat` every `interval_s` carrying the latest phase and st
 are dropped and counted: training never waits for the supervisor. Without `ES_HEARTBEAT_ADDR`
 `Beacon.from_env` returns a beacon that does nothing.
 
-Faults (faults/): with `ES_CONTROL_ADDR` the same thread also polls a DEALER socket for signed
+Faults (faults/): with `ES_CONTROL_ADDR` the same thread also listens on a DEALER socket for signed
 commands from the supervisor. A `signal` command is carried out at once, by the thread (the rank
 signals itself); `stall` and `slow` must happen inside a step, so they are queued for
-`StepFaults.apply`, the training loop's one per-step hook.
+`StepFaults.apply`, the training loop's one per-step hook. A standby's `go` and `exit` are handed
+to `wait_standby_command`, where the main thread blocks until one comes (worker.standby).
 
 This module must not import torch: the supervisor's tests and benchmarks use it as is.
 """
@@ -24,13 +25,17 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from supervisor import protocol
+from worker.errors import UsageError
 
 QUEUE_SIZE = 1024
 CLOSE_LINGER_S = 0.5
-CONTROL_POLL_S = 0.02  # with a control socket: how often the thread looks for a command
+# A standby's wait looks at the stop flag this often: a signal handler cannot safely wake a
+# thread blocked on a lock (it may interrupt the very code that holds it), so the wait is timed.
+STOP_CHECK_S = 0.2
 _STOP = object()
 
 
@@ -78,6 +83,14 @@ class Beacon:
         """Control commands for the training loop (stall, slow) received since the last call."""
         return []
 
+    def wait_standby_command(self, stop_requested: Callable[[], bool]) -> str:
+        """Block until the supervisor says `go` or `exit` (returned as such), or a stop is
+        requested ("stop"). Only a beacon with a control channel can be a standby."""
+        raise UsageError(
+            f"a standby ({protocol.ENV_STANDBY}=1) needs {protocol.ENV_HEARTBEAT_ADDR} and "
+            f"{protocol.ENV_CONTROL_ADDR}: it waits for the supervisor's go or exit"
+        )
+
     @property
     def dropped(self) -> int:
         """Messages not sent because the queue or the socket was full."""
@@ -98,6 +111,7 @@ class ZmqBeacon(Beacon):
         self._addr = addr
         self._control_addr = control_addr
         self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._standby: queue.SimpleQueue[str] = queue.SimpleQueue()  # go / exit
         self.control_dropped = 0  # control frames that failed verification
         self._key = key
         self._id = identity
@@ -111,6 +125,9 @@ class ZmqBeacon(Beacon):
         self._closed = False
         self._parent = os.getppid()
         self._watch_parent = os.environ.get(protocol.ENV_EXIT_WITH_PARENT) == "1"
+        self._wake_r, self._wake_w = os.pipe()  # a byte in it: the queue has something
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="es-beacon", daemon=True)
         self._thread.start()
 
@@ -157,7 +174,10 @@ class ZmqBeacon(Beacon):
             self._queue.put(_STOP, timeout=timeout)
         except queue.Full:
             pass
+        self._wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._wake_w)
 
     @property
     def dropped(self) -> int:
@@ -169,6 +189,16 @@ class ZmqBeacon(Beacon):
             out.append(self._commands.get_nowait())
         return out
 
+    def wait_standby_command(self, stop_requested: Callable[[], bool]) -> str:
+        if self._control_addr is None:
+            return super().wait_standby_command(stop_requested)
+        while not stop_requested():
+            try:
+                return self._standby.get(timeout=STOP_CHECK_S)
+            except queue.Empty:
+                continue
+        return "stop"
+
     # --- internals -----------------------------------------------------------------------
     def _put(self, kind: str, **fields: Any) -> None:
         if self._closed:
@@ -177,18 +207,32 @@ class ZmqBeacon(Beacon):
             self._queue.put_nowait((kind, time.time(), fields))
         except queue.Full:
             self._dropped += 1
+            return
+        self._wake()
+
+    def _wake(self) -> None:
+        """Tell the thread something is queued (one byte; a full pipe already says so)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
 
     def _run(self) -> None:
         import zmq  # imported here so that an unsupervised rank never loads it
 
         ctx = zmq.Context()
         control = self._open_control(ctx, zmq) if self._control_addr else None
-        poll_s = CONTROL_POLL_S if control is not None else float("inf")
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, QUEUE_SIZE)
         sock.setsockopt(zmq.IMMEDIATE, 0)
         sock.connect(self._addr)
+        # One blocking wait for all three: a queued message (the wake pipe), a command, the next
+        # beat. No polling loop: a waiting standby's thread wakes only to beat.
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if control is not None:
+            poller.register(control, zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while True:
@@ -199,23 +243,35 @@ class ZmqBeacon(Beacon):
                     if self._watch_parent and os.getppid() != self._parent:
                         # Our launcher died without taking us along: do not train on alone.
                         os.kill(os.getpid(), signal.SIGKILL)
-                if control is not None:
+                wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                ready = dict(poller.poll(wait_ms))
+                if control is not None and control in ready:
                     self._poll_control(control, zmq)
-                wait = min(poll_s, max(0.0, next_beat - time.monotonic()))
-                try:
-                    item = self._queue.get(timeout=wait)
-                except queue.Empty:
-                    continue
-                if item is _STOP:
+                if self._wake_r in ready and not self._drain(sock, zmq):
                     break
-                kind, t, fields = item
-                self._send(sock, zmq, kind, t, **fields)
         finally:
             # Give the last messages (`done` above all) a bounded moment to leave.
             sock.close(linger=int(CLOSE_LINGER_S * 1000))
             if control is not None:
                 control.close(linger=0)
             ctx.term()
+            os.close(self._wake_r)
+
+    def _drain(self, sock: Any, zmq: Any) -> bool:
+        """Send what is queued; False once the queue says stop."""
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            kind, t, fields = item
+            self._send(sock, zmq, kind, t, **fields)
 
     def _open_control(self, ctx: Any, zmq: Any) -> Any:
         sock = ctx.socket(zmq.DEALER)
@@ -240,6 +296,8 @@ class ZmqBeacon(Beacon):
                 continue
             if cmd["action"] == "signal":
                 os.kill(os.getpid(), cmd["signal"])
+            elif cmd["action"] in protocol.STANDBY_ACTIONS:
+                self._standby.put(cmd["action"])
             else:
                 self._commands.put(cmd)
 

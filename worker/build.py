@@ -1,8 +1,11 @@
 """Everything a run trains with, built once: the process group and mesh, the model, optimizer,
 scheduler, data, metrics and checkpoint manager, and the checkpoint state it resumes from.
 
-The checkpoint to resume is chosen before the model is built (its files are read meanwhile)
-and loaded after; each part's seconds go to a `startup/*` metric.
+Two halves: `join_group` + `build_state` need no checkpoint (a warm standby runs them before it
+is told to go, worker.standby); `resume_from` creates the checkpoint manager and loads the chosen
+checkpoint. A cold start (`build`) chooses the checkpoint between the two halves of the first,
+before the model is built, so its files are read meanwhile. Each part's seconds go to a
+`startup/*` metric.
 """
 
 from __future__ import annotations
@@ -33,6 +36,43 @@ from worker.presets import ModelConfig
 from worker.startup import Startup
 
 META_INIT_AUTO_PARAMS = 6e9
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every part of the build reads: the flags, this rank, the model, the mesh's layout,
+    where to report."""
+
+    args: TrainArgs
+    info: RankInfo
+    cfg: ModelConfig
+    layout: Layout
+    beacon: Beacon
+    say: Callable[..., None]  # prints on rank 0 only
+    startup: Startup
+
+
+@dataclass
+class Group:
+    """This rank in its process group: what `join_group` sets up."""
+
+    device_type: str
+    device: torch.device
+    mesh: Any  # DeviceMesh
+    identity: resume.RunIdentity
+    meta_init: bool
+
+
+@dataclass
+class State:
+    """What a run trains, before any checkpoint is loaded into it: `build_state`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    source: SyntheticData | TokenFileData
+    metrics: MetricsLog
+    hooks: Hooks
 
 
 @dataclass
@@ -70,15 +110,18 @@ class Training:
         return {**self.data_desc, "next_step": step + 1}
 
 
-def build(
-    args: TrainArgs,
-    info: RankInfo,
-    cfg: ModelConfig,
-    layout: Layout,
-    beacon: Beacon,
-    say: Callable[..., None],
-    startup: Startup,
-) -> Training:
+def build(setup: Setup) -> Training:
+    """A cold start: the group, the checkpoint chosen (its files read ahead while the model is
+    built), the model and the rest, then the load."""
+    group = join_group(setup)
+    chosen = choose(setup, group)
+    state = build_state(setup, group)
+    return resume_from(setup, group, state, chosen)
+
+
+def join_group(setup: Setup) -> Group:
+    """Collective: the process group and mesh; rank 0 holds the checkpoint dir of a run by hand."""
+    args, info, cfg, layout = setup.args, setup.info, setup.cfg, setup.layout
     # DTensor warns on every step that a 2-D grad norm takes two all-reduces; known, harmless.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     device_type, backend = select_device(args.device)
@@ -87,22 +130,32 @@ def build(
     mesh = build_mesh(layout, device_type)
     if args.ckpt_dir:  # every rank has checked it by now: they are all in the group
         owner.hold_if_alone(Path(args.ckpt_dir), info.rank)
-    startup.mark("process_group")
+    setup.startup.mark("process_group")
     meta_init = args.meta_init == "on" or (
         args.meta_init == "auto" and cfg.num_params() >= META_INIT_AUTO_PARAMS
     )
-    say(
+    setup.say(
         f"agpt {cfg.describe()} ({cfg.num_params() / 1e6:.1f}M params) on {info.world} ranks "
         f"[{layout.describe()}] device={device_type} backend={backend} threads={threads} "
         f"meta_init={meta_init}",
         flush=True,
     )
-
     identity = resume.RunIdentity(cfg.fingerprint(), cfg.describe(), info.world, layout.describe())
-    chosen = resume.choose(args, info.rank, identity, beacon, say)  # read while building
-    startup.mark("choose")
+    return Group(device_type, device, mesh, identity, meta_init)
 
-    model = build_model(cfg, mesh, layout, device, meta_init, args.seed)
+
+def choose(setup: Setup, group: Group) -> Path | None:
+    """Collective: the checkpoint to resume (None: start fresh); its files start to be read."""
+    chosen = resume.choose(setup.args, setup.info.rank, group.identity, setup.beacon, setup.say)
+    setup.startup.mark("choose")
+    return chosen
+
+
+def build_state(setup: Setup, group: Group) -> State:
+    """The model (seeded: every start builds the same one), optimizer, scheduler, data,
+    metrics and test hooks."""
+    args, info, cfg = setup.args, setup.info, setup.cfg
+    model = build_model(cfg, group.mesh, setup.layout, group.device, group.meta_init, args.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
     )
@@ -116,48 +169,52 @@ def build(
     write_metrics = info.rank == 0 or args.metrics_all_ranks
     path = metrics_dir(args) / f"metrics-{info.rank}.jsonl"
     metrics = MetricsLog(path if write_metrics else None)
-    startup.mark("model_build")
+    setup.startup.mark("model_build")
     # What the imports and the model made lives as long as the process; a full garbage
     # collection walked it all for 0.2-0.33 s here (once inside a checkpoint load, stalling
     # that rank and so every rank). Frozen, later collections skip it.
     gc.freeze()
+    return State(model, optimizer, scheduler, source, metrics, Hooks.from_args(args, info.rank))
 
-    hooks = Hooks.from_args(args, info.rank)
+
+def resume_from(setup: Setup, group: Group, state: State, chosen: Path | None) -> Training:
+    """Collective: the checkpoint manager (the async mode cleans the node's stage dir and makes
+    its own groups: only once the run really goes), the load of `chosen`, the manager started."""
+    args, info = setup.args, setup.info
     ckpt = create_manager(
         args,
         info,
-        identity=identity,
-        device_type=device_type,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        metrics=metrics,
-        beacon=beacon,
-        say=say,
-        hooks=hooks,
+        identity=group.identity,
+        device_type=group.device_type,
+        model=state.model,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        metrics=state.metrics,
+        beacon=setup.beacon,
+        say=setup.say,
+        hooks=state.hooks,
     )
     resumed = ckpt.load(chosen)
-    startup.mark("load")
+    setup.startup.mark("load")
     ckpt.start()
-
     return Training(
         args=args,
         info=info,
-        device=device,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        source=source,
-        data_desc={"kind": type(source).__name__, "path": args.data_path, "seed": args.seed},
-        dp_rank=layout.dp_rank(info.rank),
-        tokens_per_step=args.batch_size * layout.dp * cfg.seq_len,
-        metrics=metrics,
+        device=group.device,
+        model=state.model,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        source=state.source,
+        data_desc={"kind": type(state.source).__name__, "path": args.data_path, "seed": args.seed},
+        dp_rank=setup.layout.dp_rank(info.rank),
+        tokens_per_step=args.batch_size * setup.layout.dp * setup.cfg.seq_len,
+        metrics=state.metrics,
         ckpt=ckpt,
         resumed=resumed,
-        beacon=beacon,
-        hooks=hooks,
-        say=say,
-        startup=startup,
+        beacon=setup.beacon,
+        hooks=state.hooks,
+        say=setup.say,
+        startup=setup.startup,
     )
 
 

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 
 from worker.args import TrainArgs
 from worker.beat import Beacon, StepFaults
-from worker.build import Training, build
+from worker.build import Setup, Training, build
 from worker.data import batch
 from worker.dist import RankInfo
 from worker.layout import Layout
 from worker.metrics import human_line
 from worker.parallel import clip_grad_norm
 from worker.presets import ModelConfig
+from worker.standby import build_after_go
 from worker.startup import Startup
 
 
@@ -33,10 +34,20 @@ def run(
     beacon: Beacon,
     say: Callable[..., None],
     stop_requested: Callable[[], bool],
+    standby: bool = False,
 ) -> int:
     startup = Startup()
     startup.mark("imports")
-    t = build(args, info, cfg, layout, beacon, say, startup)
+    setup = Setup(args, info, cfg, layout, beacon, say, startup)
+    if not standby:
+        t = build(setup)
+    else:
+        t = build_after_go(setup, stop_requested)
+        if t is None:  # told to exit (or stopped) before it trained: nothing to save or drain
+            beacon.close()
+            if dist.is_initialized():  # no barrier: every rank is told, none waits for another
+                dist.destroy_process_group()
+            return 0
     step, tokens_seen = t.start_step, t.start_tokens
     beacon.phase("train", step)
     in_step_faults = StepFaults(beacon)  # faults/: stall or slow this rank when told to
@@ -98,6 +109,8 @@ def report_startup(t: Training) -> None:
     for name, seconds in t.startup.parts.items():
         t.metrics.add_to_next(name, seconds)
     t.metrics.add_to_next("train/startup_seconds", t.startup.total)
+    if t.startup.prepare_seconds is not None:  # a warm standby: its seconds before `go`
+        t.metrics.add_to_next("train/standby_prepare_seconds", t.startup.prepare_seconds)
     if t.resumed is not None:
         t.metrics.add_to_next("train/restart_seconds", t.startup.total)
         t.beacon.resumed(t.start_step, t.startup.total)

@@ -3,6 +3,8 @@
 The start comes from the kernel (the process's age from /proc/self/stat against the boot
 clock), so the figure includes the interpreter and every import even though this module is
 imported late; psutil's create_time rests on a whole-second boot time and read ~0.4 s early here.
+A warm standby (worker.standby) prepares from its own start and restarts its clock at `go`: its
+restart costs only what follows the supervisor's word.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ def process_start_time() -> float:
 PROCESS_START = process_start_time()
 # The parts of a (re)start, in order: `choose` picks the checkpoint and starts reading it.
 PARTS = ("imports", "process_group", "choose", "model_build", "load", "first_step")
+# A warm standby's: it prepares (up to `warmup`), waits (`standby_wait`: ready -> go), then resumes.
+STANDBY_PARTS = (
+    "imports",
+    "process_group",
+    "model_build",
+    "warmup",
+    "standby_wait",
+    "choose",
+    "load",
+    "first_step",
+)
 
 
 class Startup:
@@ -34,12 +47,22 @@ class Startup:
     def __init__(self):
         self.last = PROCESS_START
         self.parts: dict[str, float] = {}
+        self.began = PROCESS_START  # what `total` counts from: the process start, or `go`
+        self.prepare_seconds: float | None = None  # a standby's process start -> ready
 
     def mark(self, name: str) -> None:
         now = time.time()
         self.parts[f"startup/{name}"] = now - self.last
         self.last = now
 
+    def ready(self) -> None:
+        """A standby is ready: what it prepared took this long (from the process start)."""
+        self.prepare_seconds = self.last - PROCESS_START
+
+    def go(self) -> None:
+        """A standby was told to go (after `mark("standby_wait")`): the restart counts from now."""
+        self.began = self.last
+
     @property
     def total(self) -> float:
-        return self.last - PROCESS_START
+        return self.last - self.began

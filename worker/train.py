@@ -15,8 +15,10 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 
+from supervisor import protocol
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
 from worker.ckpt import owner
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         check_paths(args)
         cfg, layout = plan(args, info)
+        standby = standby_requested(os.environ)
     except UsageError as exc:
         say_once(info, exc)
         return exc.exit_code
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from worker import loop  # torch: slow, so only once the flags are known to be good
 
-        return loop.run(args, info, cfg, layout, beacon, say, lambda: stop.requested)
+        return loop.run(args, info, cfg, layout, beacon, say, lambda: stop.requested, standby)
     except UsageError as exc:
         say_once(info, exc)
         beacon.error(str(exc))
@@ -117,6 +120,24 @@ def plan(args: TrainArgs, info: RankInfo) -> tuple[ModelConfig, Layout]:
             f"file of {args.data_dtype} token ids"
         )
     return cfg, layout
+
+
+def standby_requested(env: Mapping[str, str]) -> bool:
+    """`ES_STANDBY=1`: start as a warm standby (worker.standby), which only the supervisor's
+    control channel can tell to go or exit."""
+    if env.get(protocol.ENV_STANDBY, "") != "1":
+        return False
+    missing = [
+        name
+        for name in (protocol.ENV_HEARTBEAT_ADDR, protocol.ENV_CONTROL_ADDR)
+        if not env.get(name)
+    ]
+    if missing:
+        raise UsageError(
+            f"{protocol.ENV_STANDBY}=1 without {' and '.join(missing)}: a standby waits for the "
+            "supervisor's go or exit on its control channel; unset it to train at once"
+        )
+    return True
 
 
 if __name__ == "__main__":

@@ -13,6 +13,15 @@ import torch
 
 
 def capture(device_type: str) -> str:
+    return base64.b64encode(pickle.dumps(states(device_type))).decode()
+
+
+def restore(text: str) -> None:
+    set_states(pickle.loads(base64.b64decode(text)))
+
+
+def states(device_type: str) -> dict[str, Any]:
+    """Every generator's state now (torch CPU, python, numpy, and the accelerator's)."""
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -22,11 +31,10 @@ def capture(device_type: str) -> str:
         state["cuda"] = torch.cuda.get_rng_state()
     elif device_type == "xpu":
         state["xpu"] = torch.xpu.get_rng_state()
-    return base64.b64encode(pickle.dumps(state)).decode()
+    return state
 
 
-def restore(text: str) -> None:
-    state = pickle.loads(base64.b64decode(text))
+def set_states(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])

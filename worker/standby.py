@@ -1,0 +1,92 @@
+"""A warm standby (`ES_STANDBY=1`): a relaunch whose cold start is paid before the failure.
+
+While another attempt trains, the supervisor starts the next one as a standby. It prepares all
+that no checkpoint decides (interpreter and imports, its own process group, the mesh, model,
+optimizer, scheduler, data, metrics, one warm-up forward and backward), says phase `standby`
+and blocks until the supervisor's signed `go` or `exit`. On `go` it resumes exactly as a cold
+start does from the choice of checkpoint on, so the run computes bit for bit the same; its
+restart (`train/restart_seconds`) counts from `go`. On `exit`, or SIGTERM/SIGUSR1, it ends
+with 0 having trained nothing and touched no checkpoint.
+
+What a standby holds: on CPU, the whole prepared run (process group, model, optimizer shells,
+warm-up done); on an accelerator, only the imported interpreter, so that it never takes device
+memory from the attempt that trains; everything else is built after `go`.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from worker.build import (
+    Group,
+    Setup,
+    State,
+    Training,
+    build,
+    build_state,
+    choose,
+    join_group,
+    resume_from,
+)
+from worker.ckpt import rng
+from worker.dist import select_device
+from worker.parallel import clip_grad_norm
+
+ACCELERATORS = ("cuda", "xpu")
+
+
+def build_after_go(setup: Setup, stop_requested: Callable[[], bool]) -> Training | None:
+    """Prepare, wait, then build the rest once told to go; None when told to exit or stop."""
+    device_type, _ = select_device(setup.args.device)  # no device touched: no context, no memory
+    if device_type in ACCELERATORS:
+        # Nothing that holds device memory before `go`: the cold build follows it.
+        if not wait(setup, stop_requested):
+            return None
+        return build(setup)
+    group = join_group(setup)
+    state = build_state(setup, group)
+    warm_up(setup, group, state)
+    if not wait(setup, stop_requested):
+        return None
+    return resume_from(setup, group, state, choose(setup, group))
+
+
+def wait(setup: Setup, stop_requested: Callable[[], bool]) -> bool:
+    """Say `standby` and block (no CPU) until `go` (True) or `exit` / a stop (False)."""
+    startup = setup.startup
+    startup.ready()
+    setup.beacon.phase("standby", 0)
+    command = setup.beacon.wait_standby_command(stop_requested)
+    startup.mark("standby_wait")
+    if command != "go":
+        setup.say(f"standby: {command}, exiting without training", flush=True)
+        return False
+    startup.go()
+    return True
+
+
+def warm_up(setup: Setup, group: Group, state: State) -> None:
+    """One forward and backward on a batch of zeros (not drawn from the data), no optimizer
+    step, gradients discarded, every random generator as it was: the first real step runs warm
+    (kernels, autograd, FSDP's lazy set-up and its collectives) and computes what it would
+    have computed cold. The loop's per-step all-reduce is warmed too."""
+    saved = rng.states(group.device_type)
+    tokens = torch.zeros(
+        (setup.args.batch_size, setup.cfg.seq_len), dtype=torch.int64, device=group.device
+    )
+    logits = state.model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    loss.backward()
+    clip_grad_norm(state.model.parameters(), setup.args.grad_clip)
+    state.optimizer.zero_grad(set_to_none=True)
+    state.model.zero_grad(set_to_none=True)
+    dist.all_reduce(torch.zeros(2, dtype=torch.float64))  # as `loop.agree` does each step
+    del logits, loss, tokens
+    rng.set_states(saved)
+    setup.startup.mark("warmup")
+    gc.freeze()  # what the warm-up left for good (FSDP's lazy state): outside later collections
