@@ -1,0 +1,170 @@
+"""The warm standby's parts without a launcher: the RNG round-trip, the warm-up's promise (a
+warmed model's first step equals a cold one's, bit for bit, in a one-rank gloo group of this
+process), the beacon's wait for go / exit / a stop, the environment check, the startup clock."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import zmq
+
+from supervisor import protocol as P
+from worker import startup as S
+from worker.args import parse_args, plan_run
+from worker.beat import Beacon, ZmqBeacon
+from worker.build import Setup, build_state, join_group
+from worker.ckpt import rng
+from worker.dist import RankInfo
+from worker.errors import UsageError
+from worker.loop import train_step
+from worker.standby import warm_up
+from worker.train import standby_requested
+
+TINY = "--dim 32 --n-layers 2 --n-heads 4 --n-kv-heads 2 --ffn-dim 64 --vocab-size 128 --seq-len 32"
+
+
+def draws() -> tuple:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+def test_rng_states_round_trip():
+    saved = rng.states("cpu")
+    first = draws()
+    assert draws() != first  # the generators moved on
+    rng.set_states(saved)
+    assert draws() == first
+    rng.set_states(saved)
+    assert rng.restore(rng.capture("cpu")) is None and draws() == first  # the text form too
+
+
+# --- the warm-up, in a one-rank gloo group -------------------------------------------------------
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name in ("MASTER_ADDR", "MASTER_PORT", P.ENV_ATTEMPT_DIR):
+        monkeypatch.delenv(name, raising=False)
+    args = parse_args([*TINY.split(), "--outdir", str(tmp_path), "--device", "cpu"])
+    cfg, layout = plan_run(args, 1)
+    info = RankInfo(0, 1, 0, 1, "single", "localhost")
+    setup = Setup(args, info, cfg, layout, Beacon(), lambda *a, **k: None, S.Startup())
+    group = join_group(setup)
+    yield setup, group
+    dist.destroy_process_group()
+
+
+def same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return all(torch.equal(x.full_tensor(), y.full_tensor()) for x, y in pairs)
+
+
+def test_warm_up_changes_nothing_the_run_computes(one_rank):
+    setup, group = one_rank
+    cold = build_state(setup, group)
+    warm = build_state(setup, group)  # the same seed: the same model
+    before = rng.states("cpu")
+    warm_up(setup, group, warm)
+    after = rng.states("cpu")
+    assert torch.equal(before["torch"], after["torch"])
+    assert before["python"] == after["python"]
+    assert (before["numpy"][1] == after["numpy"][1]).all()
+    assert all(p.grad is None for p in warm.model.parameters())
+    assert not warm.optimizer.state  # no optimizer step
+    assert same_params(cold.model, warm.model)
+    assert "startup/warmup" in setup.startup.parts
+
+    class T:  # what train_step reads of a Training
+        def __init__(self, state):
+            self.source, self.model, self.optimizer = state.source, state.model, state.optimizer
+            self.scheduler, self.args, self.device = state.scheduler, setup.args, group.device
+            self.dp_rank = 0
+            self.ckpt = type("NoCkpt", (), {"before_update": lambda self: None})()
+
+    for step in (1, 2, 3):
+        lc, lw = train_step(T(cold), step), train_step(T(warm), step)
+        assert lc.item() == lw.item(), step
+    assert same_params(cold.model, warm.model)
+
+
+# --- the beacon's wait ----------------------------------------------------------------------------
+@pytest.fixture
+def control():
+    """A ROUTER for the control channel, a PULL for the beats, and a standby's beacon (attempt 4,
+    rank 1) connected to both."""
+    ctx = zmq.Context()
+    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    r_port = router.bind_to_random_port("tcp://127.0.0.1")
+    p_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    ident = P.RankIdentity("job", 4, 1, 2, "h", 1)
+    key = b"k" * 32
+    beacon = ZmqBeacon(f"tcp://127.0.0.1:{p_port}", key, ident, 0.05, f"tcp://127.0.0.1:{r_port}")
+
+    def send(action: str, key: bytes = key, attempt: int = 4) -> None:
+        frame = P.encode(key, P.control_message("job", attempt, 1, time.time(), action, 0))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return router.send_multipart([b"4/1", frame])
+            except zmq.ZMQError:  # not connected yet
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+    yield beacon, send
+    beacon.close()
+    router.close(0)
+    pull.close(0)
+    ctx.term()
+
+
+@pytest.mark.parametrize("action", ["go", "exit"])
+def test_wait_returns_the_verified_command(control, action):
+    beacon, send = control
+    send(action, key=b"x" * 32)  # wrongly signed: dropped
+    send(action, attempt=3)  # another attempt's: dropped
+    send(action)
+    t0 = time.monotonic()
+    assert beacon.wait_standby_command(lambda: False) == action
+    assert time.monotonic() - t0 < 5
+    assert beacon.control_dropped == 2
+
+
+def test_a_stop_ends_the_wait_promptly(control):
+    beacon, _ = control
+    asked = time.monotonic() + 0.3
+    assert beacon.wait_standby_command(lambda: time.monotonic() > asked) == "stop"
+    assert time.monotonic() - asked < 0.5
+
+
+def test_only_a_beacon_with_a_control_channel_can_wait():
+    with pytest.raises(UsageError, match="ES_CONTROL_ADDR"):
+        Beacon().wait_standby_command(lambda: False)
+
+
+def test_standby_needs_the_supervisors_channels():
+    full = {P.ENV_STANDBY: "1", P.ENV_HEARTBEAT_ADDR: "tcp://h:1", P.ENV_CONTROL_ADDR: "tcp://h:2"}
+    assert standby_requested(full)
+    assert not standby_requested({})
+    assert not standby_requested({**full, P.ENV_STANDBY: "0"})
+    with pytest.raises(UsageError, match="ES_STANDBY=1 without ES_CONTROL_ADDR"):
+        standby_requested({k: v for k, v in full.items() if k != P.ENV_CONTROL_ADDR})
+
+
+def test_a_warm_start_counts_its_restart_from_go(monkeypatch):
+    now = [S.PROCESS_START + 5.0]
+    monkeypatch.setattr(S.time, "time", lambda: now[0])
+    st = S.Startup()
+    st.mark("imports")
+    st.ready()
+    now[0] += 30.0  # waiting
+    st.mark("standby_wait")
+    st.go()
+    now[0] += 0.25
+    st.mark("load")
+    assert st.prepare_seconds == 5.0
+    assert st.parts["startup/standby_wait"] == 30.0
+    assert st.total == pytest.approx(0.25)
