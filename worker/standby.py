@@ -66,6 +66,11 @@ def wait(setup: Setup, stop_requested: Callable[[], bool]) -> bool:
     if command != "go":
         setup.say(f"standby: {command}, exiting without training", flush=True)
         return False
+    waited = startup.parts["startup/standby_wait"]
+    setup.say(
+        f"standby: go (ready {startup.prepare_seconds:.2f}s after start, waited {waited:.2f}s)",
+        flush=True,
+    )
     startup.go()
     return True
 
