@@ -88,8 +88,7 @@ def warm_up(setup: Setup, group: Group, state: State) -> None:
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
     loss.backward()
     clip_grad_norm(state.model.parameters(), setup.args.grad_clip)
-    state.optimizer.zero_grad(set_to_none=True)
-    state.model.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=True)  # as a cold start has them: none
     dist.all_reduce(torch.zeros(2, dtype=torch.float64))  # as `loop.agree` does each step
     del logits, loss, tokens
     rng.set_states(saved)

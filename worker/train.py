@@ -1,8 +1,9 @@
 """`python -m worker.train`: FSDP / HSDP / FSDP+TP training of an agpt model.
 
 Runs under mpiexec, srun, torchrun or the supervisor; saves sharded checkpoints and resumes from
-the newest complete one on start. Exit status: 0 finished or stopped gracefully, 2 bad input,
-1 anything else (after bringing the whole job down).
+the newest complete one on start; with `ES_STANDBY=1` (the supervisor's warm standby) it prepares
+and waits for the word to go (worker.standby). Exit status: 0 finished or stopped gracefully,
+2 bad input, 1 anything else (after bringing the whole job down).
 
 No torch at this module's level: a usage error is printed before the slow import of torch,
 which `worker.loop` brings in once the flags are known to be good.
