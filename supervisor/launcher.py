@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,7 +347,14 @@ class TeardownResult:
     seconds: float
 
 
-@dataclass
+# Every attempt started and not yet torn down: a teardown looking for its attempt's orphans among
+# our descendants must not take another attempt's processes (a warm standby runs beside the
+# attempt being torn down; Hydra's proxies and ranks each start their own session, so a session
+# does not tell them apart: their process trees do).
+_LIVE: weakref.WeakSet[Launched] = weakref.WeakSet()
+
+
+@dataclass(eq=False)  # by identity: held in _LIVE
 class Launched:
     """The running processes of one attempt."""
 
@@ -396,6 +404,7 @@ class Launched:
             log.close()
             raise
         self = cls(plan, popens, started, started_wall, on_rank_exit)
+        _LIVE.add(self)
         self._future = loop.create_future()
         pumps = [len(popens)]
         for i, popen in enumerate(popens):
@@ -415,6 +424,14 @@ class Launched:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.popens]
+
+    def _tree(self) -> set[int]:
+        """The pids of this attempt's processes we know of or can see now."""
+        pids = {*self.pids, *self._known}
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        return pids
 
     async def output_read(self, timeout: float) -> None:
         """Wait (up to `timeout`) until every line the ended processes wrote has been read:
@@ -521,6 +538,8 @@ class Launched:
                 pass
         reap_orphans(exclude=set(self.pids))
         survivors = [p.pid for p in self._alive(include_orphans=True)]
+        if not survivors:
+            _LIVE.discard(self)
         return TeardownResult(terminated, killed, survivors, time.monotonic() - t0)
 
     def _alive(self, include_orphans: bool) -> list[psutil.Process]:
@@ -532,11 +551,13 @@ class Launched:
             except psutil.Error:
                 continue
         if include_orphans:
+            others = {pid for run in list(_LIVE) if run is not self for pid in run._tree()}
             try:
                 for child in psutil.Process().children(recursive=True):
                     if child.status() != psutil.STATUS_ZOMBIE and child.pid not in found:
                         if child.create_time() >= self.started_wall - 1:
-                            found[child.pid] = child
+                            if child.pid not in others:
+                                found[child.pid] = child
             except psutil.Error:
                 pass
         return list(found.values())

@@ -93,7 +93,10 @@ def standby_pids(run, attempt: int) -> list[int]:
 def test_a_warm_relaunch_is_the_same_run(tmp_path, layout, before_ckpt):
     ranks, par = LAYOUTS[layout]
     worker = {**par, "train_iters": 150, "save_interval": 1000 if before_ckpt else 5}
-    base = run_worker(ranks, *flags(worker), "--outdir", str(tmp_path / "base"))
+    base = run_worker(
+        ranks, *flags(worker), "--outdir", str(tmp_path / "base"),
+        "--ckpt-dir", str(tmp_path / "base-ckpt"),
+    )  # fmt: skip
     assert base.returncode == 0, base.stderr
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base" / "metrics-0.jsonl")}
 
