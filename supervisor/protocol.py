@@ -114,7 +114,7 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"phase": str},
     "beat": {"phase": str, "step": int},
     "step": {"step": int, "loss": NUMBER, "dt": NUMBER},
-    "phase": {"phase": str, "step": int},
+    "phase": {"phase": str, "step": int},  # + `prepared` (str) when the phase is standby
     "ckpt": {"step": int, "state": str},
     "resumed": {"step": int, "restart_seconds": NUMBER},
     "error": {"message": str},

@@ -67,6 +67,10 @@ class Beacon:
 
     def phase(self, phase: str, step: int) -> None: ...
 
+    def standby(self, prepared: str) -> None:
+        """Phase `standby`, saying what this rank holds ready."""
+        self.phase("standby", 0)
+
     def step(self, step: int, loss: float, dt: float) -> None: ...
 
     def ckpt(self, step: int, state: str) -> None: ...
@@ -139,6 +143,10 @@ class ZmqBeacon(Beacon):
     def phase(self, phase: str, step: int) -> None:
         self._phase, self._step = phase, int(step)
         self._put("phase", phase=phase, step=int(step))
+
+    def standby(self, prepared: str) -> None:
+        self._phase, self._step = "standby", 0
+        self._put("phase", phase="standby", step=0, prepared=prepared)
 
     def step(self, step: int, loss: float, dt: float) -> None:
         self._step = int(step)

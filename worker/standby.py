@@ -38,6 +38,7 @@ from worker.dist import select_device
 from worker.parallel import clip_grad_norm
 
 ACCELERATORS = ("cuda", "xpu")
+PREPARED_ON_CPU = "imports, process group, mesh, model, optimizer, warm-up forward and backward"
 
 
 def build_after_go(setup: Setup, stop_requested: Callable[[], bool]) -> Training | None:
@@ -45,22 +46,23 @@ def build_after_go(setup: Setup, stop_requested: Callable[[], bool]) -> Training
     device_type, _ = select_device(setup.args.device)  # no device touched: no context, no memory
     if device_type in ACCELERATORS:
         # Nothing that holds device memory before `go`: the cold build follows it.
-        if not wait(setup, stop_requested):
+        if not wait(setup, stop_requested, "imports"):
             return None
         return build(setup)
     group = join_group(setup)
     state = build_state(setup, group)
     warm_up(setup, group, state)
-    if not wait(setup, stop_requested):
+    if not wait(setup, stop_requested, PREPARED_ON_CPU):
         return None
     return resume_from(setup, group, state, choose(setup, group))
 
 
-def wait(setup: Setup, stop_requested: Callable[[], bool]) -> bool:
-    """Say `standby` and block (no CPU) until `go` (True) or `exit` / a stop (False)."""
+def wait(setup: Setup, stop_requested: Callable[[], bool], prepared: str) -> bool:
+    """Say `standby` (and what is `prepared`) and block (no CPU) until `go` (True) or `exit` /
+    a stop (False)."""
     startup = setup.startup
     startup.ready()
-    setup.beacon.phase("standby", 0)
+    setup.beacon.standby(prepared)
     command = setup.beacon.wait_standby_command(stop_requested)
     startup.mark("standby_wait")
     if command != "go":
