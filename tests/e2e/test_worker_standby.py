@@ -33,8 +33,7 @@ KEY, JOB = b"k" * 64, "standby-job"
 LAYOUTS = {
     "fsdp2": (2, [], 7),
     "fsdp2_async": (2, ["--async-ckpt"], 10),
-    "fsdp_tp2": (4, ["--tp", "2"], 7),
-    "hsdp2x2": (4, ["--replicate", "2"], 7),
+    # FSDP+TP and HSDP: the supervisor's real kill and warm relaunch (tests/e2e/test_standby.py).
 }
 STEPS = ["--train-iters", "10", "--save-interval", "4"]
 READY_TIMEOUT = 90
