@@ -3,9 +3,10 @@
 Runs `python -m supervisor run` on the `debug` preset as it is (no size overrides; `--size 250m`
 for a 250M-parameter model) on 2 ranks under real mpiexec, once per `--standby` mode and
 `--target`, side by side in one invocation. Each run SIGKILLs its ranks (every rank, or rank 1)
-`--kills` times, each once the attempt has trained `--train-s` seconds past its first step (and,
-with the standby on, once the standby is ready: the case the feature is for), noting the moment
-on the shared monotonic clock. Per failure, from events.jsonl:
+`--kills` times, each once the attempt has made its first step and a checkpoint (a kill before
+it would resume from the same step again and again), then (with the standby on) once the standby
+is ready, the case the feature is for, and then `--train-s` seconds more, noting the moment on
+the shared monotonic clock. Per failure, from events.jsonl:
 
   downtime   kill -> the first step of the next attempt (`first_step`, as received)
   restart    the worker's own train/restart_seconds: process start (cold) or `go` (warm) ->
@@ -18,7 +19,7 @@ And the startup/* parts of the first step of every relaunched attempt (metrics-0
 next to cold. Goal (issue 15): warm downtime <= 0.5 s median and <= 0.25x cold.
 
 Usage: python bench/downtime.py [--standby on,off] [--target all,rank1] [--kills 3]
-                                [--train-s 4] [--size debug|250m] [--set key=value ...]
+                                [--train-s 2] [--keep] [--size debug|250m] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -96,6 +98,10 @@ def run_one(args, standby: bool, target: str, tmp: Path) -> tuple[list[dict], Pa
         for _ in range(args.kills):
             first = wait_event(run, lambda e, a=attempt: e["event"] == "first_step"
                                and e["attempt"] == a, proc, timeout)  # fmt: skip
+            # A checkpoint of this attempt first: kills before it would resume from the same
+            # step again and again (and end the job as making no progress).
+            wait_event(run, lambda e, a=attempt: e["event"] == "ckpt_complete"
+                       and e["attempt"] == a, proc, timeout)  # fmt: skip
             if standby:
                 wait_event(run, lambda e, f=first: e["event"] == "standby_ready"
                            and e["mono"] > f["mono"], proc, timeout)  # fmt: skip
@@ -198,18 +204,25 @@ def main() -> None:
     p.add_argument("--standby", default="on,off", help="on, off or on,off (both, side by side)")
     p.add_argument("--target", default="all,rank1", help="all, rank1 or all,rank1")
     p.add_argument("--kills", type=int, default=3)
-    p.add_argument("--train-s", type=float, default=4.0)
+    p.add_argument("--train-s", type=float, default=2.0)
+    p.add_argument("--keep", action="store_true", help="keep the run dirs (printed)")
     p.add_argument("--size", default="debug", choices=sorted(SIZES))
     p.add_argument("--set", action="append", default=[], help="more config overrides")
     args = p.parse_args()
     modes = [m.strip() == "on" for m in args.standby.split(",")]
     targets = [t.strip() for t in args.target.split(",")]
     results: dict[tuple[str, str], list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="es-downtime-") as tmp:
+    tmp = Path(tempfile.mkdtemp(prefix="es-downtime-"))
+    try:
         for target in targets:
             for standby in modes:
-                rows, _ = run_one(args, standby, target, Path(tmp))
+                rows, _ = run_one(args, standby, target, tmp)
                 results[("warm" if standby else "cold", target)] = rows
+    finally:
+        if args.keep:
+            print(f"run dirs kept under {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     medians = {k: show(f"standby {'on' if k[0] == 'warm' else 'off'}, kill {k[1]}", rows)
                for k, rows in results.items()}  # fmt: skip
     show_parts(results)
