@@ -14,6 +14,9 @@ the shared monotonic clock. Per failure, from events.jsonl:
   detect     kill -> the launcher's exit (or the finding) seen
   relaunch   the launcher's exit seen -> the next attempt launched (cold) or told to go (warm)
   how        warm | cold, as the job's `relaunch` event says
+  prep cost  what the standby's preparation cost the attempt it ran beside: the seconds that
+             attempt's steps took beyond its median step while the standby prepared (on a host
+             whose cores the ranks fill, the standby's imports and build compete for them)
 
 And the startup/* parts of the first step of every relaunched attempt (metrics-0.jsonl), warm
 next to cold. Goal (issue 15): warm downtime <= 0.5 s median and <= 0.25x cold.
@@ -144,6 +147,7 @@ def row(evs: list[dict], k: dict, run: Path) -> dict:
         return {**out, "incomplete": True}
     seen = ex.get("exit_mono", ex.get("detected_mono", ex["mono"]))
     out.update(
+        prep_cost=prep_cost(evs, a, n, run),
         downtime=first["mono"] - k["kill"],
         restart=resumed["restart_seconds"] if resumed else None,
         detect=seen - k["kill"],
@@ -152,6 +156,28 @@ def row(evs: list[dict], k: dict, run: Path) -> dict:
         parts=startup_parts(run / "attempts" / f"{n:03d}" / "metrics-0.jsonl"),
     )
     return out
+
+
+def prep_cost(evs: list[dict], a: int, n: int, run: Path) -> float | None:
+    """What the standby's preparation cost attempt `a` that it ran beside: the seconds its steps
+    took beyond the attempt's own median step while standby `n` prepared (launch -> ready)."""
+    launch = next((e for e in evs if e["event"] == "standby_launch" and e["attempt"] == n), None)
+    ready = next((e for e in evs if e["event"] == "standby_ready" and e["attempt"] == n), None)
+    if launch is None or ready is None:
+        return None
+    try:
+        lines = (run / "attempts" / f"{a:03d}" / "metrics-0.jsonl").read_text().splitlines()
+        steps = [json.loads(x) for x in lines][1:]  # not the first: it is a start's
+    except (OSError, ValueError):
+        return None
+    # A step's record is written when it ends: it overlapped the window if it ended after the
+    # launch and began before the ready.
+    inside = [r for r in steps if launch["ts"] < r["t"] and r["t"] - r["train/dt"] < ready["ts"]]
+    outside = [r["train/dt"] for r in steps if r not in inside]
+    if not inside or not outside:
+        return None
+    steady = statistics.median(outside)
+    return sum(max(0.0, r["train/dt"] - steady) for r in inside)
 
 
 def startup_parts(path: Path) -> dict[str, float]:
@@ -168,15 +194,16 @@ def startup_parts(path: Path) -> dict[str, float]:
 def show(label: str, rows: list[dict]) -> float | None:
     print(f"\n{label}")
     print(f"{'#':>3} {'how':>5} {'downtime':>9} {'restart':>8} {'detect':>7} {'relaunch':>9} "
-          f"{'resumed':>8}")  # fmt: skip
+          f"{'resumed':>8} {'prep cost':>10}")  # fmt: skip
     good = [r for r in rows if not r.get("incomplete")]
     for i, r in enumerate(rows):
         if r.get("incomplete"):
             print(f"{i:>3} {r['how']:>5} incomplete events")
             continue
         restart = f"{r['restart']:.3f}s" if r["restart"] is not None else "–"
+        cost = f"{r['prep_cost']:.2f}s" if r["prep_cost"] is not None else "–"
         print(f"{i:>3} {r['how']:>5} {r['downtime']:>8.3f}s {restart:>8} {r['detect']:>6.3f}s "
-              f"{r['relaunch']:>8.3f}s {r['resumed']:>8}")  # fmt: skip
+              f"{r['relaunch']:>8.3f}s {r['resumed']:>8} {cost:>10}")  # fmt: skip
     if not good:
         return None
     median = statistics.median(r["downtime"] for r in good)

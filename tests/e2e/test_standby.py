@@ -108,6 +108,7 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, layout, before_ckpt):
         first = wait_for(run, lambda e: e["event"] == "first_step" and e["attempt"] == 0, proc)
         ready = wait_for(run, lambda e: e["event"] == "standby_ready", proc, timeout=120)
         assert ready["mono"] > first["mono"] and ready["attempt"] == 1  # launched after step 1
+        assert "model" in ready["prepared"] and "warm-up" in ready["prepared"]
         if not before_ckpt:
             wait_for(run, lambda e: e["event"] == "ckpt_complete" and e["step"] >= 10, proc)
         standby = standby_pids(run, 1)
