@@ -49,7 +49,15 @@ SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"
              "batch_size")  # fmt: skip
 SIZES = {
     "debug": {},  # the preset itself: dim 128, 4 layers, vocab 32000, seq 256, batch 1
-    "250m": {"dim": 1024, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 2816},
+    # bench/step.py's ~250M model
+    "250m": {
+        "dim": 1024,
+        "n_layers": 16,
+        "n_heads": 16,
+        "n_kv_heads": 4,
+        "ffn_dim": 2816,
+        "seq_len": 128,
+    },  # fmt: skip
 }
 PARTS = ("imports", "process_group", "model_build", "warmup", "standby_wait", "choose", "load",
          "first_step")  # fmt: skip
@@ -77,7 +85,7 @@ def bench_config(base: Path, size: str, out: Path) -> Path:
     worker = {k: v for k, v in raw.get("worker", {}).items() if k not in SIZE_KEYS}
     worker.update(SIZES[size], model="debug", train_iters=100000)
     if size != "debug":
-        worker["save_interval"] = 2  # seconds per step here: keep the lost work small
+        worker["save_interval"] = 3  # seconds per step here: keep the lost work small
     raw.update(worker=worker, faults=[])
     out.write_text(config_mod.dumps(raw))
     return out
