@@ -187,3 +187,26 @@ def test_no_standby_process_survives_the_job(tmp_path, how):
     if how != "sigkill":
         exits = [e for e in events(run) if e["event"] == "standby_exit"]
         assert exits and exits[-1]["survivors"] == 0
+
+
+def test_a_fault_on_every_rank_leaves_the_standby_alone(tmp_path):
+    """`target = "all"` is the running attempt's ranks: the waiting standby takes over."""
+    kill = {"name": "kill-all", "at_s": 35, "action": "kill", "target": "all"}
+    run = tmp_path / "run"
+    proc = start(write_config(tmp_path, 2, {"train_iters": 120, "save_interval": 5},
+                              faults=(PACE, kill)))  # fmt: skip
+    try:
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, out
+    evs = events(run)
+    fault = next(e for e in evs if e["event"] == "fault" and e["name"] == "kill-all")
+    assert fault["attempt"] == 0 and fault["ranks"] == [0, 1]
+    ready = next(e for e in evs if e["event"] == "standby_ready" and e["attempt"] == 1)
+    assert ready["mono"] < fault["mono"], "the standby was not ready by the fault (a slow host?)"
+    before = [e["event"] for e in evs if e["mono"] <= fault["mono"] + 0.5]
+    assert "standby_lost" not in before
+    relaunch = next(e for e in evs if e["event"] == "relaunch")
+    assert (relaunch["attempt"], relaunch["mode"]) == (1, "warm")
