@@ -191,7 +191,7 @@ def test_no_standby_process_survives_the_job(tmp_path, how):
 
 def test_a_fault_on_every_rank_leaves_the_standby_alone(tmp_path):
     """`target = "all"` is the running attempt's ranks: the waiting standby takes over."""
-    kill = {"name": "kill-all", "at_s": 35, "action": "kill", "target": "all"}
+    kill = {"name": "kill-all", "at_s": [35], "action": "kill", "target": "all"}
     run = tmp_path / "run"
     proc = start(write_config(tmp_path, 2, {"train_iters": 120, "save_interval": 5},
                               faults=(PACE, kill)))  # fmt: skip
