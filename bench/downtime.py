@@ -86,6 +86,7 @@ def bench_config(base: Path, size: str, out: Path) -> Path:
     worker.update(SIZES[size], model="debug", train_iters=100000)
     if size != "debug":
         worker["save_interval"] = 3  # seconds per step here: keep the lost work small
+        raw.setdefault("heartbeat", {}).setdefault("progress", {})["train"] = 300
     raw.update(worker=worker, faults=[])
     out.write_text(config_mod.dumps(raw))
     return out
