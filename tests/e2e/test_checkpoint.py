@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import math
+import os
+import pickle
 import signal
 import subprocess
 import time
@@ -134,6 +138,44 @@ def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, damage):
     assert again.returncode == 0, again.stderr
     assert f"skipping checkpoint step-6: {shard}" in again.stdout
     assert "RESUMED from step=3" in again.stdout
+
+
+class _RunsCode:
+    """A pickle that would run a command when unpickled (what a crafted checkpoint holds)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("crafted", ["dcp_metadata", "rng"])
+def test_a_crafted_checkpoint_is_refused_and_never_run(tmp_path, crafted):
+    """The newest checkpoint is rewritten to run a command on load (the same size as recorded,
+    so only reading it can tell): it is refused, named, and the run resumes from the one before."""
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    common = [*TINY, "--save-interval", "3", "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path)]
+    first = run_worker(2, *common, "--train-iters", "6")
+    assert first.returncode == 0, first.stderr
+    step6 = naming.step_dir(ckpt, 6)
+    if crafted == "dcp_metadata":
+        path = step6 / ".metadata"
+        evil = pickle.dumps(_RunsCode(marker))
+        size = path.stat().st_size
+        assert len(evil) < size
+        path.write_bytes(evil + b"\0" * (size - len(evil)))  # padded to the recorded size
+    else:
+        path = step6 / naming.META
+        meta = json.loads(path.read_text())
+        meta["rng"][1] = base64.b64encode(pickle.dumps(_RunsCode(marker))).decode()
+        path.write_text(json.dumps(meta))
+    again = run_worker(2, *common, "--train-iters", "8")
+    assert again.returncode == 0, again.stderr
+    assert "skipping checkpoint step-6: refused, it is not a checkpoint's content" in again.stdout
+    assert str(path) in again.stdout
+    assert "RESUMED from step=3" in again.stdout
+    assert not marker.exists()
 
 
 def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):

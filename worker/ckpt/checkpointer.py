@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from worker.ckpt import files, naming, rng, storage
+from worker.ckpt import files, naming, rng, safe_load, storage
 from worker.ckpt.resume import RunIdentity, start_reading
 from worker.errors import UsageError
 from worker.hooks import Hooks
@@ -231,7 +231,12 @@ class Checkpointer:
         # Each rank plans its own reads from DCP's metadata: a load's global plan is the local
         # plans unchanged, so gathering them on rank 0 would only cost time at scale.
         with _no_collection():
-            dcp.load(state, storage_reader=storage.reader(directory), no_dist=True)
+            dcp.load(
+                state,
+                storage_reader=storage.reader(directory),
+                planner=safe_load.SafeLoadPlanner(),
+                no_dist=True,
+            )
         storage.stop_read_ahead(directory / storage.shard_name(self.rank))
         if not _loaded_in_place(self.model, state["model"]):
             set_model_state_dict(self.model, state["model"])
@@ -239,6 +244,6 @@ class Checkpointer:
         self.scheduler.load_state_dict(meta["scheduler"])
         rngs = meta.get("rng") or []
         if self.rank < len(rngs) and meta["world"] == self.world:
-            rng.restore(rngs[self.rank])
+            rng.restore(rngs[self.rank], f"{directory / naming.META} (rank {self.rank})")
         self.last_saved_step = meta["step"]
         return Resumed(step=meta["step"], tokens_seen=meta["tokens_seen"], path=directory)

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from worker.args import TrainArgs
 from worker.beat import Beacon
-from worker.ckpt import files, naming, storage
+from worker.ckpt import files, naming, rng, safe_load, storage
+
+DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,26 @@ def _problem(directory: Path, check_crc: bool) -> str | None:
         meta = files.read_meta(directory)
     except (OSError, ValueError) as exc:
         return f"unreadable {naming.META}: {exc}"
-    return files.verify_problem(directory, meta.get("files", {}), check_crc)
+    problem = files.verify_problem(directory, meta.get("files", {}), check_crc)
+    if problem is None:
+        problem = _unsafe(directory, meta)
+    return problem
+
+
+def _unsafe(directory: Path, meta: dict[str, Any]) -> str | None:
+    """What in the checkpoint is not a checkpoint's (a crafted pickle, a foreign record): read
+    with the restricted readers, never run."""
+    try:
+        if (directory / DCP_METADATA).exists():
+            safe_load.load_metadata(directory / DCP_METADATA)
+        records = meta.get("rng") or []
+        if not isinstance(records, list):
+            raise safe_load.UnsafeCheckpoint(f"{directory / naming.META}: rng is not a list")
+        for rank, record in enumerate(records):
+            rng.parse(record, f"{directory / naming.META} (rank {rank})")
+    except (OSError, safe_load.UnsafeCheckpoint) as exc:
+        return f"refused, it is not a checkpoint's content: {exc}"
+    return None
 
 
 def start_reading(

@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from worker.ckpt import safe_load
+
 RAW = "es-raw-bytes"  # transform descriptor: the record is the tensor's bytes, C order
 WRITEBACK_EVERY = 32 << 20
 DIRECT_ALIGN = 4096  # O_DIRECT: memory address, file offset and length are multiples of this
@@ -230,7 +232,13 @@ def _bounce(view: memoryview) -> memoryview:
 
 
 class RawReader(FileSystemReader):
-    """DCP storage reader for `RawWriter`'s files (and, through DCP's own code, stock ones)."""
+    """DCP storage reader for `RawWriter`'s files (and, through DCP's own code, stock ones).
+    Its metadata is read by `safe_load`, never by a plain unpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        md = safe_load.load_metadata(Path(self.path) / ".metadata")
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kw):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kw)
