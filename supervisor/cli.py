@@ -299,7 +299,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]:
     """The status report (pure over the events and the resolved config, plus a ckpt scan)."""
     starts = [e for e in events if e.get("event") == "start"]
-    launches = [e for e in events if e.get("event") == "launch"]
+    # An attempt starts cold (`launch`) or as a standby told to go (`standby_go`).
+    launches = [e for e in events if e.get("event") in ("launch", "standby_go")]
     ends = [e for e in events if e.get("event") == "supervisor_exit"]
     max_restarts = resolved.get("restart", {}).get("max_restarts")
     restarts = sum(1 for e in events if e.get("event") == "relaunch")
