@@ -128,6 +128,13 @@ class SyncManager(CheckpointManager):
             raise
         self.beacon.phase("train", step)
 
+    def _say_complete(self, step: int) -> None:
+        """Rank 0 alone says a checkpoint is complete: it wrote the marker. The others leave
+        the save at the barrier before it, so their word could come before the marker exists
+        (seen: a fault waiting for a complete step-10 fired, and the relaunch found step 5)."""
+        if self.base.rank == 0:
+            self.beacon.ckpt(step, "complete")
+
     def _fail_if_full(self, exc: BaseException, step: int) -> None:
         """A full or read-only disk: one line, exit 2, the partial save removed at once."""
         full = disk.storage_failure(exc, self.base.root, step)
@@ -138,7 +145,7 @@ class SyncManager(CheckpointManager):
     def _save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         seconds = self.base.save(step, tokens_seen, data)
         self.metrics.add_to_next("train/ckpt_save_seconds", seconds)
-        self.beacon.ckpt(step, "complete")
+        self._say_complete(step)
         self.say(f"checkpoint step={step} saved in {seconds:.2f}s", flush=True)
 
 
@@ -216,7 +223,7 @@ class AsyncManager(SyncManager):
             if r.state is Readiness.READY:
                 self.metrics.add_to_next("train/ckpt_drain_seconds", r.drain_seconds)
                 self.metrics.add_to_next("train/ckpt_marker_seconds", r.save_to_marker_seconds)
-                self.beacon.ckpt(r.step, "complete")
+                self._say_complete(r.step)
                 self.say(
                     f"checkpoint step={r.step} complete at step={self.step} "
                     f"({r.save_to_marker_seconds:.2f}s after the save, "
