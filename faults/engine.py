@@ -119,9 +119,6 @@ class FaultEngine:
         )
 
     # --- hooks --------------------------------------------------------------------------------
-    def env(self) -> dict[str, str]:
-        return {protocol.ENV_CONTROL_ADDR: self.control.address}
-
     def attempt_started(self, attempt: int) -> None:
         self.attempt, self.disrupted = attempt, False
         self.ready_since: float | None = None  # when every rank of this attempt was training

@@ -192,7 +192,6 @@ class Attempt:
             protocol.ENV_ATTEMPT_DIR: str(self.dir),
             protocol.ENV_HEARTBEAT_INTERVAL: repr(cfg.heartbeat.interval_s),
             protocol.ENV_EXIT_WITH_PARENT: "1",
-            **self.s.faults.env(),
         }
         if self.s.control is not None:
             env[protocol.ENV_CONTROL_ADDR] = self.s.control.address

@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 class FaultHooks(Protocol):
     """The job's calls into a fault schedule, in the order they come."""
 
-    def env(self) -> dict[str, str]:
-        """Environment for every attempt's ranks (the control channel's address)."""
-        ...
-
     def attempt_started(self, attempt: int) -> None:
         """The attempt's ranks were launched: it may be hit from now on."""
         ...
@@ -45,9 +41,6 @@ class FaultHooks(Protocol):
 
 class NoFaults:
     """A job without [[faults]]: every hook does nothing."""
-
-    def env(self) -> dict[str, str]:
-        return {}
 
     def attempt_started(self, attempt: int) -> None:
         pass

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from supervisor import cli, protocol
+from supervisor import cli
 from supervisor import config as C
 from tests.support import REPO, fake_checkpoints
 
@@ -52,7 +52,7 @@ def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
                                 lambda e, **kw: emitted.append({"event": e, **kw}))  # fmt: skip
     ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
-        assert engine.env()[protocol.ENV_CONTROL_ADDR].startswith("tcp://127.0.0.1:")
+        assert engine.control.address.startswith("tcp://127.0.0.1:")
         table = AttemptTable(attempt=0, world=2, launched_at=0.0)
         engine.attempt_started(0)
         host = launcher.this_host()
