@@ -6,9 +6,14 @@ is used only to agree on a rendezvous address and to bring the whole job down on
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import stat
+import struct
 import sys
+import termios
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -155,8 +160,34 @@ def abort_job(info: RankInfo, code: int) -> None:
     kills every rank), else a hard exit that skips process-group and MPI finalizers."""
     sys.stdout.flush()
     sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        wait_until_read(stream.fileno(), OUTPUT_DRAIN_S)
     if info.under_mpi and info.world > 1 and "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
+
+
+OUTPUT_DRAIN_S = 2.0  # how long an aborting rank waits for the launcher to read its last words
+
+
+def wait_until_read(fd: int, timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, until whoever reads the pipe `fd` has taken all we wrote:
+    an abort kills the launcher's proxy, and bytes it had not read yet (the error line) were
+    lost with it (seen under load). Only pipes: a file or a terminal has nothing to wait for."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout_s
+    buf = bytearray(4)
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, buf)
+        except OSError:
+            return
+        if struct.unpack("i", buf)[0] == 0:
+            return
+        time.sleep(0.005)
