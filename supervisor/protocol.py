@@ -33,6 +33,8 @@ ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
 # backward), say phase `standby`, and wait for a signed `go` (resume and train as attempt
 # ES_ATTEMPT) or `exit` on the control channel, which is then always set.
 ENV_STANDBY = "ES_STANDBY"
+# Optional: where the memory checkpoint tier keeps its node-local directories (default /dev/shm).
+ENV_MEM_ROOT = "ES_MEM_ROOT"
 
 # --- who owns a directory ------------------------------------------------------------------------
 # One job per run dir and per checkpoint dir: its owner holds an flock on this file for its whole
@@ -90,6 +92,64 @@ def read_lock_holder(path: str | os.PathLike) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+# --- the memory checkpoint tier's directory -------------------------------------------------------
+# One directory per job on every node (`--mem-ckpt-interval`): `<root>/es-mem-<tag>/`, where the tag
+# is the job id under the supervisor. It outlives the ranks; whoever uses it (the supervisor for
+# the job's life, each rank for its own) holds a shared flock on its LOCK_FILE, so a directory whose
+# lock can be taken exclusively belongs to no live job and may be removed.
+MEM_ROOT_DEFAULT = "/dev/shm"
+MEM_PREFIX = "es-mem-"
+
+
+def mem_root(env: dict[str, str] | os._Environ) -> str:
+    return env.get(ENV_MEM_ROOT) or MEM_ROOT_DEFAULT
+
+
+def mem_dir(root: str | os.PathLike, tag: str) -> str:
+    return os.path.join(root, MEM_PREFIX + tag)
+
+
+def hold_mem_dir(path: str | os.PathLike) -> int:
+    """Create `path` (0700) if needed and hold it shared for as long as the returned descriptor
+    stays open (not inherited by children)."""
+    lock = os.path.join(path, LOCK_FILE)
+    for _ in range(5):  # a sweep may remove the directory between our open and our lock
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise OSError(f"{path} keeps being removed while it is taken")
+
+
+def take_if_abandoned(path: str | os.PathLike) -> int | None:
+    """An exclusive hold on `path` when no live process holds it (its owner died), else None."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = None
+    except OSError:
+        return None
+    if fd is None:  # never held (or its lock file gone): nobody can be holding it
+        try:
+            fd = os.open(
+                os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+        except OSError:
+            return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 # --- ranks -> supervisor: messages --------------------------------------------------------------
 VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024
@@ -116,7 +176,7 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "step": {"step": int, "loss": NUMBER, "dt": NUMBER},
     "phase": {"phase": str, "step": int},  # + `prepared` (str) when the phase is standby
     "ckpt": {"step": int, "state": str},
-    "resumed": {"step": int, "restart_seconds": NUMBER},
+    "resumed": {"step": int, "restart_seconds": NUMBER},  # + `source`: memory | durable
     "error": {"message": str},
     "done": {"step": int},
 }
