@@ -46,6 +46,7 @@ class TrainArgs:
     save_on_exit: bool
     async_ckpt: bool
     ckpt_stage_dir: str | None
+    mem_ckpt_interval: int
     metrics_all_ranks: bool
     inject_rank: int
     inject_raise_at_step: int | None
@@ -54,6 +55,7 @@ class TrainArgs:
     inject_kill_async_phase: str | None
     inject_ckpt_delay_s: float
     inject_disk_full_at_step: int | None
+    inject_kill_in_mem_copy_at_step: int | None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="node-local scratch for --async-ckpt (default: <tmp>/es-ckpt-<job>)",
     )
+    c.add_argument(
+        "--mem-ckpt-interval",
+        type=int,
+        default=0,
+        help="every N steps copy this rank's state into node-local shared memory (two slots, "
+        "under $ES_MEM_ROOT or /dev/shm), which outlives the ranks: a relaunch on the same "
+        "nodes resumes from it when it is newer than the newest durable checkpoint (0: off)",
+    )
     i = p.add_argument_group("fault injection (tests)")
     i.add_argument("--inject-rank", type=int, default=0)
     i.add_argument("--inject-raise-at-step", type=int, default=None)
@@ -150,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="the save of this step fails as on a full disk (ENOSPC writing the shard)",
+    )
+    i.add_argument(
+        "--inject-kill-in-mem-copy-at-step",
+        type=int,
+        default=None,
+        help="SIGKILL the rank in the middle of the memory copy of this step",
     )
     return p
 
@@ -201,8 +217,15 @@ def check_args(a: TrainArgs) -> None:
         raise UsageError(
             "--inject-kill-async-phase needs --async-ckpt and --inject-kill-in-save-at-step"
         )
-    if (a.save_interval or a.async_ckpt) and not a.ckpt_dir:
-        raise UsageError("--save-interval and --async-ckpt need --ckpt-dir")
+    if a.mem_ckpt_interval < 0:
+        raise UsageError(
+            f"--mem-ckpt-interval must be 0 (off) or positive, got {a.mem_ckpt_interval}"
+        )
+    if (a.save_interval or a.async_ckpt or a.mem_ckpt_interval) and not a.ckpt_dir:
+        raise UsageError(
+            "--save-interval, --async-ckpt and --mem-ckpt-interval need --ckpt-dir (the memory "
+            "tier is lost with a node and never replaces the durable one)"
+        )
 
 
 def plan_run(a: TrainArgs, world: int) -> tuple[ModelConfig, Layout]:
