@@ -382,6 +382,7 @@ class Attempt:
             detail=outcome.detail,
             detected_by=detected_by,
             resume_step=record.resume_step,
+            **({"resume_source": t.resume_source} if t.resume_source else {}),
             max_step=record.max_step,
             ckpt_complete=t.ckpt_complete,
             stale_messages=t.stale,

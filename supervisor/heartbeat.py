@@ -135,6 +135,7 @@ class AttemptTable:
     first_step: int | None = None
     max_step: int | None = None
     resume_step: int | None = None
+    resume_source: str | None = None  # memory | durable, when the ranks say (a memory tier)
     restart_seconds: float | None = None
     done_ranks: set[int] = field(default_factory=set)
     ckpt_complete: int | None = None
@@ -190,17 +191,16 @@ class AttemptTable:
         elif kind == "resumed":
             if self.resume_step is None:
                 self.resume_step = msg["step"]
+                self.resume_source = msg.get("source")
                 self.restart_seconds = msg["restart_seconds"]
-                notes.append(
-                    Note(
-                        "resumed",
-                        {
-                            "step": msg["step"],
-                            "restart_seconds": msg["restart_seconds"],
-                            "rank": rank,
-                        },
-                    )
-                )
+                said = {
+                    "step": msg["step"],
+                    "restart_seconds": msg["restart_seconds"],
+                    "rank": rank,
+                }
+                if self.resume_source is not None:
+                    said["source"] = self.resume_source
+                notes.append(Note("resumed", said))
         elif kind == "error":
             self.errors[rank] = msg["message"]
             notes.append(Note("rank_error", {"rank": rank, "message": msg["message"]}))

@@ -157,6 +157,8 @@ MAX_MESSAGE_BYTES = 16 * 1024
 KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done"})
 PHASES = ("init", "standby", "load", "train", "save", "done")
 CKPT_STATES = frozenset({"staged", "written", "complete"})
+# Where a `resumed` rank's state came from (its optional `source`; absent without a memory tier).
+RESUME_SOURCES = frozenset({"memory", "durable"})
 
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
@@ -176,7 +178,7 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "step": {"step": int, "loss": NUMBER, "dt": NUMBER},
     "phase": {"phase": str, "step": int},  # + `prepared` (str) when the phase is standby
     "ckpt": {"step": int, "state": str},
-    "resumed": {"step": int, "restart_seconds": NUMBER},  # + `source`: memory | durable
+    "resumed": {"step": int, "restart_seconds": NUMBER},  # + `source` (str): RESUME_SOURCES
     "error": {"message": str},
     "done": {"step": int},
 }
@@ -258,6 +260,12 @@ def validate(message: dict[str, Any]) -> None:
         raise BadMessage(f"unknown kind {kind!r}")
     if kind == "ckpt" and message["state"] not in CKPT_STATES:
         raise BadMessage(f"unknown checkpoint state {message['state']!r}")
+    if kind == "resumed" and "source" in message:
+        source = message["source"]
+        if source.__class__ is not str:
+            raise BadMessage("field 'source' of the wrong type")
+        if source not in RESUME_SOURCES:
+            raise BadMessage(f"unknown resume source {source!r}")
 
 
 def _exact(kind: type | tuple[type, ...]) -> frozenset[type]:

@@ -150,6 +150,18 @@ def test_attempt_table_notes_and_stale_messages():
     assert t.local_pids("h") == [7]
 
 
+def test_a_resume_says_where_it_came_from_when_the_ranks_say():
+    m = P.RankIdentity(JOB, 1, 0, 2, "h", 7).message
+    t = AttemptTable(attempt=1, world=2, launched_at=0.0)
+    (note,) = t.update(m("resumed", 1.0, step=12, restart_seconds=0.4, source="memory"), 1.0)
+    assert note.fields == {"step": 12, "restart_seconds": 0.4, "rank": 0, "source": "memory"}
+    assert (t.resume_step, t.resume_source) == (12, "memory")
+    t = AttemptTable(attempt=1, world=2, launched_at=0.0)  # ranks without a memory tier
+    (note,) = t.update(m("resumed", 1.0, step=10, restart_seconds=0.4), 1.0)
+    assert note.fields == {"step": 10, "restart_seconds": 0.4, "rank": 0}
+    assert (t.resume_step, t.resume_source) == (10, None)
+
+
 def test_an_allow_list_keeps_other_hosts_from_connecting():
     async def main(allow):
         server = HeartbeatServer(KEY.encode(), JOB, allow=allow)

@@ -57,3 +57,16 @@ def test_other_job_and_version():
     with pytest.raises(P.BadMessage) as err:
         P.decode(KEY, P.encode(KEY, msg))
     assert err.value.reason == "version"
+
+
+def test_resumed_may_say_where_from():
+    plain = {"step": 10, "restart_seconds": 1.5}
+    assert "source" not in P.decode(KEY, frames("resumed", **plain), job="j")  # as before
+    for source in ("memory", "durable"):
+        msg = P.decode(KEY, frames("resumed", **plain, source=source), job="j")
+        assert msg["source"] == source
+    for bad in ("disk", "", 1, None, True, ["memory"], {"memory": 1}):
+        with pytest.raises(P.BadMessage) as err:
+            P.decode(KEY, frames("resumed", **plain, source=bad), job="j")
+        assert err.value.reason == "schema"
+    P.validate(ID.message("step", 1.0, step=1, loss=1.0, dt=0.1, source="x"))  # not its field
