@@ -17,7 +17,7 @@ import sys
 from typing import IO, Any
 
 from supervisor import config as config_mod
-from supervisor import decisions, fault_hooks, launcher
+from supervisor import decisions, fault_hooks, launcher, memdir
 from supervisor.attempt import Attempt, AttemptResult, Launcher, Shared
 from supervisor.control import ControlServer, bind_for
 from supervisor.decisions import AttemptRecord, Decision, ExitCode
@@ -59,6 +59,7 @@ class Job:
         self.control: ControlServer | None = None
         self.standby: StandbyKeeper | None = None
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
+        self.mem: memdir.Held | None = None  # the memory tier's directory, held for the job's life
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> ExitCode:
@@ -66,6 +67,7 @@ class Job:
         services = self._open()
         code, reason = ExitCode.ERROR, "internal error"
         try:
+            self._open_memory_tier()
             code, reason = await self._attempts(first_attempt)
         finally:
             await self._close(services, code, reason)
@@ -112,6 +114,7 @@ class Job:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.request)
+        self._close_memory_tier()  # first: whatever fails below, the node's memory is freed
         for task in services:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -246,6 +249,28 @@ class Job:
             ) from None
         existing = [int(p.name) for p in (run_dir / "attempts").iterdir() if p.name.isdigit()]
         return max(existing) + 1 if existing else 0
+
+    def _open_memory_tier(self) -> None:
+        """Before the first launch: remove what dead jobs left in this node's memory root, and
+        hold the job's own memory directory when its ranks keep one."""
+        root = memdir.root(self.cfg.launch.env)
+        swept = memdir.sweep_abandoned(root)
+        if swept:
+            self.emit("mem_sweep", root=root, paths=swept)
+        if memdir.wanted(self.cfg.worker.flags):
+            self.mem = memdir.hold(root, self.job_id)
+            self.emit("mem_held", path=self.mem.path)
+
+    def _close_memory_tier(self) -> None:
+        """The job is over: its memory directory goes (no attempt will resume from it)."""
+        held, self.mem = self.mem, None
+        if held is None:
+            return
+        error = memdir.remove(held)
+        if error is None:
+            self.emit("mem_removed", path=held.path)
+        else:
+            self.emit("mem_remove_failed", path=held.path, error=error)
 
     def _bind(self) -> HeartbeatServer:
         hb = self.cfg.heartbeat

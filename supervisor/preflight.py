@@ -11,7 +11,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from supervisor import launcher, worker_flags
+from supervisor import launcher, memdir, protocol, worker_flags
 from supervisor.config import ConfigError
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ def check(r: Resolved) -> list[str]:
     """Raise ConfigError for the first problem; return notes on what could not be checked."""
     notes = []
     check_hosts(r)
+    check_memory_root(r)
     note = worker_flags.check(r.cfg, r.world)
     if note:
         notes.append(note)
@@ -44,6 +45,22 @@ def check_hosts(r: Resolved) -> None:
                     "launch.nodes",
                     f"host {node!r} does not resolve ({error}); fix the name or leave the node out",
                 )
+
+
+def check_memory_root(r: Resolved) -> None:
+    """With a memory tier, its root on this node must take the job's directory (the supervisor
+    holds it for the job's life)."""
+    if not memdir.wanted(r.cfg.worker.flags):
+        return
+    root = memdir.root(r.cfg.launch.env)
+    problem = memdir.root_problem(root)
+    if problem:
+        raise ConfigError(
+            r.cfg.source,
+            "worker.mem_ckpt_interval",
+            f"the memory tier's root {root}: {problem}; set {protocol.ENV_MEM_ROOT} to a "
+            "writable node-local directory",
+        )
 
 
 def _resolve_error(host: str) -> str | None:

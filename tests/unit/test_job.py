@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import zmq
 
 from supervisor import config as C
@@ -122,10 +124,11 @@ class FakeLauncher:
         return running
 
 
-def make_job(tmp_path: Path, fake: FakeLauncher, **restart) -> Job:
+def make_job(tmp_path: Path, fake: FakeLauncher, worker: dict | None = None, **restart) -> Job:
     cfg = C.from_dict(
         {
             "job": {"name": "fake", "run_dir": str(tmp_path / "run")},
+            "worker": worker or {},
             "heartbeat": {
                 "interval_s": 0.05,
                 "timeout_s": 0.5,
@@ -142,6 +145,15 @@ def make_job(tmp_path: Path, fake: FakeLauncher, **restart) -> Job:
     )
     r = Resolved(cfg, tmp_path / "run", [socket.gethostname()], sys.executable, "local")
     return Job(r, console=None, launcher=fake)
+
+
+@pytest.fixture(autouse=True)
+def mem_root(tmp_path, monkeypatch) -> Path:
+    """Each job sweeps its node's memory root at its start: here, the test's own."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setenv(protocol.ENV_MEM_ROOT, str(root))
+    return root
 
 
 def run(job: Job, stop_after_s: float | None = None) -> tuple[ExitCode, list[dict]]:
@@ -270,3 +282,79 @@ def test_a_full_run_dir_never_stops_the_job(tmp_path, monkeypatch):
     assert code == ExitCode.DONE and len(fake.started) == 2  # supervised and relaunched
     assert job.events_failing == "No space left on device"
     assert evs == []
+
+
+MEM = {"mem_ckpt_interval": 1}
+
+
+@pytest.mark.parametrize(
+    "scripts,restart,stop_after_s,code",
+    [
+        ([Script(rc=0, says=hello_steps(1, done=True))], {}, None, ExitCode.DONE),
+        ([Script(rc=1)], {"max_restarts": 1}, None, ExitCode.BUDGET),
+        ([Script(rc=1, says=hello_steps(6, resumed=5))], {"max_same_resume": 2}, None,
+         ExitCode.NO_PROGRESS),
+        ([Script(rc=None, says=hello_steps(1))], {"stop_grace_s": 5.0}, 0.3,
+         ExitCode.INTERRUPTED),
+    ],
+    ids=["done", "budget", "no_progress", "interrupted"],
+)  # fmt: skip
+def test_the_memory_dir_is_held_for_the_job_and_removed_however_it_ends(
+    tmp_path, mem_root, scripts, restart, stop_after_s, code
+):
+    fake = FakeLauncher(*scripts)
+    job = make_job(tmp_path, fake, worker=MEM, **restart)
+    seen: list[bool] = []
+    start = fake.start
+
+    async def start_and_look(plan, *args):  # the directory is there while the ranks run
+        seen.append((mem_root / f"es-mem-{job.job_id}").is_dir())
+        return await start(plan, *args)
+
+    fake.start = start_and_look
+    got, evs = run(job, stop_after_s)
+    assert got == code and seen and all(seen)
+    path = str(mem_root / f"es-mem-{job.job_id}")
+    assert named(evs, "mem_held")[0]["path"] == path
+    assert named(evs, "mem_removed")[0]["path"] == path
+    assert list(mem_root.iterdir()) == []
+    names = [e["event"] for e in evs]
+    assert names.index("mem_held") < names.index("launch")
+    assert names.index("mem_removed") < names.index("supervisor_exit")
+
+
+def test_an_internal_error_removes_the_memory_dir_too(tmp_path, mem_root, monkeypatch):
+    job = make_job(tmp_path, FakeLauncher(Script(rc=0)), worker=MEM)
+
+    async def broken(first: int):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(job, "_attempts", broken)
+    with pytest.raises(RuntimeError):
+        run(job)
+    evs = list(read_events(job.r.run_dir / "events.jsonl"))
+    assert named(evs, "mem_removed") and list(mem_root.iterdir()) == []
+    assert named(evs, "supervisor_exit")[0]["code_name"] == "ERROR"
+
+
+def test_dead_jobs_memory_dirs_are_swept_before_the_first_launch(tmp_path, mem_root):
+    dead = mem_root / "es-mem-dead"
+    fd = protocol.hold_mem_dir(dead)  # a job that died: its holder is gone
+    os.close(fd)
+    (dead / "slot").write_bytes(b"x")
+    live = mem_root / "es-mem-live"
+    fd = protocol.hold_mem_dir(live)  # a job alive on this node
+    try:
+        fake = FakeLauncher(Script(rc=0, says=hello_steps(1, done=True)))
+        code, evs = run(make_job(tmp_path, fake))  # no memory tier of its own: sweeps anyway
+        assert code == ExitCode.DONE
+        (sweep,) = named(evs, "mem_sweep")
+        assert sweep["paths"] == [str(dead)] and sweep["root"] == str(mem_root)
+        assert not dead.exists() and live.is_dir()
+        assert not named(evs, "mem_held") and not named(evs, "mem_removed")
+        names = [e["event"] for e in evs]
+        assert names.index("mem_sweep") < names.index("launch")
+        code, evs = run(make_job(tmp_path / "again", fake))
+        assert not named(evs, "mem_sweep")  # nothing removed: no event
+    finally:
+        os.close(fd)

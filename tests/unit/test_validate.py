@@ -54,3 +54,21 @@ def test_parse_toml_file_returns_the_tables(tmp_path):
     path = tmp_path / "ok.toml"
     path.write_text('[job]\nname = "x"\n')
     assert C.parse_toml_file(path) == {"job": {"name": "x"}}
+
+
+def test_a_memory_tier_needs_a_root_that_can_hold_its_directory(tmp_path, capsys, monkeypatch):
+    from supervisor import protocol
+
+    (tmp_path / "file").write_text("")
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[job]\nname = "m"\nrun_dir = "{tmp_path / "run"}"\n[launch]\nlauncher = "local"\n'
+        "[worker]\nmem_ckpt_interval = 1\n"
+    )
+    monkeypatch.setenv(protocol.ENV_MEM_ROOT, str(tmp_path / "file" / "shm"))
+    rc, out = validate(capsys, str(config))
+    assert rc == 2 and "worker.mem_ckpt_interval" in out, out
+    assert f"{tmp_path / 'file'} is not a directory" in out and "ES_MEM_ROOT" in out
+    monkeypatch.setenv(protocol.ENV_MEM_ROOT, str(tmp_path / "shm"))  # made when held
+    rc, out = validate(capsys, str(config))
+    assert rc == 0, out
