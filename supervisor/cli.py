@@ -339,9 +339,10 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     ]
     if failures:
         f = failures[-1]
+        source = f" ({f['resume_source']})" if isinstance(f.get("resume_source"), str) else ""
         out.append(
             f"last failure: attempt {f.get('attempt')}: {f.get('detail')} "
-            f"(detected by {f.get('detected_by')}; resumed from {f.get('resume_step')}, "
+            f"(detected by {f.get('detected_by')}; resumed from {f.get('resume_step')}{source}, "
             f"reached {f.get('max_step')})"
         )
     else:

@@ -132,6 +132,7 @@ class Failure:
     recompute_s: float | None  # first productive step -> step_at_failure done again
     fault: bool = False
     relaunch: str | None = None  # warm (a standby took over) | cold | None (not relaunched)
+    resumed_source: str | None = None  # memory | durable (a memory tier), None: not said
 
     @property
     def total_s(self) -> float | None:
@@ -354,11 +355,11 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
         nxt_end = _first([e for e in ev if e.get("attempt") == nxt], "attempt_end")
         nxt_first = _first([e for e in ev if e.get("attempt") == nxt], "first_step")
         after = by_attempt.get(nxt, [])
-        resumed_from = None
+        resumed_from, source = None, None
         if resumed is not None:
-            resumed_from = resumed.get("step")
+            resumed_from, source = resumed.get("step"), resumed.get("source")
         elif nxt_end is not None and nxt_end.get("resume_step") is not None:
-            resumed_from = nxt_end["resume_step"]
+            resumed_from, source = nxt_end["resume_step"], nxt_end.get("resume_source")
         elif after:
             resumed_from = after[0].step - 1
         restart = resumed.get("restart_seconds") if resumed else None
@@ -395,6 +396,7 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
                 recompute_s=recompute,
                 fault=fault is not None,
                 relaunch=mode,
+                resumed_source=source if isinstance(source, str) else None,
             )
         )
     return out

@@ -35,10 +35,17 @@ FAILURE_HEADER = [
 def failure_row(i: int, f: Failure) -> list[str]:
     return [
         str(i), str(f.attempt), _min(f.at_s), f.cause, f.detected_by, _s(f.detection_s, 3),
-        _i(f.step_at_failure), _i(f.resumed_from), f.relaunch or "–", _i(f.lost_steps),
+        _i(f.step_at_failure), resumed_from(f), f.relaunch or "–", _i(f.lost_steps),
         _s(f.restart_s),
         _s(f.downtime_s), _s(f.recompute_s), _s(f.total_s),
     ]  # fmt: skip
+
+
+def resumed_from(f: Failure) -> str:
+    """`12`, or `12 (memory)` / `10 (durable)` when the ranks said where the state came from."""
+    if f.resumed_from is None or f.resumed_source is None:
+        return _i(f.resumed_from)
+    return f"{f.resumed_from} ({f.resumed_source})"
 
 
 def failures_md(a: Analysis) -> list[str]:
@@ -224,7 +231,7 @@ def comparison(name: str, phases: dict[str, Analysis], codes: dict[str, int]) ->
     lines += [
         f"- {p}: {a.totals.lost_steps} in all; per failure "
         f"{', '.join(_i(f.lost_steps) for f in a.failures) or 'none'} "
-        f"(resumed from {', '.join(_i(f.resumed_from) for f in a.failures) or '–'})"
+        f"(resumed from {', '.join(resumed_from(f) for f in a.failures) or '–'})"
         for p, a in phases.items()
         if p != "baseline"
     ]

@@ -59,8 +59,15 @@ def _row(i: int, f: Failure) -> list[str]:
         f.relaunch or "–",
         _s(f.downtime_s),
         _n(f.lost_steps),
-        "–" if f.resumed_from is None else f"step {f.resumed_from}",
+        _resumed(f),
     ]
+
+
+def _resumed(f: Failure) -> str:
+    if f.resumed_from is None:
+        return "–"
+    source = f" ({f.resumed_source})" if f.resumed_source else ""
+    return f"step {f.resumed_from}{source}"
 
 
 def _columns(header: list[str], rows: list[list[str]]) -> list[str]:

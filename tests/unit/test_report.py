@@ -220,3 +220,39 @@ def test_a_warm_relaunch_follows_the_relaunch_to_the_standby_s_number(tmp_path: 
     assert (f.relaunch, f.resumed_from, f.lost_steps) == ("warm", 5, 4)
     assert f.downtime_s == pytest.approx(0.4)  # the kill at 12.0 -> step 6 at 12.4
     assert "| warm |" in render(a)
+
+
+def test_each_resume_says_whether_it_came_from_memory_or_the_durable_tier(tmp_path: Path) -> None:
+    """The synthetic run with a memory tier: attempt 1 resumed from memory (the resumed event),
+    attempt 2 from the durable tier (only its attempt_end says so)."""
+    events = []
+    for e in synthetic_events():
+        if e["event"] == "resumed" and e["attempt"] == 1:
+            e = {**e, "source": "memory"}
+        elif e["event"] == "resumed" and e["attempt"] == 2:
+            continue
+        elif e["event"] == "attempt_end" and e["attempt"] == 2:
+            e = {**e, "resume_step": 40, "resume_source": "durable"}
+        events.append(e)
+    a = analyze(load_run(write_run(tmp_path / "run", events, synthetic_metrics())))
+    f1, f2 = a.failures
+    assert (f1.resumed_from, f1.resumed_source, f1.lost_steps) == (20, "memory", 5)
+    assert (f2.resumed_from, f2.resumed_source, f2.lost_steps) == (40, "durable", 0)
+    md = render(a)
+    assert "| 25 | 20 (memory) | cold | 5 |" in md and "| 40 | 40 (durable) | cold | 0 |" in md
+
+    from supervisor.summary import summary
+
+    text = summary(a, [])
+    assert "step 20 (memory)" in text and "step 40 (durable)" in text
+
+
+def test_a_run_without_sources_renders_as_before(run_dir: Path) -> None:
+    from supervisor.summary import summary
+
+    a = analyze(load_run(run_dir))
+    assert [f.resumed_source for f in a.failures] == [None, None]
+    md = render(a)
+    assert "| 25 | 20 | cold | 5 |" in md and "(memory)" not in md and "(durable)" not in md
+    text = summary(a, [])
+    assert "step 20" in text and "(memory)" not in text and "(durable)" not in text

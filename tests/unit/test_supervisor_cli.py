@@ -50,3 +50,14 @@ def test_status_of_a_killed_supervisor(tmp_path, capsys):
 def test_status_and_tail_of_a_non_run(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_status_says_where_the_failed_attempt_resumed_from(tmp_path, capsys):
+    run = make_run(tmp_path, finished=True)
+    text = (run / "events.jsonl").read_text()
+    text = text.replace('"resume_step": 0,', '"resume_step": 0, "resume_source": "durable",')
+    (run / "events.jsonl").write_text(text)
+    assert cli.main(["status", str(run)]) == 0
+    assert "resumed from 0 (durable), reached 23" in capsys.readouterr().out
+    cli.main(["status", str(make_run(tmp_path / "plain", finished=True))])
+    assert "resumed from 0, reached 23" in capsys.readouterr().out
