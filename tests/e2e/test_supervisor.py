@@ -18,6 +18,7 @@ import psutil
 import pytest
 import zmq
 
+from supervisor import protocol
 from tests.support import REPO, events, toml_value
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -72,10 +73,11 @@ def env() -> dict[str, str]:
     return e
 
 
-def start(config: Path, *args: str) -> subprocess.Popen:
+def start(config: Path, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "supervisor", "run", str(config), *args],
-        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
 
@@ -405,6 +407,32 @@ def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
     proc.communicate(timeout=30)
     _, alive = psutil.wait_procs(procs, timeout=15)
     assert not alive, f"survivors after the supervisor's SIGKILL: {alive}"
+
+
+def test_the_memory_tier_s_directories_are_swept_at_start_and_removed_at_the_end(tmp_path):
+    root = tmp_path / "shm"
+    dead = root / "es-mem-dead"  # a job killed outright: its directory held by nobody
+    os.close(protocol.hold_mem_dir(dead))
+    (dead / "slot-0").write_bytes(b"x" * 64)
+    alive = root / "es-mem-alive"  # a job still running on this node
+    fd = protocol.hold_mem_dir(alive)
+    try:
+        config = write_config(tmp_path, worker={"train_iters": 6, "mem_ckpt_interval": 1})
+        proc = start(config, extra_env={protocol.ENV_MEM_ROOT: str(root)})
+        rc, out = finish(proc, 120)
+        assert rc == 0, out
+        evs = events(tmp_path / "run")
+        (sweep,) = (e for e in evs if e["event"] == "mem_sweep")
+        assert sweep["paths"] == [str(dead)]
+        job = next(e for e in evs if e["event"] == "start")["job"]
+        mine = str(root / f"es-mem-{job}")
+        assert [e["path"] for e in evs if e["event"] == "mem_held"] == [mine]
+        assert [e["path"] for e in evs if e["event"] == "mem_removed"] == [mine]
+        assert_in_order(names(evs), ["start", "mem_sweep", "mem_held", "launch", "done",
+                                     "mem_removed", "supervisor_exit"])  # fmt: skip
+        assert sorted(p.name for p in root.iterdir()) == ["es-mem-alive"]
+    finally:
+        os.close(fd)
 
 
 def test_dry_run_starts_nothing(tmp_path):
