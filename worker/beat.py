@@ -75,7 +75,7 @@ class Beacon:
 
     def ckpt(self, step: int, state: str) -> None: ...
 
-    def resumed(self, step: int, restart_seconds: float) -> None: ...
+    def resumed(self, step: int, restart_seconds: float, source: str = "durable") -> None: ...
 
     def error(self, message: str) -> None: ...
 
@@ -162,8 +162,9 @@ class ZmqBeacon(Beacon):
     def ckpt(self, step: int, state: str) -> None:
         self._put("ckpt", step=int(step), state=state)
 
-    def resumed(self, step: int, restart_seconds: float) -> None:
-        self._put("resumed", step=int(step), restart_seconds=float(restart_seconds))
+    def resumed(self, step: int, restart_seconds: float, source: str = "durable") -> None:
+        """`source`: where the state came from, `memory` or `durable`."""
+        self._put("resumed", step=int(step), restart_seconds=float(restart_seconds), source=source)
 
     def error(self, message: str) -> None:
         # Leave room for the envelope under the protocol's size limit.

@@ -25,6 +25,7 @@ from worker.beat import Beacon
 from worker.ckpt import owner, resume
 from worker.ckpt.checkpointer import Resumed
 from worker.ckpt.manager import CheckpointManager, create_manager
+from worker.ckpt.memory import MemoryChoice
 from worker.data import SyntheticData, TokenFileData
 from worker.dist import RankInfo, init_process_group, select_device, set_threads
 from worker.hooks import Hooks
@@ -144,9 +145,12 @@ def join_group(setup: Setup) -> Group:
     return Group(device_type, device, mesh, identity, meta_init)
 
 
-def choose(setup: Setup, group: Group) -> Path | None:
+def choose(setup: Setup, group: Group) -> Path | MemoryChoice | None:
     """Collective: the checkpoint to resume (None: start fresh); its files start to be read."""
-    chosen = resume.choose(setup.args, setup.info.rank, group.identity, setup.beacon, setup.say)
+    info = setup.info
+    chosen = resume.choose(
+        setup.args, info.rank, group.identity, setup.beacon, setup.say, info.host
+    )
     setup.startup.mark("choose")
     return chosen
 
@@ -177,7 +181,9 @@ def build_state(setup: Setup, group: Group) -> State:
     return State(model, optimizer, scheduler, source, metrics, Hooks.from_args(args, info.rank))
 
 
-def resume_from(setup: Setup, group: Group, state: State, chosen: Path | None) -> Training:
+def resume_from(
+    setup: Setup, group: Group, state: State, chosen: Path | MemoryChoice | None
+) -> Training:
     """Collective: the checkpoint manager (the async mode cleans the node's stage dir and makes
     its own groups: only once the run really goes), the load of `chosen`, the manager started."""
     args, info = setup.args, setup.info

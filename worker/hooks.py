@@ -36,6 +36,7 @@ class Hooks:
             args.inject_kill_in_save_at_step,
             args.inject_kill_async_phase,
             args.inject_disk_full_at_step,
+            args.inject_kill_in_mem_copy_at_step,
         )
         if all(a is None for a in asked) and not args.inject_ckpt_delay_s:
             return Hooks()
@@ -47,6 +48,7 @@ class Hooks:
             kill_async_phase=args.inject_kill_async_phase,
             write_delay_s=args.inject_ckpt_delay_s,
             disk_full_at_step=args.inject_disk_full_at_step,
+            kill_in_mem_copy_at_step=args.inject_kill_in_mem_copy_at_step,
         )
 
     def in_step(self, step: int) -> None:
@@ -61,6 +63,9 @@ class Hooks:
     def before_shard(self, step: int, path: Path) -> None:
         """The save of `step` is about to write this rank's shard file `path`."""
 
+    def in_memory_copy(self, step: int) -> None:
+        """The memory copy of `step` has copied the bytes but not sealed its slot."""
+
 
 @dataclass(frozen=True)
 class InjectedFaults(Hooks):
@@ -74,6 +79,7 @@ class InjectedFaults(Hooks):
     kill_async_phase: str | None = None
     write_delay_s: float = 0.0
     disk_full_at_step: int | None = None
+    kill_in_mem_copy_at_step: int | None = None
 
     def in_step(self, step: int) -> None:
         if not self.armed:
@@ -95,6 +101,10 @@ class InjectedFaults(Hooks):
     def before_shard(self, step: int, path: Path) -> None:
         if self.armed and step == self.disk_full_at_step:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def in_memory_copy(self, step: int) -> None:
+        if self.armed and step == self.kill_in_mem_copy_at_step:
+            _die()
 
 
 def _die() -> None:

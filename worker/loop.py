@@ -64,6 +64,8 @@ def run(
             report_startup(t)
         report_step(t, step, mean_loss, dt)
         t.ckpt.poll(step)
+        if not stopping and step < args.train_iters:  # the memory tier serves a relaunch
+            t.ckpt.save_memory(step, tokens_seen, t.data_position(step))
         if save_due(args, step, stopping):
             t.ckpt.save(step, tokens_seen, t.data_position(step))
         if stopping:
@@ -113,7 +115,7 @@ def report_startup(t: Training) -> None:
         t.metrics.add_to_next("train/standby_prepare_seconds", t.startup.prepare_seconds)
     if t.resumed is not None:
         t.metrics.add_to_next("train/restart_seconds", t.startup.total)
-        t.beacon.resumed(t.start_step, t.startup.total)
+        t.beacon.resumed(t.start_step, t.startup.total, t.resumed.source)
 
 
 def report_step(t: Training, step: int, mean_loss: float, dt: float) -> None:

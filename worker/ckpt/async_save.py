@@ -19,7 +19,6 @@ keep waiting at the same step and the main-thread collectives stay in lockstep.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 import threading
@@ -48,10 +47,8 @@ POLL_PAUSE_S = 0.005
 
 
 def default_stage_root(ckpt_dir: str, job_id: str | None) -> Path:
-    """Node-local scratch per job: the job id when the supervisor gave one, else a hash of the
-    durable dir (so two jobs on one node never share a stage dir)."""
-    tag = job_id or hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"es-ckpt-{tag}"
+    """Node-local scratch per job (`naming.job_tag`)."""
+    return Path(tempfile.gettempdir()) / f"es-ckpt-{naming.job_tag(ckpt_dir, job_id)}"
 
 
 class Readiness(Enum):

@@ -39,6 +39,7 @@ class Resumed:
     step: int
     tokens_seen: int
     path: Path
+    source: str = "durable"  # or "memory": the node-local tier (worker.ckpt.memory)
 
 
 def prefill_adamw_state(optimizer: torch.optim.Optimizer) -> None:

@@ -23,9 +23,10 @@ import torch
 from supervisor.protocol import ENV_JOB_ID
 from worker.args import TrainArgs
 from worker.beat import Beacon
-from worker.ckpt import disk
+from worker.ckpt import disk, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
+from worker.ckpt.memory import MemoryChoice, MemoryTier
 from worker.ckpt.resume import RunIdentity
 from worker.dist import RankInfo
 from worker.hooks import Hooks
@@ -35,7 +36,7 @@ from worker.metrics import MetricsLog
 class CheckpointManager:
     """No checkpoints (no `--ckpt-dir`): nothing is saved, nothing resumed."""
 
-    def load(self, chosen: Path | None) -> Resumed | None:
+    def load(self, chosen: Path | MemoryChoice | None) -> Resumed | None:
         """The state of `chosen` into the model, optimizer, scheduler and RNGs."""
         return None
 
@@ -44,6 +45,9 @@ class CheckpointManager:
 
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         """Checkpoint the state as of the end of `step`."""
+
+    def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
+        """After every step: the memory tier's copy when one is due."""
 
     def before_update(self) -> None:
         """Before the optimizer step, which changes the state a save may still be copying."""
@@ -84,8 +88,21 @@ def create_manager(
         scheduler=scheduler,
         hooks=hooks,
     )
+    memory_tier = None
+    expect = resume.memory_expect(args, info.rank, identity, info.host)
+    if expect is not None:
+        memory_tier = MemoryTier(
+            resume.memory_dir(args),
+            expect,
+            interval=args.mem_ckpt_interval,
+            local_world=info.local_world,
+            model=model,
+            optimizer=optimizer,
+            describe=base.describe,
+            hooks=hooks,
+        )
     if not args.async_ckpt:
-        return SyncManager(base, metrics, beacon, say)
+        return SyncManager(base, metrics, beacon, say, memory_tier)
     stage_root = (
         Path(args.ckpt_stage_dir)
         if args.ckpt_stage_dir
@@ -96,6 +113,7 @@ def create_manager(
         metrics,
         beacon,
         say,
+        memory_tier,
         stage_root=stage_root,
         local_rank=info.local_rank,
         timeout_s=args.pg_timeout,
@@ -104,20 +122,57 @@ def create_manager(
 
 
 class SyncManager(CheckpointManager):
-    """A save blocks the loop until every rank's shards are durable and the marker written."""
+    """A save blocks the loop until every rank's shards are durable and the marker written.
+    With the memory tier, its copies run beside the next step (the same in both modes)."""
 
     def __init__(
-        self, base: Checkpointer, metrics: MetricsLog, beacon: Beacon, say: Callable[..., None]
+        self,
+        base: Checkpointer,
+        metrics: MetricsLog,
+        beacon: Beacon,
+        say: Callable[..., None],
+        memory_tier: MemoryTier | None = None,
     ):
         self.base = base
         self.metrics, self.beacon, self.say = metrics, beacon, say
+        self.memory = memory_tier
 
-    def load(self, chosen: Path | None) -> Resumed | None:
+    def load(self, chosen: Path | MemoryChoice | None) -> Resumed | None:
         if chosen is None:
             return None
+        if isinstance(chosen, MemoryChoice):
+            meta = self.memory.load(chosen.held, self.base.scheduler)
+            self.base.last_saved_step = -1  # nothing durable of this step yet
+            resumed = Resumed(meta["step"], meta["tokens_seen"], chosen.held.path, "memory")
+            self.say(f"RESUMED from step={resumed.step} (memory, {chosen.held.path})", flush=True)
+            return resumed
         resumed = self.base.load(chosen)
         self.say(f"RESUMED from step={resumed.step} ({chosen})", flush=True)
         return resumed
+
+    def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
+        if self.memory is not None and self.memory.due(step):
+            self.memory.save(step, tokens_seen, data)
+
+    def before_update(self) -> None:
+        if self.memory is None:
+            return
+        copied = self.memory.wait_copied()
+        if copied is not None:
+            self.metrics.add_to_next("train/mem_ckpt_stall_seconds", copied.wait_seconds)
+            self.metrics.add_to_next("train/mem_ckpt_copy_seconds", copied.copy_seconds)
+        if not self.memory.enabled and self.memory.off_reason:  # said once
+            self.say(f"WARNING: memory tier off: {self.memory.off_reason}", flush=True)
+            self.memory.off_reason = ""
+
+    def close(self, step: int) -> None:
+        self.close_memory()
+
+    def close_memory(self) -> None:
+        """Without the supervisor a run that ends well removes its slots; under it they stay
+        for a relaunch until the supervisor removes the job's directory."""
+        if self.memory is not None:
+            self.memory.close(remove=not os.environ.get(ENV_JOB_ID))
 
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         self.beacon.phase("save", step)
@@ -160,13 +215,14 @@ class AsyncManager(SyncManager):
         metrics: MetricsLog,
         beacon: Beacon,
         say: Callable[..., None],
+        memory_tier: MemoryTier | None,
         *,
         stage_root: Path,
         local_rank: int,
         timeout_s: float,
         hooks: Hooks,
     ):
-        super().__init__(base, metrics, beacon, say)
+        super().__init__(base, metrics, beacon, say, memory_tier)
         self._open_saver = partial(
             AsyncCheckpointer,
             base,
@@ -192,6 +248,7 @@ class AsyncManager(SyncManager):
             self.metrics.add_to_next("train/ckpt_wait_seconds", report.wait_seconds)
 
     def before_update(self) -> None:
+        super().before_update()
         staged = self.saver.wait_staged()
         if staged is None:
             return
@@ -215,6 +272,7 @@ class AsyncManager(SyncManager):
         self.step = step
         self._report(self.saver.drain())
         self.saver.close()
+        self.close_memory()
 
     def _report(self, reports: list[PollReport]) -> None:
         for r in reports:

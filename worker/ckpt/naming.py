@@ -7,6 +7,7 @@ beyond a stat.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -32,3 +33,9 @@ def parse_step(name: str) -> int | None:
 
 def is_complete(directory: Path) -> bool:
     return (directory / MARKER).is_file()
+
+
+def job_tag(ckpt_dir: str, job_id: str | None) -> str:
+    """What names a job's node-local scratch (async stage dir, memory tier): the job id when
+    the supervisor gave one, else a hash of the durable dir (two jobs on a node never share)."""
+    return job_id or hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]

@@ -7,6 +7,7 @@ the model is built (`startup/choose`). The load itself is `Checkpointer.load`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from supervisor import protocol
 from worker.args import TrainArgs
 from worker.beat import Beacon
-from worker.ckpt import files, naming, rng, safe_load, storage
+from worker.ckpt import files, memory, naming, rng, safe_load, storage
 
 DCP_METADATA = ".metadata"
 
@@ -32,13 +34,26 @@ class RunIdentity:
 
 
 def choose(
-    args: TrainArgs, rank: int, identity: RunIdentity, beacon: Beacon, say: Callable
-) -> Path | None:
-    """Collective: the checkpoint to resume from, None to start fresh; its files start to be
-    read at once."""
-    if not args.ckpt_dir or args.no_resume:
+    args: TrainArgs, rank: int, identity: RunIdentity, beacon: Beacon, say: Callable, host: str
+) -> Path | memory.MemoryChoice | None:
+    """Collective: the checkpoint to resume from (a durable step dir, or every rank's own memory
+    slot of one step), None to start fresh; a durable one's files start to be read at once."""
+    if not args.ckpt_dir:
+        return None
+    expect = memory_expect(args, rank, identity, host)
+    if args.no_resume:
+        if expect is not None:  # a fresh timeline: never resume the old one's memory later
+            memory.forget(memory_dir(args), rank)
         return None
     beacon.phase("load", 0)
+    if expect is not None:  # before the durable tier is read: it may not be needed
+        newest_durable = None
+        if rank == 0:
+            candidates = files.resume_candidates(files.scan(Path(args.ckpt_dir)))
+            newest_durable = candidates[0].step if candidates else None
+        in_memory = choose_memory(memory_dir(args), expect, newest_durable, say)
+        if in_memory is not None:
+            return in_memory
     chosen = choose_checkpoint(
         Path(args.ckpt_dir),
         rank=rank,
@@ -50,6 +65,64 @@ def choose(
     else:
         start_reading(chosen, files.read_meta(chosen), rank=rank, identity=identity)
     return chosen
+
+
+def memory_dir(args: TrainArgs) -> Path:
+    tag = naming.job_tag(args.ckpt_dir, os.environ.get(protocol.ENV_JOB_ID))
+    return memory.job_dir(os.environ, tag)
+
+
+def memory_expect(
+    args: TrainArgs, rank: int, identity: RunIdentity, host: str
+) -> memory.Expect | None:
+    """What this rank's memory slots must match; None without the memory tier."""
+    if not args.mem_ckpt_interval:
+        return None
+    tag = naming.job_tag(args.ckpt_dir, os.environ.get(protocol.ENV_JOB_ID))
+    return memory.Expect(
+        job=tag,
+        rank=rank,
+        world=identity.world,
+        mesh=identity.mesh,
+        model_fingerprint=identity.model_fingerprint,
+        host=host,
+    )
+
+
+def choose_memory(
+    directory: Path, expect: memory.Expect, newest_durable: int | None, say: Callable
+) -> memory.MemoryChoice | None:
+    """Collective: every rank's slot of the newest step that every rank holds complete, when it
+    is newer than the newest complete durable checkpoint (`newest_durable`: rank 0's word);
+    None, on every rank alike, on any doubt."""
+    memory.hold(directory)
+    held, refused = memory.find(directory, expect)
+    agreed = memory.agree(held, expect.world, newest_durable)
+    durable = "none" if agreed.durable is None else f"step {agreed.durable}"
+    if agreed.step is None:
+        if len(agreed.without) < expect.world:  # some rank held a copy: say why it is not used
+            say(
+                f"memory tier: no step held complete by every rank (none on rank(s) "
+                f"{_ranks(agreed.without)}; rank {expect.rank}: {'; '.join(refused) or 'ok'}): "
+                f"resuming from the durable tier ({durable})",
+                flush=True,
+            )
+        return None
+    if not agreed.use_memory:
+        say(
+            f"memory tier: step {agreed.step} is not newer than the durable {durable}: "
+            "resuming from the durable tier",
+            flush=True,
+        )
+        return None
+    mine = next(h for h in held if h.step == agreed.step)
+    say(f"memory tier: every rank holds step {agreed.step} (durable: {durable})", flush=True)
+    return memory.MemoryChoice(agreed.step, mine)
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def choose_checkpoint(

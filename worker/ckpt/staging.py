@@ -20,7 +20,7 @@ class ReusedStager:
     and pays page faults). The caller must not stage again before the previous write has
     finished with the buffers."""
 
-    def __init__(self, on_staged=lambda: None):
+    def __init__(self, on_staged=lambda: None, allocate=None):
         self._cache: dict[str, Any] | None = None
         self._block: torch.Tensor | None = None
         self._slots: dict[int, torch.Tensor] = {}  # data_ptr -> the padded bytes of a slot
@@ -28,6 +28,10 @@ class ReusedStager:
         self.nbytes = 0
         self.copy_seconds = 0.0
         self._on_staged = on_staged
+        # Where the block comes from: host memory by default; the memory tier maps a file.
+        self._allocate_block = allocate or (
+            lambda nbytes: storage.aligned_zeros(nbytes, pin=torch.cuda.is_available())
+        )
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
@@ -48,8 +52,7 @@ class ReusedStager:
         the kernel gives them). DTensors keep their sharding spec around a host local shard.
         Every slot starts and ends on an O_DIRECT boundary, so the writer can hand each one to
         the device as it is (`padded`)."""
-        sizes = [_aligned(t) for t in _local_tensors(state_dict) if t.dim() > 0]
-        block = storage.aligned_zeros(sum(sizes), pin=torch.cuda.is_available())
+        block = self._allocate_block(bytes_needed(state_dict))
         self._cursor = 0
         self._slots = {}
         self._block = block
@@ -85,6 +88,11 @@ class ReusedStager:
     def close(self) -> None:
         self._cache = self._block = None
         self._slots = {}
+
+
+def bytes_needed(state_dict: dict[str, Any]) -> int:
+    """The size of the block that stages `state_dict` (every slot padded to alignment)."""
+    return sum(_aligned(t) for t in _local_tensors(state_dict) if t.dim() > 0)
 
 
 def _aligned(t: torch.Tensor) -> int:

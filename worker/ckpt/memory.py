@@ -1,0 +1,506 @@
+"""The memory tier: every `--mem-ckpt-interval` steps each rank copies its own shard of the whole
+training state into node-local shared memory, which outlives the rank; a relaunch on the same
+nodes resumes from it when every rank holds the same newer step (DESIGN.md, checkpoint tiers).
+
+Layout, one directory per job on each node (0700; files 0600):
+```
+<ES_MEM_ROOT or /dev/shm>/es-mem-<job>/  .es-lock  rank-<R>/slot-<0|1>.bin  slot-<0|1>.json
+```
+A slot's `.bin` is a header page (magic, generation written before the copy, generation written
+after it) and then the tensors' bytes, mapped once and reused by every copy (the async stage's
+`ReusedStager`, its block being this mapping). Its `.json` (replaced atomically, after the bytes)
+names the generation, the step, the run identity, where each tensor lies, and what is not a tensor
+(scheduler, RNG, data position). A slot is complete only when both generations in the header
+equal the record's: a rank killed mid-copy leaves a torn slot that never passes, and its other
+slot, the previous copy, stays whole. The two slots alternate.
+
+Nothing here is unpickled: the record is JSON, the tensors raw bytes read into the live state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from supervisor import protocol
+from worker.ckpt import rng
+from worker.ckpt.staging import ReusedStager, bytes_needed
+from worker.hooks import Hooks
+
+FORMAT = "es-mem-1"
+MAGIC = b"ESMEMSL1"
+HEADER_BYTES = 4096  # magic, generation before, generation after, data bytes; then padding
+_HEADER = struct.Struct("<8sQQQ")
+SLOTS = 2
+# Free shared memory left after both slots of every rank on the node: a tmpfs filled to the
+# brim takes the node's memory with it.
+FREE_MARGIN_FRACTION = 0.10
+FREE_MARGIN_MIN_BYTES = 256 * 2**20
+READ_CHUNK = 1 << 30
+
+_held: dict[str, int] = {}  # job dir -> the shared lock this process holds on it
+
+
+class SlotRefused(Exception):
+    """A slot that is not a complete copy of this run's state (said why)."""
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a slot must match to be resumed by this rank (the mesh and world: a memory copy is
+    never resharded; the node: another node's memory is not this one's)."""
+
+    job: str
+    rank: int
+    world: int
+    mesh: str
+    model_fingerprint: str
+    host: str
+
+    def record(self) -> dict[str, Any]:
+        return {"format": FORMAT, **self.__dict__}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A complete slot of this rank."""
+
+    slot: int
+    step: int
+    gen: int
+    record: dict[str, Any]
+    path: Path  # the .bin
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """Every rank resumes from its own slot of `step`."""
+
+    step: int
+    held: Held
+
+
+def job_dir(env: dict[str, str] | os._Environ, tag: str) -> Path:
+    return Path(protocol.mem_dir(protocol.mem_root(env), tag))
+
+
+def hold(directory: Path) -> None:
+    """Hold the job's directory (shared) for this process's life: no sweep removes it meanwhile."""
+    key = str(directory)
+    if key not in _held:
+        _held[key] = protocol.hold_mem_dir(directory)
+
+
+def release(directory: Path) -> None:
+    fd = _held.pop(str(directory), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def rank_dir(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank}"
+
+
+def slot_paths(directory: Path, rank: int, slot: int) -> tuple[Path, Path]:
+    base = rank_dir(directory, rank)
+    return base / f"slot-{slot}.bin", base / f"slot-{slot}.json"
+
+
+# ---- reading what a rank holds ---------------------------------------------------------------
+def read_header(path: Path) -> tuple[int, int, int]:
+    """(generation before, generation after, data bytes) of a slot file; SlotRefused if it has
+    none."""
+    with path.open("rb") as f:
+        raw = f.read(_HEADER.size)
+    if len(raw) < _HEADER.size:
+        raise SlotRefused(f"{path.name}: no header")
+    magic, before, after, nbytes = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise SlotRefused(f"{path.name}: not a memory slot")
+    return before, after, nbytes
+
+
+def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
+    """The slot if it is a complete copy of this run's state for this rank; else SlotRefused
+    naming why (torn, another world, another node, …)."""
+    bin_path, json_path = slot_paths(directory, rank, slot)
+    try:
+        before, after, nbytes = read_header(bin_path)
+        record = json.loads(json_path.read_bytes())
+        size = bin_path.stat().st_size
+    except FileNotFoundError:
+        raise SlotRefused(f"slot {slot}: missing") from None
+    except (OSError, ValueError) as exc:
+        raise SlotRefused(f"slot {slot}: unreadable ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("gen"), int):
+        raise SlotRefused(f"slot {slot}: no record")
+    if not before == after == record["gen"]:
+        raise SlotRefused(f"slot {slot}: torn (a copy was cut short)")
+    if size != HEADER_BYTES + nbytes or record.get("nbytes") != nbytes:
+        raise SlotRefused(f"slot {slot}: {size} bytes, its record says {nbytes}")
+    for key, value in expect.record().items():
+        if record.get(key) != value:
+            raise SlotRefused(f"slot {slot}: {key} {record.get(key)!r}, this run {value!r}")
+    if not isinstance(record.get("step"), int) or not isinstance(record.get("table"), dict):
+        raise SlotRefused(f"slot {slot}: incomplete record")
+    return Held(slot, record["step"], record["gen"], record, bin_path)
+
+
+def find(directory: Path, expect: Expect) -> tuple[list[Held], list[str]]:
+    """This rank's complete slots, newest first, and why the others were refused."""
+    held, refused = [], []
+    for slot in range(SLOTS):
+        try:
+            held.append(inspect(directory, expect.rank, slot, expect))
+        except SlotRefused as exc:
+            refused.append(str(exc))
+    return sorted(held, key=lambda h: h.step, reverse=True), refused
+
+
+def newest_common(steps_per_rank: list[list[int]]) -> int | None:
+    """Pure: the newest step that every rank holds complete; None when there is none."""
+    if not steps_per_rank:
+        return None
+    common = set(steps_per_rank[0]).intersection(*map(set, steps_per_rank[1:]))
+    return max(common) if common else None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    step: int | None  # the newest step every rank holds complete
+    without: list[int]  # ranks that hold no complete slot
+    durable: int | None  # the newest complete durable step (rank 0's scan)
+
+    @property
+    def use_memory(self) -> bool:
+        """Memory only when it is newer than the durable tier (DESIGN.md)."""
+        return self.step is not None and (self.durable is None or self.step > self.durable)
+
+
+def agree(held: list[Held], world: int, newest_durable: int | None) -> Agreement:
+    """Collective, one all-gather: every rank's complete steps, and rank 0's newest durable
+    step, so that every rank takes the same decision."""
+    mine = torch.full((SLOTS + 1,), -1, dtype=torch.int64)
+    for i, h in enumerate(held[:SLOTS]):
+        mine[i] = h.step
+    if newest_durable is not None:
+        mine[SLOTS] = newest_durable
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    steps = [[s for s in t.tolist()[:SLOTS] if s >= 0] for t in every]
+    durable = int(every[0][SLOTS])
+    return Agreement(
+        newest_common(steps),
+        [r for r, s in enumerate(steps) if not s],
+        durable if durable >= 0 else None,
+    )
+
+
+def forget(directory: Path, rank: int) -> None:
+    """Remove this rank's slots (a fresh start must not later resume another timeline's)."""
+    shutil.rmtree(rank_dir(directory, rank), ignore_errors=True)
+
+
+# ---- the tier while training -------------------------------------------------------------------
+class _Slot:
+    """One slot file, mapped once: its header (as int64 words) and its data block."""
+
+    def __init__(self, bin_path: Path, json_path: Path):
+        self.bin_path, self.json_path = bin_path, json_path
+        self.header: torch.Tensor | None = None
+        self.block: torch.Tensor | None = None
+
+    def map(self, nbytes: int) -> torch.Tensor:
+        """The data block of `nbytes`, the file made (0600) or reused at the right size."""
+        size = HEADER_BYTES + nbytes
+        fd = os.open(self.bin_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, 0)  # a slot of another size: its bytes are no copy of ours
+                os.ftruncate(fd, size)
+            os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0, nbytes), 0)
+        finally:
+            os.close(fd)
+        whole = torch.from_file(str(self.bin_path), shared=True, size=size, dtype=torch.uint8)
+        self.header = whole[:HEADER_BYTES].view(torch.int64)
+        self.block = whole[HEADER_BYTES:]
+        self.block.fill_(0)  # fault every page in once, here, not in a timed copy
+        return self.block
+
+    def begin(self, gen: int) -> None:
+        self.header[1] = gen
+
+    def seal(self, gen: int, record: dict[str, Any]) -> None:
+        tmp = self.json_path.with_name(f".tmp-{self.json_path.name}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(record, separators=(",", ":")).encode())
+        os.replace(tmp, self.json_path)
+        self.header[2] = gen
+
+
+@dataclass(frozen=True)
+class CopyReport:
+    step: int
+    wait_seconds: float  # what the loop blocked for the copy
+    copy_seconds: float  # the memcpy, beside training
+    nbytes: int
+
+
+class MemoryTier:
+    """Copies this rank's state into its two slots in turn, on a thread of its own, beside the
+    next step's forward and backward (the optimizer step waits for it, as for the async stage)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        expect: Expect,
+        *,
+        interval: int,
+        local_world: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        describe,
+        hooks: Hooks,
+    ):
+        self.directory, self.expect = directory, expect
+        self.interval, self.local_world = interval, local_world
+        self.model, self.optimizer = model, optimizer
+        self.describe = describe  # (step, tokens, data, gather=False) -> meta without tensors
+        self.hooks = hooks
+        self.enabled = True
+        self.fit_checked = False
+        self.off_reason = ""
+        hold(directory)
+        self.rank_dir = rank_dir(directory, expect.rank)
+        self.rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.slots = [_Slot(*slot_paths(directory, expect.rank, s)) for s in range(SLOTS)]
+        self.stagers = [ReusedStager(allocate=slot.map) for slot in self.slots]
+        held, _ = find(directory, expect)
+        self.gen = 1 + max((h.gen for h in held), default=0)
+        self.target = (held[0].slot + 1) % SLOTS if held else 0  # never the newest complete
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem-ckpt")
+        self._copy: Future | None = None
+        self._copy_step = -1
+        self._copied = threading.Event()
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def check_fit(self, state: dict[str, Any]) -> str | None:
+        """Collective, at the first copy (before it, the optimizer holds no state to measure,
+        and asking DCP for its state dict then would take a step): both slots must fit in this
+        node's free shared memory with a margin, on every node, else the tier is off everywhere.
+        Returns why it is off."""
+        need = bytes_needed(state) + HEADER_BYTES
+        problem = fit_problem(self.directory, need * SLOTS * self.local_world, self._reusable())
+        ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if int(ok[0]):
+            return None
+        self.enabled = False
+        self.off_reason = problem or "another node lacks the shared memory for both slots"
+        self.close(remove=True)
+        return self.off_reason
+
+    def _reusable(self) -> int:
+        """Bytes of slot files already there (this job's, on this node): reused, not added."""
+        return sum(p.stat().st_size for p in self.directory.glob("rank-*/slot-*.bin"))
+
+    # ---- saving ----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.interval == 0
+
+    @torch.no_grad()
+    def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
+        """Hand the state as of the end of `step` to the copy thread; it must not change before
+        `wait_copied` returns."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if not self.fit_checked:
+            self.fit_checked = True
+            if self.check_fit(state):
+                return
+        meta = self.describe(step, tokens_seen, data, gather=False)
+        self._copied.clear()
+        self._copy_step = step
+        self._copy = self._thread.submit(self._copy_into, self.target, self.gen, state, meta)
+        self.target = (self.target + 1) % SLOTS
+        self.gen += 1
+
+    @torch.no_grad()  # grad mode is per thread
+    def _copy_into(self, slot: int, gen: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            target, stager = self.slots[slot], self.stagers[slot]
+            if target.header is not None:
+                target.begin(gen)  # from here the slot is torn until sealed
+            snapshot = stager.stage(state)  # maps the slot on its first use
+            target.begin(gen)
+            self.hooks.in_memory_copy(meta["step"])
+            table = describe_tensors(snapshot, target.block)
+            record = {
+                **self.expect.record(),
+                "gen": gen,
+                "step": meta["step"],
+                "nbytes": stager.nbytes,
+                "meta": meta,
+                "table": table,
+                "saved_at": time.time(),
+            }
+            target.seal(gen, record)
+        finally:
+            self._copied.set()
+
+    def wait_copied(self) -> CopyReport | None:
+        """Before the optimizer step: block until the copy in flight is done. A copy that
+        failed turns the tier off with one warning (the durable tier goes on)."""
+        job = self._copy
+        if job is None:
+            return None
+        started = time.perf_counter()
+        self._copied.wait()
+        waited = time.perf_counter() - started
+        self._copy = None
+        error = job.exception()
+        if error is not None:
+            self.enabled = False
+            self.off_reason = f"a copy failed ({type(error).__name__}: {error})"
+            return None
+        stager = self.stagers[(self.target - 1) % SLOTS]
+        return CopyReport(self._copy_step, waited, stager.copy_seconds, stager.nbytes)
+
+    def close(self, remove: bool) -> None:
+        """Wait for a copy in flight; with `remove`, delete this rank's slots (and the job's
+        directory when no one else holds it)."""
+        if self._copy is not None:
+            self._copied.wait()
+            self._copy = None
+        self._thread.shutdown(wait=True)
+        for stager in self.stagers:
+            stager.close()
+        for slot in self.slots:
+            slot.header = slot.block = None
+        if remove:
+            forget(self.directory, self.expect.rank)
+            release(self.directory)
+            fd = protocol.take_if_abandoned(self.directory)
+            if fd is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
+                os.close(fd)
+
+    # ---- resuming --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, held: Held, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+        """The slot's state into the live model, optimizer, scheduler and RNGs (same world and
+        mesh: each local tensor is read straight from the slot). Returns its meta record."""
+        from worker.ckpt.checkpointer import _loaded_in_place, prefill_adamw_state
+
+        prefill_adamw_state(self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd})
+        read_into(held.path, flat, held.record["table"])
+        state = unflatten_state_dict(flat, mapping)
+        if not _loaded_in_place(self.model, state["model"]):
+            set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        meta = held.record["meta"]
+        scheduler.load_state_dict(meta["scheduler"])
+        rng.restore(meta["rng"], f"{held.path} (rank {self.expect.rank})")
+        before, after, _ = read_header(held.path)
+        if not before == after == held.gen:
+            raise SlotRefused(f"{held.path}: changed while it was read")
+        return meta
+
+
+def fit_problem(directory: Path, need: int, reusable: int) -> str | None:
+    """Why `need` bytes of slots do not fit in the file system of `directory` (None: they do),
+    leaving a margin free; slot files already there count as room."""
+    st = os.statvfs(directory)
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize + reusable
+    margin = max(FREE_MARGIN_MIN_BYTES, int(total * FREE_MARGIN_FRACTION))
+    if need + margin <= free:
+        return None
+    gib = 2**30
+    return (
+        f"both slots of this node's ranks need {need / gib:.2f} GiB in {directory.parent}, which "
+        f"has {free / gib:.2f} GiB free (keeping {margin / gib:.2f} GiB spare); training "
+        "without the memory tier (make room, or set ES_MEM_ROOT to a larger tmpfs)"
+    )
+
+
+def describe_tensors(snapshot: dict[str, Any], block: torch.Tensor) -> dict[str, Any]:
+    """Where each of the staged state's entries lies in the slot: tensors by offset, scalars
+    and everything else by value (JSON)."""
+    flat, _ = flatten_state_dict(snapshot)
+    base = block.data_ptr()
+    table: dict[str, Any] = {}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            entry = {"dtype": str(local.dtype), "shape": list(local.shape)}
+            if local.dim() == 0:
+                entry["value"] = local.item()
+            else:
+                entry["offset"] = local.data_ptr() - base
+                entry["nbytes"] = local.numel() * local.element_size()
+            table[key] = entry
+        else:
+            table[key] = {"value": list(value) if isinstance(value, tuple) else value}
+    return table
+
+
+def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any]) -> None:
+    """Fill the live state's flattened entries from the slot file `path`; SlotRefused where the
+    slot's layout is not the live state's."""
+    if set(flat) != set(table):
+        odd = sorted(set(flat) ^ set(table))[:3]
+        raise SlotRefused(f"{path}: holds another state (entries {odd} differ)")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for key, live in flat.items():
+            entry = table[key]
+            if not isinstance(live, torch.Tensor):
+                value = entry.get("value")
+                flat[key] = tuple(value) if isinstance(live, tuple) else value
+                continue
+            local = live._local_tensor if isinstance(live, DTensor) else live
+            if entry.get("dtype") != str(local.dtype) or entry.get("shape") != list(local.shape):
+                raise SlotRefused(f"{path}: {key} is {entry.get('dtype')} {entry.get('shape')}")
+            if local.dim() == 0:
+                local.fill_(entry["value"])
+            else:
+                _read_tensor(fd, local, HEADER_BYTES + int(entry["offset"]), path)
+    finally:
+        os.close(fd)
+
+
+def _read_tensor(fd: int, t: torch.Tensor, offset: int, path: Path) -> None:
+    direct = t.device.type == "cpu" and t.is_contiguous()
+    host = t if direct else torch.empty(t.shape, dtype=t.dtype)
+    nbytes = host.numel() * host.element_size()
+    view = memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [view[done : done + READ_CHUNK]], offset + done)
+        if n <= 0:
+            raise SlotRefused(f"{path}: ends early")
+        done += n
+    if not direct:
+        t.copy_(host)
