@@ -91,7 +91,8 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
     from worker.args import parse_args
     from worker.build import build_model
     from worker.ckpt.async_save import AsyncCheckpointer, Readiness
-    from worker.ckpt.checkpointer import Checkpointer, prefill_adamw_state
+    from worker.ckpt.checkpointer import Checkpointer
+    from worker.ckpt.live_state import prefill_adamw_state
     from worker.ckpt.resume import RunIdentity
     from worker.ckpt.storage import shard_name
     from worker.dist import detect_rank, init_process_group

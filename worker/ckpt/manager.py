@@ -26,7 +26,7 @@ from worker.beat import Beacon
 from worker.ckpt import disk, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
-from worker.ckpt.memory import MemoryChoice, MemoryTier
+from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
 from worker.ckpt.resume import RunIdentity
 from worker.dist import RankInfo
 from worker.hooks import Hooks
@@ -141,7 +141,14 @@ class SyncManager(CheckpointManager):
         if chosen is None:
             return None
         if isinstance(chosen, MemoryChoice):
-            meta = self.memory.load(chosen.held, self.base.scheduler)
+            try:
+                meta = self.memory.load(chosen.held, self.base.scheduler)
+            except SlotRefused as exc:  # the agreement's checks passed, yet it does not fit
+                self.memory.forget_slot(chosen.held)
+                raise RuntimeError(
+                    f"memory slot refused at load: {exc}; it is removed, so the relaunch "
+                    "resumes from the durable tier"
+                ) from None
             self.base.last_saved_step = -1  # nothing durable of this step yet
             resumed = Resumed(meta["step"], meta["tokens_seen"], chosen.held.path, "memory")
             self.say(f"RESUMED from step={resumed.step} (memory, {chosen.held.path})", flush=True)

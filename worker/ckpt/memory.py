@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from supervisor import protocol
 from worker.ckpt import rng
+from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.staging import ReusedStager, bytes_needed
 from worker.hooks import Hooks
 
@@ -162,7 +163,25 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
             raise SlotRefused(f"slot {slot}: {key} {record.get(key)!r}, this run {value!r}")
     if not isinstance(record.get("step"), int) or not isinstance(record.get("table"), dict):
         raise SlotRefused(f"slot {slot}: incomplete record")
+    outside = table_problem(record["table"], nbytes)
+    if outside:
+        raise SlotRefused(f"slot {slot}: {outside}")
     return Held(slot, record["step"], record["gen"], record, bin_path)
+
+
+def table_problem(table: dict[str, Any], nbytes: int) -> str | None:
+    """Pure: what in a slot's table points outside its `nbytes` of data (None: nothing)."""
+    for key, entry in table.items():
+        if not isinstance(entry, dict):
+            return f"entry {key!r} is not a record"
+        if "offset" not in entry:
+            continue
+        offset, size = entry.get("offset"), entry.get("nbytes")
+        if not (isinstance(offset, int) and isinstance(size, int)):
+            return f"entry {key!r} has no integer offset and size"
+        if offset < 0 or size < 0 or offset + size > nbytes:
+            return f"entry {key!r} lies outside the slot ({offset}+{size} > {nbytes})"
+    return None
 
 
 def find(directory: Path, expect: Expect) -> tuple[list[Held], list[str]]:
@@ -405,19 +424,22 @@ class MemoryTier:
                 shutil.rmtree(self.directory, ignore_errors=True)
                 os.close(fd)
 
+    def forget_slot(self, held: Held) -> None:
+        """A slot that failed to load: gone, so that no later agreement picks it again."""
+        for path in slot_paths(self.directory, self.expect.rank, held.slot):
+            path.unlink(missing_ok=True)
+
     # ---- resuming --------------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, held: Held, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
         """The slot's state into the live model, optimizer, scheduler and RNGs (same world and
         mesh: each local tensor is read straight from the slot). Returns its meta record."""
-        from worker.ckpt.checkpointer import _loaded_in_place, prefill_adamw_state
-
         prefill_adamw_state(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd})
         read_into(held.path, flat, held.record["table"])
         state = unflatten_state_dict(flat, mapping)
-        if not _loaded_in_place(self.model, state["model"]):
+        if not loaded_in_place(self.model, state["model"]):
             set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         meta = held.record["meta"]
