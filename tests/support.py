@@ -61,10 +61,12 @@ def worker_cmd(ranks: int, *flags: str) -> list[str]:
     return [mpiexec(), "-n", str(ranks), sys.executable, "-m", "worker.train", *flags]
 
 
-def run_worker(ranks: int, *flags: str, timeout: float = LAUNCH_TIMEOUT, **kw):
+def run_worker(
+    ranks: int, *flags: str, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None, **kw
+):
     return subprocess.run(
         worker_cmd(ranks, *flags),
-        env=rank_env(),
+        env=env or rank_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -72,10 +74,10 @@ def run_worker(ranks: int, *flags: str, timeout: float = LAUNCH_TIMEOUT, **kw):
     )
 
 
-def start_worker(ranks: int, *flags: str) -> subprocess.Popen:
+def start_worker(ranks: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         worker_cmd(ranks, *flags),
-        env=rank_env(),
+        env=env or rank_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,0 +1,180 @@
+"""The memory tier end to end: real mpiexec, real SIGKILLs, slots in a real tmpfs.
+
+Every resume from memory must compute the uninterrupted run's losses bit for bit; any doubt
+(a torn or missing slot on one rank, another world size) sends every rank to the durable tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_checkpoint import LAYOUTS, assert_same_run, kill_every_rank, wait_for_step
+from tests.support import TINY, rank_env, read_metrics, run_worker, start_worker
+from worker.ckpt import memory, naming
+
+pytestmark = pytest.mark.slow
+
+ITERS = 10
+
+
+@pytest.fixture
+def mem_root():
+    root = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"es-test-{uuid.uuid4().hex}"
+    root.mkdir(mode=0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def flags(tmp_path: Path, name: str, *more: str) -> list[str]:
+    return [
+        *TINY,
+        *more,
+        "--train-iters",
+        str(ITERS),
+        "--save-interval",
+        "4",
+        "--mem-ckpt-interval",
+        "1",
+        "--outdir",
+        str(tmp_path / name),
+        "--ckpt-dir",
+        str(tmp_path / f"{name}-ckpt"),
+    ]
+
+
+def baseline(tmp_path: Path, ranks: int, *more: str) -> Path:
+    """The uninterrupted run (no memory tier: the tier must not change what is computed)."""
+    out = tmp_path / "base"
+    done = run_worker(ranks, *TINY, *more, "--train-iters", str(ITERS), "--outdir", str(out))
+    assert done.returncode == 0, done.stderr
+    return out / "metrics-0.jsonl"
+
+
+@dataclass(frozen=True)
+class SlotState:
+    step: int | None
+    gen: int
+    torn: bool
+    path: Path
+
+
+def slot_state(directory: Path, rank: int, slot: int) -> SlotState:
+    """What a slot holds, read as the agreement reads it (header generations, record)."""
+    bin_path, json_path = memory.slot_paths(directory, rank, slot)
+    before, after, _ = memory.read_header(bin_path)
+    record = json.loads(json_path.read_text()) if json_path.exists() else {}
+    torn = not before == after == record.get("gen")
+    return SlotState(record.get("step"), before, torn, bin_path)
+
+
+def the_job_dir(root: Path) -> Path:
+    (found,) = list(root.glob("es-mem-*"))
+    return found
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_kill_of_every_rank_resumes_from_memory_bit_exact(tmp_path, mem_root, layout):
+    ranks, more = LAYOUTS[layout]
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args = flags(tmp_path, "killed", *more)
+    out = tmp_path / "killed"
+    proc = start_worker(ranks, *args, env=env)
+    seen = wait_for_step(out / "metrics-0.jsonl", 6, proc)
+    kill_every_rank(proc)
+    directory = the_job_dir(mem_root)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for path in directory.glob("rank-*/slot-*"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    again = run_worker(ranks, *args, env=env)
+    assert again.returncode == 0, again.stderr
+    resumed = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
+    assert len(resumed) == 1
+    assert "(memory, " in again.stdout, again.stdout
+    # The copy of step k is sealed before step k+1's update: at most the step in flight is lost.
+    assert resumed[0]["step"] - 1 >= seen - 1, (seen, resumed[0]["step"])
+    assert_same_run(baseline(tmp_path, ranks, *more), out / "metrics-0.jsonl")
+    assert not list(mem_root.glob("es-mem-*")), "a run that ends well removes its slots"
+
+
+def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, mem_root):
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args = flags(tmp_path, "m")
+    died = run_worker(
+        2, *args, "--inject-rank", "1", "--inject-kill-in-mem-copy-at-step", "6", env=env
+    )
+    assert died.returncode != 0
+    directory = the_job_dir(mem_root)
+    slots = [slot_state(directory, 1, s) for s in range(2)]
+    assert any(s.torn for s in slots), slots
+    assert any(s.step == 5 and not s.torn for s in slots), slots
+    again = run_worker(2, *args, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "memory tier: every rank holds step 5" in again.stdout
+    assert "RESUMED from step=5 (memory" in again.stdout
+    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+
+
+def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
+    """A run whose rank 1 dies (raising) as step 8 begins: every rank holds step 6 complete
+    (its copy was waited for before step 7's update) and step 7 complete or torn (its copy
+    may have been cut short)."""
+    args = flags(tmp_path, "m")
+    died = run_worker(2, *args, "--inject-rank", "1", "--inject-raise-at-step", "8", env=env)
+    assert died.returncode != 0
+    return args, the_job_dir(Path(env["ES_MEM_ROOT"]))
+
+
+def test_a_torn_slot_on_one_rank_takes_the_newest_step_both_hold(tmp_path, mem_root):
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args, directory = _fail_at_step_8(tmp_path, env)
+    slots = sorted((slot_state(directory, 1, s) for s in range(2)), key=lambda h: h.step)
+    assert slots[0].step == 6 and not slots[0].torn, slots
+    newest = slots[1]
+    with newest.path.open("r+b") as f:  # its closing generation, as if the copy was cut short
+        f.seek(16)
+        f.write(struct.pack("<Q", newest.gen + 99))
+    again = run_worker(2, *args, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "RESUMED from step=6 (memory" in again.stdout
+    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+
+
+def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(tmp_path, mem_root):
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args, directory = _fail_at_step_8(tmp_path, env)
+    shutil.rmtree(directory / "rank-1")
+    again = run_worker(2, *args, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "memory tier: no step held complete by every rank (none on rank(s) 1" in again.stdout
+    assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
+    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+
+
+def test_another_world_size_resumes_from_the_durable_tier_resharded(tmp_path, mem_root):
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args, _ = _fail_at_step_8(tmp_path, env)
+    again = run_worker(4, *args, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "(memory" not in again.stdout
+    assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
+
+
+def test_no_resume_ignores_and_forgets_the_memory_tier(tmp_path, mem_root):
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args, directory = _fail_at_step_8(tmp_path, env)
+    fresh = run_worker(
+        2, *args, "--no-resume", "--inject-rank", "1", "--inject-raise-at-step", "3", env=env
+    )
+    assert fresh.returncode != 0
+    assert "RESUMED" not in fresh.stdout
+    held = {json.loads(p.read_text())["step"] for p in directory.glob("rank-*/slot-*.json")}
+    assert held and held <= {1, 2}, held  # the fresh run's own copies; none of the old timeline's
