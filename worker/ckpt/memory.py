@@ -452,18 +452,25 @@ class MemoryTier:
 
 
 def fit_problem(directory: Path, need: int, reusable: int) -> str | None:
-    """Why `need` bytes of slots do not fit in the file system of `directory` (None: they do),
-    leaving a margin free; slot files already there count as room."""
+    """Why `need` bytes of slots do not fit in the file system of `directory` (None: they do)."""
     st = os.statvfs(directory)
-    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize + reusable
+    return room_problem(
+        need, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize, reusable, directory.parent
+    )
+
+
+def room_problem(need: int, total: int, free: int, reusable: int, where: Path) -> str | None:
+    """Pure: whether `need` bytes fit in `free` (plus `reusable`, slot files already there),
+    leaving a margin of the file system's `total` free."""
+    room = free + reusable
     margin = max(FREE_MARGIN_MIN_BYTES, int(total * FREE_MARGIN_FRACTION))
-    if need + margin <= free:
+    if need + margin <= room:
         return None
     gib = 2**30
     return (
-        f"both slots of this node's ranks need {need / gib:.2f} GiB in {directory.parent}, which "
-        f"has {free / gib:.2f} GiB free (keeping {margin / gib:.2f} GiB spare); training "
-        "without the memory tier (make room, or set ES_MEM_ROOT to a larger tmpfs)"
+        f"both slots of this node's ranks need {need / gib:.2f} GiB in {where}, which has "
+        f"{room / gib:.2f} GiB free (keeping {margin / gib:.2f} GiB spare); training without "
+        "the memory tier (make room, or set ES_MEM_ROOT to a larger tmpfs)"
     )
 
 
