@@ -1,12 +1,14 @@
 """Downtime per failure, warm standby against cold relaunch, from the supervisor's own events.
 
 Runs `python -m supervisor run` on the `debug` preset as it is (no size overrides; `--size 250m`
-for a 250M-parameter model) on 2 ranks under real mpiexec, once per `--standby` mode and
-`--target`, side by side in one invocation. Each run SIGKILLs its ranks (every rank, or rank 1)
-`--kills` times, each once the attempt has made its first step and a checkpoint (a kill before
-it would resume from the same step again and again), then (with the standby on) once the standby
-is ready, the case the feature is for, and then `--train-s` seconds more, noting the moment on
-the shared monotonic clock. Per failure, from events.jsonl:
+for a 250M-parameter model) on 2 ranks under real mpiexec, once per `--standby` mode, `--mem`
+mode (the memory checkpoint tier: `worker.mem_ckpt_interval=1`, a copy after every step, its
+slots under a fresh ES_MEM_ROOT in /dev/shm) and `--target`, side by side in one invocation.
+Each run SIGKILLs its ranks (every rank, or rank 1) `--kills` times, each once the attempt has
+made its first step and a checkpoint (a kill before it would resume from the same step again and
+again), then (with the standby on) once the standby is ready, the case the feature is for, and
+then `--train-s` seconds more, noting the moment on the shared monotonic clock. Per failure, from
+events.jsonl (and rank 0's metrics):
 
   downtime   kill -> the first step of the next attempt (`first_step`, as received)
   restart    the worker's own train/restart_seconds: process start (cold) or `go` (warm) ->
@@ -14,15 +16,23 @@ the shared monotonic clock. Per failure, from events.jsonl:
   detect     kill -> the launcher's exit (or the finding) seen
   relaunch   the launcher's exit seen -> the next attempt launched (cold) or told to go (warm)
   how        warm | cold, as the job's `relaunch` event says
+  lost       steps lost: the newest step done before the kill minus the step resumed from
+             (supervisor.report's per-failure figure)
+  from       memory | durable: where the resume came from (the `resumed` event's `source`)
+  cost       kill -> the first step PAST the newest step done before the kill (rank 0's metrics
+             record of it): what the kill cost, the lost steps' recompute included
   prep cost  what the standby's preparation cost the attempt it ran beside: the seconds that
              attempt's steps took beyond its median step while the standby prepared (on a host
              whose cores the ranks fill, the standby's imports and build compete for them)
 
 And the startup/* parts of the first step of every relaunched attempt (metrics-0.jsonl), warm
-next to cold. Goal (issue 15): warm downtime <= 0.5 s median and <= 0.25x cold.
+next to cold. Goals: (issue 15) warm downtime <= 0.5 s median and <= 0.25x cold; (issue 16)
+with the memory tier, <= 1 step lost per SIGKILL of every rank, and with the standby also on a
+cost <= 1.0 s median on the debug preset.
 
-Usage: python bench/downtime.py [--standby on,off] [--target all,rank1] [--kills 3]
-                                [--train-s 2] [--keep] [--size debug|250m] [--set key=value ...]
+Usage: python bench/downtime.py [--standby on,off] [--mem off|on|on,off] [--target all,rank1]
+                                [--kills 3] [--train-s 2] [--keep] [--size debug|250m]
+                                [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from supervisor import config as config_mod  # noqa: E402
 from supervisor.events import read_events  # noqa: E402
+from supervisor.report import Failure, analyze, load_run  # noqa: E402
 
 SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len",
              "batch_size")  # fmt: skip
@@ -92,13 +103,25 @@ def bench_config(base: Path, size: str, out: Path) -> Path:
     return out
 
 
-def run_one(args, standby: bool, target: str, tmp: Path) -> tuple[list[dict], Path]:
+def label(key: tuple[str, str, bool]) -> str:
+    how, target, mem = key
+    return f"{how}/{target}" + ("/mem" if mem else "")
+
+
+def run_one(args, standby: bool, target: str, mem: bool, tmp: Path) -> tuple[list[dict], Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(REPO)
-    run = tmp / f"run-{'warm' if standby else 'cold'}-{target}"
+    run = tmp / f"run-{'warm' if standby else 'cold'}-{target}{'-mem' if mem else ''}"
     cfg = bench_config(Path(args.config), args.size, tmp / f"{run.name}.toml")
-    sets = [f"job.run_dir={run}", f"restart.standby={'true' if standby else 'false'}", *args.set]
+    sets = [f"job.run_dir={run}", f"restart.standby={'true' if standby else 'false'}"]
+    mem_root = None
+    if mem:  # the slots in a directory of this run's own, removed at its end
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        mem_root = Path(tempfile.mkdtemp(prefix="es-downtime-mem-", dir=shm))
+        env["ES_MEM_ROOT"] = str(mem_root)
+        sets.append("worker.mem_ckpt_interval=1")
+    sets += args.set
     cmd = [sys.executable, "-m", "supervisor", "run", str(cfg), "--quiet"]
     for s in sets:
         cmd += ["--set", s]
@@ -121,7 +144,7 @@ def run_one(args, standby: bool, target: str, tmp: Path) -> tuple[list[dict], Pa
             hellos = [e for e in events(run) if e["event"] == "rank_hello"
                       and e["attempt"] == attempt]  # fmt: skip
             pids = [e["pid"] for e in hellos if target == "all" or e["rank"] == 1]
-            kill = time.monotonic()
+            kill, kill_wall = time.monotonic(), time.time()
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -129,20 +152,61 @@ def run_one(args, standby: bool, target: str, tmp: Path) -> tuple[list[dict], Pa
                     pass
             relaunch = wait_event(run, lambda e, a=attempt: e["event"] == "relaunch"
                                   and e["after"] == a, proc, 60)  # fmt: skip
-            kills.append({"attempt": attempt, "kill": kill, "next": relaunch["attempt"]})
+            kills.append({"attempt": attempt, "kill": kill, "kill_wall": kill_wall,
+                          "next": relaunch["attempt"]})  # fmt: skip
             attempt = relaunch["attempt"]
         wait_event(run, lambda e: e["event"] == "first_step" and e["attempt"] == attempt, proc,
                    timeout)  # fmt: skip
+        if kills:  # the last relaunch past the newest step before its kill: its cost is known
+            wait_past(run, kills[-1]["attempt"], attempt, proc, timeout)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return [row(events(run), k, run) for k in kills], run
+        if mem_root is not None:
+            left = sorted(p.name for p in mem_root.iterdir())
+            if left:  # the supervisor removes the job's memory dir at its end
+                print(f"NOTE: {run.name}: left in ES_MEM_ROOT after the job: {left}")
+            shutil.rmtree(mem_root, ignore_errors=True)
+    failures = {f.attempt: f for f in analyze(load_run(run)).failures}
+    return [row(events(run), k, run, failures.get(k["attempt"])) for k in kills], run
 
 
-def row(evs: list[dict], k: dict, run: Path) -> dict:
+def records(run: Path, attempt: int) -> list[dict]:
+    """Rank 0's metrics of `attempt` (a torn last line skipped)."""
+    try:
+        lines = (run / "attempts" / f"{attempt:03d}" / "metrics-0.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_past(run: Path, killed: int, attempt: int, proc: subprocess.Popen, timeout: float):
+    """Until `attempt` has done a step past the newest step `killed` reached (attempt_end's
+    max_step; no wait when it is not known)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        end = next((e for e in events(run) if e["event"] == "attempt_end"
+                    and e["attempt"] == killed), None)  # fmt: skip
+        if end is not None and end.get("max_step") is None:
+            return
+        if end is not None and any(r["step"] > end["max_step"] for r in records(run, attempt)):
+            return
+        if proc.poll() is not None:
+            raise SystemExit(f"the supervisor exited early ({proc.returncode})")
+        time.sleep(0.05)
+    raise SystemExit("timed out waiting for a step past the kill")
+
+
+def row(evs: list[dict], k: dict, run: Path, failure: Failure | None) -> dict:
     def one(name: str, attempt: int) -> dict | None:
         return next((e for e in evs if e["event"] == name and e.get("attempt") == attempt), None)
 
@@ -163,7 +227,14 @@ def row(evs: list[dict], k: dict, run: Path) -> dict:
         relaunch=started["mono"] - seen,
         resumed=resumed["step"] if resumed else 0,
         parts=startup_parts(run / "attempts" / f"{n:03d}" / "metrics-0.jsonl"),
+        lost=failure.lost_steps if failure else None,
+        source=(failure.resumed_source if failure else None) or (resumed or {}).get("source"),
+        cost=None,
     )
+    before = failure.step_at_failure if failure else None
+    past = [r for r in records(run, n) if before is not None and r["step"] > before]
+    if past:
+        out["cost"] = past[0]["t"] - k["kill_wall"]
     return out
 
 
@@ -200,24 +271,37 @@ def startup_parts(path: Path) -> dict[str, float]:
     return parts
 
 
-def show(label: str, rows: list[dict]) -> float | None:
-    print(f"\n{label}")
+def show(title: str, rows: list[dict]) -> dict[str, float | None]:
+    print(f"\n{title}")
     print(f"{'#':>3} {'how':>5} {'downtime':>9} {'restart':>8} {'detect':>7} {'relaunch':>9} "
-          f"{'resumed':>8} {'prep cost':>10}")  # fmt: skip
+          f"{'resumed':>8} {'prep cost':>10} {'lost':>5} {'from':>8} {'cost':>8}")  # fmt: skip
     good = [r for r in rows if not r.get("incomplete")]
     for i, r in enumerate(rows):
         if r.get("incomplete"):
             print(f"{i:>3} {r['how']:>5} incomplete events")
             continue
         restart = f"{r['restart']:.3f}s" if r["restart"] is not None else "–"
-        cost = f"{r['prep_cost']:.2f}s" if r["prep_cost"] is not None else "–"
+        prep = f"{r['prep_cost']:.2f}s" if r["prep_cost"] is not None else "–"
+        lost = str(r["lost"]) if r["lost"] is not None else "–"
+        cost = f"{r['cost']:.3f}s" if r["cost"] is not None else "–"
         print(f"{i:>3} {r['how']:>5} {r['downtime']:>8.3f}s {restart:>8} {r['detect']:>6.3f}s "
-              f"{r['relaunch']:>8.3f}s {r['resumed']:>8} {cost:>10}")  # fmt: skip
+              f"{r['relaunch']:>8.3f}s {r['resumed']:>8} {prep:>10} {lost:>5} "
+              f"{r['source'] or '–':>8} {cost:>8}")  # fmt: skip
     if not good:
-        return None
-    median = statistics.median(r["downtime"] for r in good)
-    print(f"    median downtime {median:.3f} s over {len(good)} kills")
-    return median
+        return {}
+    out = {"downtime": statistics.median(r["downtime"] for r in good)}
+    losts = [r["lost"] for r in good if r["lost"] is not None]
+    costs = [r["cost"] for r in good if r["cost"] is not None]
+    out["lost"] = statistics.median(losts) if losts else None
+    out["lost_max"] = max(losts) if losts else None
+    out["cost"] = statistics.median(costs) if costs else None
+    line = f"    median downtime {out['downtime']:.3f} s over {len(good)} kills"
+    if out["lost"] is not None:
+        line += f"; median lost {out['lost']:g} steps (max {out['lost_max']})"
+    if out["cost"] is not None:
+        line += f"; median cost {out['cost']:.3f} s"
+    print(line)
+    return out
 
 
 def show_parts(results: dict) -> None:
@@ -225,12 +309,12 @@ def show_parts(results: dict) -> None:
           "from `go`)")  # fmt: skip
     cols = [(key, [r["parts"] for r in rows if not r.get("incomplete") and r["parts"]])
             for key, rows in results.items()]  # fmt: skip
-    print(f"{'part':>14} " + " ".join(f"{'/'.join(k):>12}" for k, _ in cols))
+    print(f"{'part':>14} " + " ".join(f"{label(k):>14}" for k, _ in cols))
     for part in (*PARTS, "prepare"):
         cells = []
         for _, parts in cols:
             vals = [p[part] for p in parts if part in p]
-            cells.append(f"{statistics.median(vals):>12.3f}" if vals else f"{'–':>12}")
+            cells.append(f"{statistics.median(vals):>14.3f}" if vals else f"{'–':>14}")
         print(f"{part:>14} " + " ".join(cells))
 
 
@@ -238,6 +322,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(REPO / "configs" / "debug.toml"))
     p.add_argument("--standby", default="on,off", help="on, off or on,off (both, side by side)")
+    p.add_argument("--mem", default="off", help="the memory tier: off, on or on,off")
     p.add_argument("--target", default="all,rank1", help="all, rank1 or all,rank1")
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--train-s", type=float, default=2.0)
@@ -246,28 +331,45 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="more config overrides")
     args = p.parse_args()
     modes = [m.strip() == "on" for m in args.standby.split(",")]
+    mems = [m.strip() == "on" for m in args.mem.split(",")]
     targets = [t.strip() for t in args.target.split(",")]
-    results: dict[tuple[str, str], list[dict]] = {}
+    results: dict[tuple[str, str, bool], list[dict]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="es-downtime-"))
     try:
         for target in targets:
             for standby in modes:
-                rows, _ = run_one(args, standby, target, tmp)
-                results[("warm" if standby else "cold", target)] = rows
+                for mem in mems:
+                    rows, _ = run_one(args, standby, target, mem, tmp)
+                    results[("warm" if standby else "cold", target, mem)] = rows
     finally:
         if args.keep:
             print(f"run dirs kept under {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    medians = {k: show(f"standby {'on' if k[0] == 'warm' else 'off'}, kill {k[1]}", rows)
-               for k, rows in results.items()}  # fmt: skip
+    medians = {
+        k: show(f"standby {'on' if k[0] == 'warm' else 'off'}, memory tier "
+                f"{'on' if k[2] else 'off'}, kill {k[1]}", rows)
+        for k, rows in results.items()
+    }  # fmt: skip
     show_parts(results)
     print()
     for target in targets:
-        w, c = medians.get(("warm", target)), medians.get(("cold", target))
-        if w is not None and c is not None:
-            print(f"kill {target}: warm {w:.3f} s vs cold {c:.3f} s median: {w / c:.2f}x "
-                  f"(goal <= 0.5 s and <= 0.25x)")  # fmt: skip
+        for mem in mems:
+            w = medians.get(("warm", target, mem), {}).get("downtime")
+            c = medians.get(("cold", target, mem), {}).get("downtime")
+            if w is not None and c is not None:
+                print(f"kill {target}{', memory tier on' if mem else ''}: warm {w:.3f} s vs "
+                      f"cold {c:.3f} s median downtime: {w / c:.2f}x "
+                      f"(goal <= 0.5 s and <= 0.25x)")  # fmt: skip
+    for key, m in medians.items():
+        if not key[2] or key[1] != "all" or m.get("lost_max") is None:
+            continue
+        ok = "MET" if m["lost_max"] <= 1 else "NOT MET"
+        print(f"{label(key)}: lost steps per SIGKILL of every rank: median {m['lost']:g}, max "
+              f"{m['lost_max']} (goal <= 1): {ok}")  # fmt: skip
+        if key[0] == "warm" and m.get("cost") is not None and args.size == "debug":
+            ok = "MET" if m["cost"] <= 1.0 else "NOT MET"
+            print(f"{label(key)}: median cost {m['cost']:.3f} s (goal <= 1.0 s): {ok}")
 
 
 if __name__ == "__main__":
