@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -178,3 +179,24 @@ def test_no_resume_ignores_and_forgets_the_memory_tier(tmp_path, mem_root):
     assert "RESUMED" not in fresh.stdout
     held = {json.loads(p.read_text())["step"] for p in directory.glob("rank-*/slot-*.json")}
     assert held and held <= {1, 2}, held  # the fresh run's own copies; none of the old timeline's
+
+
+def test_an_async_save_writes_the_memory_copy_out_and_resumes_bit_exact(tmp_path, mem_root):
+    """An async durable save on a step the memory tier copies anyway writes that copy out (no
+    second staging copy); the durable checkpoint so written resumes bit for bit."""
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
+    args = [*flags(tmp_path, "m"), "--async-ckpt"]
+    died = run_worker(2, *args, "--inject-rank", "1", "--inject-raise-at-step", "10", env=env)
+    assert died.returncode != 0
+    records = read_metrics(tmp_path / "m/metrics-0.jsonl")
+    staged = [
+        r["train/ckpt_stage_copy_seconds"] for r in records if "train/ckpt_stage_copy_seconds" in r
+    ]
+    assert staged and all(s == 0.0 for s in staged), staged  # borrowed: nothing copied again
+    shutil.rmtree(the_job_dir(mem_root))  # as if the node were new: the durable tier only
+    again = run_worker(2, *args, env=env)
+    assert again.returncode == 0, again.stderr
+    resumed = re.search(r"RESUMED from step=(\d+) \((\S+)\)", again.stdout)
+    assert resumed and int(resumed[1]) in (4, 8), again.stdout  # written from a borrowed copy
+    assert resumed[2] == str(naming.step_dir(tmp_path / "m-ckpt", int(resumed[1])))
+    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")

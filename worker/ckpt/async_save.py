@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from worker.ckpt import files, naming, storage
 from worker.ckpt.checkpointer import Checkpointer
 from worker.ckpt.fanout import FanoutResult, fan_out
-from worker.ckpt.staging import ReusedStager
+from worker.ckpt.staging import Loan, ReusedStager
 from worker.hooks import Hooks
 
 POLL_PAUSE_S = 0.005
@@ -153,6 +154,7 @@ class AsyncCheckpointer:
         self.inflight: InFlight | None = None
         self._step = -1
         self.stager = ReusedStager(on_staged=lambda: self.hooks.in_async_phase("stage", self._step))
+        self._last_stage = (0.0, 0)  # (copy seconds, bytes) of the newest staging
         self._saving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._retiring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retire")
         self.clean_stage_root()
@@ -166,9 +168,16 @@ class AsyncCheckpointer:
 
     # ---- saving -----------------------------------------------------------------------------
     @torch.no_grad()  # see Checkpointer.save
-    def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> SaveReport:
+    def save(
+        self,
+        step: int,
+        tokens_seen: int,
+        data: dict[str, Any],
+        borrow: Callable[[], Loan | None] | None = None,
+    ) -> SaveReport:
         """Wait for a save still in flight, then hand this step to the save thread. The state
-        must not change before `wait_staged` returns."""
+        must not change before `wait_staged` returns. `borrow`: the memory tier's copy of this
+        very step, written out instead of staging a second copy (one copy per step)."""
         started = time.perf_counter()
         drained = self.drain()
         waited = time.perf_counter()
@@ -190,7 +199,9 @@ class AsyncCheckpointer:
         marks.append(time.perf_counter())
         staged = threading.Event()
         state = {"model": model_sd, "optim": optim_sd}
-        copy = self._saving.submit(self._stage_write_copy, state, staged, stage, durable, step)
+        copy = self._saving.submit(
+            self._stage_write_copy, state, staged, stage, durable, step, borrow
+        )
         self.inflight = InFlight(step, meta, durable, stage, time.perf_counter(), copy, staged)
         done = time.perf_counter()
         names = ("prepare", "describe", "state_dict")
@@ -208,32 +219,37 @@ class AsyncCheckpointer:
         started = time.perf_counter()
         job.staged.wait()
         job.stage_reported = True
-        return StagedReport(
-            job.step, time.perf_counter() - started, self.stager.copy_seconds, self.stager.nbytes
-        )
+        return StagedReport(job.step, time.perf_counter() - started, *self._last_stage)
 
     @torch.no_grad()  # grad mode is per thread
     def _stage_write_copy(
-        self, state: dict, staged: threading.Event, stage: Path, durable: Path, step: int
+        self,
+        state: dict,
+        staged: threading.Event,
+        stage: Path,
+        durable: Path,
+        step: int,
+        borrow: Callable[[], Loan | None] | None = None,
     ) -> FanoutResult:
-        """Save thread: stage, write the stage copy with DCP, copy this rank's files out."""
+        """Save thread: stage (or borrow the memory tier's copy), write the stage copy with
+        DCP, copy this rank's files out."""
+        loan = None
         try:
-            snapshot = self.stager.stage(state)
+            loan = borrow() if borrow is not None else None
+            if loan is None:
+                snapshot = self.stager.stage(state)
+                self._last_stage = (self.stager.copy_seconds, self.stager.nbytes)
+            else:
+                snapshot = loan.snapshot
+                self._last_stage = (0.0, loan.nbytes)
+                self.hooks.in_async_phase("stage", step)
         finally:
             staged.set()  # the main thread may go on (a failure shows in this future)
-        writer = _StageWriter(
-            stage,
-            after_data=lambda: self.hooks.in_async_phase("write", step),
-            delay_s=self.hooks.write_delay_s,
-            sync_files=False,  # scratch: the durable copy is the one fsynced
-            padded=self.stager.padded,  # O_DIRECT from the staging block
-            before_write=partial(self.hooks.before_shard, step),
-        )
-        # The same state structure every save: DCP may reuse its plans (this thread's Python
-        # takes turns with the training step's; planning afresh cost the step 0.26 s per save
-        # of a 300 MB state here, cached plans 0.10 s).
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        dcp.save(snapshot, storage_writer=writer, process_group=self.write_pg, planner=planner)
+        try:
+            self._write_stage(snapshot, stage, step, loan.padded if loan else self.stager.padded)
+        finally:
+            if loan is not None:
+                loan.release()  # the memory tier may copy into that slot again
         result = fan_out(
             stage,
             durable,
@@ -244,6 +260,21 @@ class AsyncCheckpointer:
         if self.base.rank == 0:
             files.fsync_dir(durable.parent)  # the step dir's own entry, before any marker
         return result
+
+    def _write_stage(self, snapshot: dict, stage: Path, step: int, padded) -> None:
+        writer = _StageWriter(
+            stage,
+            after_data=lambda: self.hooks.in_async_phase("write", step),
+            delay_s=self.hooks.write_delay_s,
+            sync_files=False,  # scratch: the durable copy is the one fsynced
+            padded=padded,  # O_DIRECT from the staging block
+            before_write=partial(self.hooks.before_shard, step),
+        )
+        # The same state structure every save: DCP may reuse its plans (this thread's Python
+        # takes turns with the training step's; planning afresh cost the step 0.26 s per save
+        # of a 300 MB state here, cached plans 0.10 s).
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(snapshot, storage_writer=writer, process_group=self.write_pg, planner=planner)
 
     # ---- finishing --------------------------------------------------------------------------
     def poll(self) -> PollReport | None:

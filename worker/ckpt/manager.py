@@ -248,7 +248,8 @@ class AsyncManager(SyncManager):
 
     def _save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         self.step = step
-        report = self.saver.save(step, tokens_seen, data)
+        borrow = self.memory.lend(step) if self.memory is not None else None
+        report = self.saver.save(step, tokens_seen, data, borrow)
         self._report(report.drained)
         self.handover_seconds = report.call_seconds
         if report.drained:

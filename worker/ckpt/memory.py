@@ -26,6 +26,7 @@ import shutil
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from supervisor import protocol
 from worker.ckpt import rng
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
-from worker.ckpt.staging import ReusedStager, bytes_needed
+from worker.ckpt.staging import Loan, ReusedStager, bytes_needed
 from worker.hooks import Hooks
 
 FORMAT = "es-mem-1"
@@ -321,6 +322,11 @@ class MemoryTier:
         self._copy: Future | None = None
         self._copy_step = -1
         self._copied = threading.Event()
+        # Per slot, set once no writer reads it: an async durable save may write one out.
+        # Each loan gets an event of its own, so a copy waits only for loans made before it.
+        self._free = [threading.Event() for _ in range(SLOTS)]
+        for free in self._free:
+            free.set()
 
     # ---- set-up ----------------------------------------------------------------------------------
     def check_fit(self, state: dict[str, Any]) -> str | None:
@@ -360,14 +366,24 @@ class MemoryTier:
         meta = self.describe(step, tokens_seen, data, gather=False)
         self._copied.clear()
         self._copy_step = step
-        self._copy = self._thread.submit(self._copy_into, self.target, self.gen, state, meta)
+        self._copy = self._thread.submit(
+            self._copy_into, self.target, self.gen, state, meta, self._free[self.target]
+        )
         self.target = (self.target + 1) % SLOTS
         self.gen += 1
 
     @torch.no_grad()  # grad mode is per thread
-    def _copy_into(self, slot: int, gen: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _copy_into(
+        self,
+        slot: int,
+        gen: int,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        free: threading.Event,
+    ) -> None:
         try:
             target, stager = self.slots[slot], self.stagers[slot]
+            free.wait()  # an async durable save still writing this slot's older copy out
             if target.header is not None:
                 target.begin(gen)  # from here the slot is torn until sealed
             snapshot = stager.stage(state)  # maps the slot on its first use
@@ -386,6 +402,25 @@ class MemoryTier:
             target.seal(gen, record)
         finally:
             self._copied.set()
+
+    def lend(self, step: int) -> Callable[[], Loan | None] | None:
+        """The copy of `step` in flight, for an async durable save of the same step to write
+        out (one copy per step, not two); None when this step has none. The slot is not
+        copied into again until the loan is released."""
+        if self._copy is None or self._copy_step != step:
+            return None
+        slot, job = (self.target - 1) % SLOTS, self._copy
+        released = threading.Event()
+        self._free[slot] = released  # the next copy into this slot waits for it
+
+        def borrow() -> Loan | None:
+            if job.exception() is not None:  # waits for the copy; it failed: stage afresh
+                released.set()
+                return None
+            stager = self.stagers[slot]
+            return Loan(stager.staged, stager.padded, stager.nbytes, released.set)
+
+        return borrow
 
     def wait_copied(self) -> CopyReport | None:
         """Before the optimizer step: block until the copy in flight is done. A copy that

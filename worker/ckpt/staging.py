@@ -5,6 +5,8 @@ waits for the copy)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,6 +14,17 @@ from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_d
 from torch.distributed.tensor import DTensor
 
 from worker.ckpt import storage
+
+
+@dataclass(frozen=True)
+class Loan:
+    """A staged copy lent to a writer: its state dict (views of the block), the whole padded
+    slot of each of its tensors, and what to call once the writer is done with them."""
+
+    snapshot: dict[str, Any]
+    padded: Callable[[torch.Tensor], torch.Tensor | None]
+    nbytes: int
+    release: Callable[[], None]
 
 
 class ReusedStager:
@@ -22,6 +35,7 @@ class ReusedStager:
 
     def __init__(self, on_staged=lambda: None, allocate=None):
         self._cache: dict[str, Any] | None = None
+        self._latest: dict[str, Any] | None = None
         self._block: torch.Tensor | None = None
         self._slots: dict[int, torch.Tensor] = {}  # data_ptr -> the padded bytes of a slot
         self._cursor = 0
@@ -43,6 +57,7 @@ class ReusedStager:
             self._allocate(state_dict)
             staged = _copy_state_dict(state_dict, self._cache)
         self.copy_seconds = time.perf_counter() - started
+        self._latest = staged
         self._on_staged()
         return staged
 
@@ -85,8 +100,14 @@ class ReusedStager:
             return type(tree)(self._mirror(v) for v in tree)
         return tree
 
+    @property
+    def staged(self) -> dict[str, Any] | None:
+        """The newest staging as `stage` returned it: tensors in the block, and this staging's
+        values of everything else (the mirror itself keeps those of its first)."""
+        return self._latest
+
     def close(self) -> None:
-        self._cache = self._block = None
+        self._cache = self._block = self._latest = None
         self._slots = {}
 
 
