@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,11 @@ MEM_PREFIX = "es-mem-"
 
 
 def mem_root(env: dict[str, str] | os._Environ) -> str:
-    return env.get(ENV_MEM_ROOT) or MEM_ROOT_DEFAULT
+    """`ES_MEM_ROOT`, else /dev/shm, else (a system without it) the temp dir: the page cache
+    then holds the slots, and the tier still works."""
+    if env.get(ENV_MEM_ROOT):
+        return env[ENV_MEM_ROOT]
+    return MEM_ROOT_DEFAULT if os.path.isdir(MEM_ROOT_DEFAULT) else tempfile.gettempdir()
 
 
 def mem_dir(root: str | os.PathLike, tag: str) -> str:

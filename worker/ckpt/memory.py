@@ -307,15 +307,19 @@ class MemoryTier:
         self.model, self.optimizer = model, optimizer
         self.describe = describe  # (step, tokens, data, gather=False) -> meta without tensors
         self.hooks = hooks
-        self.enabled = True
+        self.enabled = True  # until the first copy's collective check says otherwise
         self.fit_checked = False
         self.off_reason = ""
-        hold(directory)
         self.rank_dir = rank_dir(directory, expect.rank)
-        self.rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            hold(directory)
+            self.rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.broken = None
+        except OSError as exc:  # every rank still joins the check, which turns the tier off
+            self.broken = f"{directory} cannot be used ({exc.strerror or exc})"
         self.slots = [_Slot(*slot_paths(directory, expect.rank, s)) for s in range(SLOTS)]
         self.stagers = [ReusedStager(allocate=slot.map) for slot in self.slots]
-        held, _ = find(directory, expect)
+        held, _ = find(directory, expect) if self.broken is None else ([], [])
         self.gen = 1 + max((h.gen for h in held), default=0)
         self.target = (held[0].slot + 1) % SLOTS if held else 0  # never the newest complete
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem-ckpt")
@@ -335,7 +339,9 @@ class MemoryTier:
         node's free shared memory with a margin, on every node, else the tier is off everywhere.
         Returns why it is off."""
         need = bytes_needed(state) + HEADER_BYTES
-        problem = fit_problem(self.directory, need * SLOTS * self.local_world, self._reusable())
+        problem = self.broken or fit_problem(
+            self.directory, need * SLOTS * self.local_world, self._reusable()
+        )
         ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if int(ok[0]):

@@ -95,8 +95,11 @@ def choose_memory(
     """Collective: every rank's slot of the newest step that every rank holds complete, when it
     is newer than the newest complete durable checkpoint (`newest_durable`: rank 0's word);
     None, on every rank alike, on any doubt."""
-    memory.hold(directory)
-    held, refused = memory.find(directory, expect)
+    try:
+        memory.hold(directory)
+        held, refused = memory.find(directory, expect)
+    except OSError as exc:  # this rank holds nothing usable; the agreement still needs it
+        held, refused = [], [f"{directory}: {exc.strerror or exc}"]
     agreed = memory.agree(held, expect.world, newest_durable)
     durable = "none" if agreed.durable is None else f"step {agreed.durable}"
     if agreed.step is None:
