@@ -13,6 +13,7 @@ once the model, optimizer and scheduler exist.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -136,6 +137,7 @@ class SyncManager(CheckpointManager):
         self.base = base
         self.metrics, self.beacon, self.say = metrics, beacon, say
         self.memory = memory_tier
+        self.memory_handover = 0.0  # what the memory tier's save call blocked, after the step
 
     def load(self, chosen: Path | MemoryChoice | None) -> Resumed | None:
         if chosen is None:
@@ -159,14 +161,17 @@ class SyncManager(CheckpointManager):
 
     def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         if self.memory is not None and self.memory.due(step):
+            started = time.perf_counter()
             self.memory.save(step, tokens_seen, data)
+            self.memory_handover = time.perf_counter() - started
 
     def before_update(self) -> None:
         if self.memory is None:
             return
         copied = self.memory.wait_copied()
-        if copied is not None:
-            self.metrics.add_to_next("train/mem_ckpt_stall_seconds", copied.wait_seconds)
+        if copied is not None:  # the stall: the hand-over after the step, then this wait
+            stall = self.memory_handover + copied.wait_seconds
+            self.metrics.add_to_next("train/mem_ckpt_stall_seconds", stall)
             self.metrics.add_to_next("train/mem_ckpt_copy_seconds", copied.copy_seconds)
         if not self.memory.enabled and self.memory.off_reason:  # said once
             self.say(f"WARNING: memory tier off: {self.memory.off_reason}", flush=True)
