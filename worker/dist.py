@@ -123,15 +123,74 @@ def rendezvous_address(info: RankInfo) -> tuple[str, int]:
             f"launched by {info.launcher} without MASTER_ADDR/MASTER_PORT; set both, "
             "or launch with mpiexec or torchrun"
         )
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    comm = mpi_world()
     if comm.Get_rank() == 0:
         single_node = info.local_world == info.world
         choice = ("127.0.0.1" if single_node else socket.getfqdn(), _free_port())
     else:
         choice = None
     return comm.bcast(choice, root=0)
+
+
+# Shared-memory segments MPICH names in /dev/shm (ch4 posix: `mpich_shm_<world>_<node>`, and
+# `mpich_vci_<world>_<node>` with more than one VCI). Only MPI_Finalize unlinks them.
+MPI_SHM_PREFIXES = ("mpich_shm_", "mpich_vci_")
+
+
+def mpi_shm_paths(maps: str, prefixes: tuple[str, ...] = MPI_SHM_PREFIXES) -> list[str]:
+    """Pure: the MPI shared-memory files a `/proc/<pid>/maps` text shows mapped (once each,
+    in order; those already unlinked, `… (deleted)`, left out)."""
+    found: list[str] = []
+    for line in maps.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 6:
+            continue
+        path = parts[5]
+        if path.endswith(" (deleted)"):
+            continue
+        directory, _, name = path.rpartition("/")
+        if directory and name.startswith(prefixes) and path not in found:
+            found.append(path)
+    return found
+
+
+def release_mpi_shm(maps_path: str = "/proc/self/maps") -> list[str]:
+    """Unlink the names of MPI's node shared memory that this process maps; the mappings stay
+    and the memory goes with the last rank of the node, however it ends. Call it only once
+    every local rank has mapped them (after MPI_Init on all: `mpi_world`'s barrier). MPICH
+    unlinks them only in MPI_Finalize, so every SIGKILLed rank (and every MPI_Abort or
+    `os._exit`) left one segment per node in /dev/shm. Returns what it unlinked."""
+    try:
+        with open(maps_path) as f:
+            maps = f.read()
+    except OSError:
+        return []
+    released = []
+    for path in mpi_shm_paths(maps):
+        try:
+            os.unlink(path)
+        except OSError:  # another local rank was first, or it is not ours to remove
+            continue
+        released.append(path)
+    return released
+
+
+def mpi_world():
+    """MPI's COMM_WORLD, initialised on first use (importing mpi4py runs MPI_Init); once every
+    rank is past MPI_Init (a barrier), the node's MPI shared-memory names are released, so a
+    rank killed later leaves nothing in /dev/shm (under the supervisor or by hand)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    global _mpi_shm_released
+    if not _mpi_shm_released:
+        comm.Barrier()
+        release_mpi_shm()
+        _mpi_shm_released = True
+    return comm
+
+
+_mpi_shm_released = False
 
 
 def init_process_group(info: RankInfo, backend: str, device_type: str, timeout_s: float):
