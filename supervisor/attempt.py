@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from supervisor import decisions, launcher, protocol
+from supervisor import decisions, launcher, protocol, stacks
 from supervisor.control import ControlServer
 from supervisor.decisions import AttemptRecord, Finding, Outcome
 from supervisor.fault_hooks import FaultHooks
 from supervisor.heartbeat import AttemptTable
 from supervisor.launcher import Exit, LaunchPlan, TeardownResult
 from supervisor.resolve import Resolved
+from supervisor.stack_text import summary_lines
 from supervisor.stop import StopRequests
 
 PROGRESS_EVERY_S = 5.0  # a `progress` event at most this often
@@ -32,6 +33,7 @@ TAIL_LINES = 15  # rank output shown when an attempt fails
 EXIT_FOLLOW_S = 0.1  # after a rank's process ended, how long to wait for the launcher's exit
 ABORT_GRACE_S = 0.5  # teardown grace when the supervisor itself fails mid-attempt
 OUTPUT_READ_S = 1.0  # after teardown, how long to wait for the ranks' last output lines
+STACKS_SLACK_S = 2.0  # beyond stacks.TOTAL_S: the collection itself is late (a loaded host)
 
 
 class Running(Protocol):
@@ -132,6 +134,7 @@ class Attempt:
         self.ready_at: float | None = None  # monotonic: every standby rank said it waits
         self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
         self.prepared = ""  # what a standby holds ready, as its rank 0 says it
+        self.launched_wall = time.time()  # its ranks started after this (a pid's owner check)
 
     def emit(self, event: str, **facts: Any) -> None:
         self.s.emit(event, attempt=self.number, **facts)
@@ -203,6 +206,7 @@ class Attempt:
         except OSError as exc:  # a full run dir: the attempt runs all the same
             self.emit("run_dir_unwritable", path=str(self.dir), error=exc.strerror or str(exc))
         self.table.launched_at = time.monotonic()
+        self.launched_wall = time.time()
         return plan
 
     def _launched(self, running: Running) -> None:
@@ -305,7 +309,10 @@ class Attempt:
             if exit_task in done:
                 return _End("exit", exit_task, exit=exit_task.result())
             if watch_task in done:
-                return await self._judged(watch_task.result(), exit_task)
+                finding, detected = watch_task.result()
+                if finding.kind in ("hang", "no_progress"):
+                    await self._found(finding, detected)
+                return await self._judged(finding, exit_task)
             grace_end = await self._graceful_stop(running, exit_task, stop)
             return _End("stop", exit_task, exit=grace_end, stopping=True)
         finally:
@@ -391,8 +398,9 @@ class Attempt:
         return AttemptResult(self.number, outcome, finding, record)
 
     # --- watching -----------------------------------------------------------------------------
-    async def _watch(self, running: Running) -> Finding:
-        """Judge liveness and progress every check_s; return the first finding."""
+    async def _watch(self, running: Running) -> tuple[Finding, float]:
+        """Judge liveness and progress every check_s; return the first finding and when it was
+        made. A rank gone is said at once; a hang or no progress once the stacks are in."""
         hb, table = self.cfg.heartbeat, self.table
         period = decisions.judge_period(table.world, hb.check_s)
         last_refresh = 0.0
@@ -402,22 +410,66 @@ class Attempt:
             self._check_local_pids(now)
             finding = decisions.judge_ranks(table.ranks, table.world, now, table.launched_at, hb)
             if finding is not None:
-                self.emit(
-                    finding.kind,
-                    ranks=list(finding.ranks),
-                    reason=finding.reason,
-                    phase=finding.phase,
-                    step=finding.step,
-                    deadline_mono=round(finding.deadline, 6),
-                    detected_mono=round(now, 6),
-                    latency_s=round(now - finding.deadline, 6),
-                )
-                return finding
+                if finding.kind == "rank_exit":
+                    self._emit_finding(finding, now)
+                return finding, now
             self.s.faults.poke(table, now)  # time triggers (and anything else now due)
             if now - last_refresh > REFRESH_TREE_S:
                 last_refresh = now
                 running.refresh(self._rank_pids())
             self._maybe_progress(now)
+
+    def _emit_finding(self, finding: Finding, detected: float, **extra: Any) -> None:
+        self.emit(
+            finding.kind,
+            ranks=list(finding.ranks),
+            reason=finding.reason,
+            phase=finding.phase,
+            step=finding.step,
+            deadline_mono=round(finding.deadline, 6),
+            detected_mono=round(detected, 6),
+            latency_s=round(detected - finding.deadline, 6),
+            **extra,
+        )
+
+    async def _found(self, finding: Finding, detected: float) -> None:
+        """A hang or no progress: every rank's stacks before the teardown (bounded; whatever
+        happens there, the teardown follows), then the finding's event, which names them."""
+        directory = self.dir / protocol.STACKS_DIR
+        try:
+            got = await asyncio.wait_for(
+                stacks.collect(
+                    self.dir,
+                    self.table.ranks,
+                    self.table.world,
+                    this_host=launcher.this_host(),
+                    launched_wall=self.launched_wall,
+                    ask_remote=self._ask_for_stacks if self.s.control is not None else None,
+                ),
+                stacks.TOTAL_S + STACKS_SLACK_S,
+            )
+        except Exception as exc:  # a bug or a broken run dir must not keep the ranks alive
+            facts: dict[str, Any] = {
+                "stacks_dir": str(directory),
+                "stacks_error": f"{type(exc).__name__}: {exc}",
+            }
+        else:
+            facts = {
+                "stacks_dir": str(got.directory),
+                "stacks": summary_lines(got.stacks, finding.ranks),
+                "stacks_missing": got.missing,
+                "stacks_s": round(got.seconds, 3),
+            }
+        self._emit_finding(finding, detected, **facts)
+
+    def _ask_for_stacks(self, rank: int) -> str | None:
+        """A rank on another host: it signals itself (the control channel's `signal`)."""
+        assert self.s.control is not None
+        message = protocol.control_message(
+            self.s.job_id, self.number, rank, time.time(), "signal", 0,
+            signal=int(protocol.STACKS_SIGNAL),
+        )  # fmt: skip
+        return self.s.control.send(self.number, rank, message)
 
     def _check_local_pids(self, now: float) -> None:
         """A rank on this host whose process is gone (under mpiexec or srun) is seen at once."""

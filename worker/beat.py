@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor import protocol
+from worker import stack_dump
 from worker.errors import UsageError
 
 QUEUE_SIZE = 1024
@@ -304,6 +305,8 @@ class ZmqBeacon(Beacon):
                 self.control_dropped += 1
                 continue
             if cmd["action"] == "signal":
+                if cmd["signal"] == protocol.STACKS_SIGNAL and not stack_dump.installed():
+                    continue  # its default action would end a process without the handler
                 os.kill(os.getpid(), cmd["signal"])
             elif cmd["action"] in protocol.STANDBY_ACTIONS:
                 self._standby.put(cmd["action"])

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from supervisor import protocol
+from worker import stack_dump
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
 from worker.ckpt import owner
@@ -66,6 +67,8 @@ def check_paths(args: TrainArgs) -> None:
 def main(argv: list[str] | None = None) -> int:
     info = detect_rank(os.environ)
     stop = StopRequest()  # early: a stop asked for during start-up is honoured after step one
+    # Early too: a rank stuck anywhere from here on can be asked for its stacks (SIGUSR2).
+    stack_dump.install(os.environ, info.rank)
     say = print if info.rank == 0 else (lambda *a, **k: None)
     try:
         args = parse_args(argv)
