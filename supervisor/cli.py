@@ -345,8 +345,28 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
             f"(detected by {f.get('detected_by')}; resumed from {f.get('resume_step')}{source}, "
             f"reached {f.get('max_step')})"
         )
+        out += stacks_lines(events, f.get("attempt"))
     else:
         out.append("last failure: none")
+    return out
+
+
+def stacks_lines(events: list[dict], attempt: object) -> list[str]:
+    """The stacks a hang or no progress of `attempt` left (where, and a line per rank)."""
+    found = [
+        e
+        for e in events
+        if e.get("event") in ("hang", "no_progress") and e.get("attempt") == attempt
+    ]
+    if not found or "stacks_dir" not in found[-1]:
+        return []
+    e = found[-1]
+    out = [f"  stacks: {e['stacks_dir']}"]
+    if e.get("stacks_error"):
+        out.append(f"    not collected: {e['stacks_error']}")
+    lines = e.get("stacks")
+    if isinstance(lines, list):
+        out += [f"    {line}" for line in lines if isinstance(line, str)]
     return out
 
 

@@ -133,14 +133,23 @@ class _Console:
 
 
 def render(event: dict[str, Any], renderer: Any = None) -> str:
-    """One event as a line for people: time, level, event name, its facts."""
+    """One event as a line for people: time, level, event name, its facts. A hang's or no
+    progress's `stacks` (a line per rank: its state, where its main thread is) follow on lines
+    of their own."""
     renderer = renderer or structlog.dev.ConsoleRenderer(colors=False, pad_event_to=16)
     shown = {k: v for k, v in event.items() if k not in _HIDDEN}
+    below = shown.pop("stacks", None)
+    if not (isinstance(below, list) and all(isinstance(x, str) for x in below)):
+        if below is not None:
+            shown["stacks"] = below
+        below = []
+    if shown.get("stacks_missing") == []:
+        del shown["stacks_missing"]
     ts = event.get("ts")
     if isinstance(ts, (int, float)):
         shown["timestamp"] = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 10)}"
     shown["level"] = level_of(event)
-    return renderer(None, shown["level"], shown)
+    return renderer(None, shown["level"], shown) + "".join(f"\n    {x}" for x in below)
 
 
 class EventLog:

@@ -133,6 +133,9 @@ class Failure:
     fault: bool = False
     relaunch: str | None = None  # warm (a standby took over) | cold | None (not relaunched)
     resumed_source: str | None = None  # memory | durable (a memory tier), None: not said
+    # A hang or no progress: where its ranks' stacks went, and a line per rank (state, place).
+    stacks_dir: str | None = None
+    stacks: list[str] = field(default_factory=list)
 
     @property
     def total_s(self) -> float | None:
@@ -332,6 +335,10 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
             failed_at = own[-1].t if own else _ts(finding or end)
             cause = f"natural: {end.get('detail')}"
         detected_at = _wall(teardown, teardown["start_mono"]) if teardown else _ts(end)
+        if finding is not None and isinstance(finding.get("detected_mono"), (int, float)):
+            # The finding itself: the stacks collected after it (before the teardown) are
+            # downtime, not detection.
+            detected_at = _wall(finding, finding["detected_mono"])
         steps = [r.step for r in own]
         at_failure = end.get("max_step")
         if steps and (at_failure is None or max(steps) > at_failure):
@@ -397,9 +404,20 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
                 fault=fault is not None,
                 relaunch=mode,
                 resumed_source=source if isinstance(source, str) else None,
+                **_stacks_of(finding),
             )
         )
     return out
+
+
+def _stacks_of(finding: dict | None) -> dict[str, Any]:
+    if finding is None or not isinstance(finding.get("stacks_dir"), str):
+        return {}
+    lines = finding.get("stacks")
+    lines = [x for x in lines if isinstance(x, str)] if isinstance(lines, list) else []
+    if finding.get("stacks_error"):
+        lines.append(f"not collected: {finding['stacks_error']}")
+    return {"stacks_dir": finding["stacks_dir"], "stacks": lines}
 
 
 def _checkpoints(ev: list[dict], records: list[StepRecord]) -> Checkpoints:

@@ -54,6 +54,27 @@ def failures_md(a: Analysis) -> list[str]:
     return table(FAILURE_HEADER, [failure_row(i + 1, f) for i, f in enumerate(a.failures)])
 
 
+def stacks_md(a: Analysis) -> list[str]:
+    """A line per hang or no progress: each rank's state and where its main thread was when it
+    was found, and where the stack files are (empty when no failure left stacks)."""
+    out = []
+    for i, f in enumerate(a.failures):
+        if f.stacks_dir is None:
+            continue
+        where = _below(f.stacks_dir, a.run_dir)
+        ranks = "; ".join(f.stacks) or "none collected"
+        out.append(f"- #{i + 1} (attempt {f.attempt}, {f.detected_by}): {ranks} (`{where}`)")
+    return out
+
+
+def _below(path: str, run_dir: Path) -> str:
+    """`attempts/001/stacks/` when the path lies in the run dir."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(run_dir).resolve())) + "/"
+    except ValueError:
+        return path
+
+
 def totals_md(a: Analysis) -> list[str]:
     t = a.totals
     rows = [
@@ -136,11 +157,15 @@ def render(a: Analysis) -> str:
     lines += ["## Per failure", "", *failures_md(a), ""]
     lines += [
         "detection: failure (the fault's time, else the launcher's exit or the last step) → "
-        "teardown began; relaunch: warm (the standby took over) or cold (new processes); "
+        "the supervisor's finding (a hang or no progress) or teardown began (an exit); "
+        "relaunch: warm (the standby took over) or cold (new processes); "
         "downtime: failure → first productive step after resume; total: "
         "downtime + recomputing the lost steps.",
         "",
     ]
+    stacks = stacks_md(a)
+    if stacks:
+        lines += ["## Stacks at each hang or no progress", "", *stacks, ""]
     lines += ["## Totals", "", *totals_md(a), ""]
     lines += ["## Checkpoints", "", *checkpoints_md(a), ""]
     lines += ["## Checkpoint interval (Young/Daly)", "", *interval_md(a), ""]

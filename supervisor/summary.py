@@ -30,6 +30,11 @@ def summary(a: Analysis, written: list[Path]) -> str:
         lines += _columns(
             ["#", "failure", "detected by", "in", "relaunch", "downtime", "lost", "resumed"], rows
         )
+        lines += [
+            f"  #{i + 1} stacks: {'; '.join(f.stacks) or 'none collected'}"
+            for i, f in enumerate(a.failures)
+            if f.stacks_dir is not None
+        ]
     c = a.checkpoints
     if c.saves:
         lines.append(

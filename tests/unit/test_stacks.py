@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.cli import status_lines
+from supervisor.events import render
+from supervisor.report import analyze, load_run
+from supervisor.report_md import render as render_md
+from supervisor.report_md import stacks_md
 from supervisor.stack_text import (
     Frame,
     Place,
@@ -25,6 +30,8 @@ from supervisor.stack_text import (
     short_path,
     summary_lines,
 )
+from supervisor.summary import summary
+from tests.support import events, synthetic_events, synthetic_metrics, write_run
 
 DUMPS = Path(__file__).parent / "stack_dumps"
 
@@ -168,3 +175,50 @@ def test_lines_per_rank_grouped_the_findings_first():
 def test_ranks_as_ranges():
     assert ranks_text([3]) == "rank 3"
     assert ranks_text([5, 0, 1, 2, 7, 8]) == "ranks 0-2,5,7-8"
+
+
+# --- the lines where people look: tail, status, the report -------------------------------------
+LINES = [
+    "rank 1 stopped in worker/loop.py:81 train_step",
+    "rank 0 running in torch/distributed/distributed_c10d.py:4394 all_gather_single "
+    "(from worker/loop.py:81 train_step)",
+]
+
+
+def run_with_stacks(tmp_path: Path) -> Path:
+    evs = synthetic_events()
+    i = next(i for i, e in enumerate(evs) if e["event"] == "hang")
+    stacks_dir = str(tmp_path / "run" / "attempts" / "001" / "stacks")
+    evs[i] = {**evs[i], "stacks_dir": stacks_dir, "stacks": LINES, "stacks_missing": [],
+              "stacks_s": 0.12}  # fmt: skip
+    return write_run(tmp_path / "run", evs, synthetic_metrics())
+
+
+def test_tail_shows_a_line_per_rank_under_the_event(tmp_path):
+    run = run_with_stacks(tmp_path)
+    hang = next(e for e in events(run) if e["event"] == "hang")
+    text = render(hang)
+    head, *below = text.split("\n")
+    assert "hang" in head and "stacks_dir=" in head and "stacks_s=0.12" in head
+    assert "stacks_missing" not in head and "stopped in" not in head
+    assert below == [f"    {line}" for line in LINES]
+
+
+def test_status_names_the_stacks_of_the_last_failure(tmp_path):
+    run = run_with_stacks(tmp_path)
+    out = status_lines(events(run), {}, run)
+    at = next(i for i, line in enumerate(out) if line.startswith("last failure: attempt 1"))
+    assert out[at + 1] == f"  stacks: {run}/attempts/001/stacks"
+    assert out[at + 2 :] == [f"    {line}" for line in LINES]
+
+
+def test_the_report_has_a_line_per_failure_with_its_stacks(tmp_path):
+    run = run_with_stacks(tmp_path)
+    a = analyze(load_run(run))
+    f1, f2 = a.failures
+    assert f1.stacks_dir is None and f1.stacks == []  # an exit: no stacks
+    assert f2.stacks_dir == f"{run}/attempts/001/stacks" and f2.stacks == LINES
+    expected = f"- #2 (attempt 1, liveness): {'; '.join(LINES)} (`attempts/001/stacks/`)"
+    assert stacks_md(a) == [expected]
+    assert f"## Stacks at each hang or no progress\n\n{expected}\n" in render_md(a)
+    assert f"  #2 stacks: {'; '.join(LINES)}" in summary(a, []).splitlines()
