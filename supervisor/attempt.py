@@ -134,7 +134,6 @@ class Attempt:
         self.ready_at: float | None = None  # monotonic: every standby rank said it waits
         self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
         self.prepared = ""  # what a standby holds ready, as its rank 0 says it
-        self.launched_wall = time.time()  # its ranks started after this (a pid's owner check)
 
     def emit(self, event: str, **facts: Any) -> None:
         self.s.emit(event, attempt=self.number, **facts)
@@ -206,7 +205,6 @@ class Attempt:
         except OSError as exc:  # a full run dir: the attempt runs all the same
             self.emit("run_dir_unwritable", path=str(self.dir), error=exc.strerror or str(exc))
         self.table.launched_at = time.monotonic()
-        self.launched_wall = time.time()
         return plan
 
     def _launched(self, running: Running) -> None:
@@ -443,7 +441,6 @@ class Attempt:
                     self.table.ranks,
                     self.table.world,
                     this_host=launcher.this_host(),
-                    launched_wall=self.launched_wall,
                     ask_remote=self._ask_for_stacks if self.s.control is not None else None,
                 ),
                 stacks.TOTAL_S + STACKS_SLACK_S,

@@ -68,13 +68,12 @@ async def collect(
     world: int,
     *,
     this_host: str,
-    launched_wall: float,
     ask_remote: Callable[[int], str | None] | None = None,
     total_s: float = TOTAL_S,
     signal_wait_s: float = SIGNAL_WAIT_S,
 ) -> Collected:
     """Collect every rank's stacks (see the module's doc); never raises for one rank's sake."""
-    c = _Collection(attempt_dir, world, this_host, launched_wall, ask_remote, total_s)
+    c = _Collection(attempt_dir, world, this_host, ask_remote, total_s)
     await c.run(ranks, signal_wait_s)
     return Collected(c.directory, [c.done[r] for r in sorted(c.done)], c.elapsed())
 
@@ -85,7 +84,6 @@ class _Collection:
         attempt_dir: Path,
         world: int,
         this_host: str,
-        launched_wall: float,
         ask_remote: Callable[[int], str | None] | None,
         total_s: float,
     ) -> None:
@@ -93,7 +91,6 @@ class _Collection:
         self.directory = Path(protocol.stacks_path(attempt_dir, 0)).parent
         self.world = world
         self.this_host = this_host
-        self.launched_wall = launched_wall
         self.ask_remote = ask_remote
         self.t0 = time.monotonic()
         self.deadline = self.t0 + total_s
@@ -201,14 +198,13 @@ class _Collection:
             sigcgt = "0"
         return status, catches(sigcgt, protocol.STACKS_SIGNAL)
 
-    def _ours(self, pid: int) -> bool:
-        """A process of this attempt: our descendant, started with it (not a recycled pid)."""
+    @staticmethod
+    def _ours(pid: int) -> bool:
+        """A process of ours (a descendant: the launcher's, or an orphan we reaped as the
+        subreaper): a pid a rank said is never signalled unless it is."""
         try:
-            proc = psutil.Process(pid)
-            if proc.create_time() < self.launched_wall - 1:
-                return False
             me = os.getpid()
-            return any(p.pid == me for p in proc.parents())
+            return any(p.pid == me for p in psutil.Process(pid).parents())
         except psutil.Error:
             return False
 
