@@ -217,13 +217,19 @@ class _Collection:
         names = {f"rank-{rank}.txt": rank for rank in waiting}
         while names:
             try:
-                present = set(os.listdir(self.directory)) & set(names)
+                present = sorted(set(os.listdir(self.directory)) & set(names))
             except OSError:
-                present = set()
-            for name in present:
-                rank = names.pop(name)
-                st, shown = waiting[rank]
-                self._summarize(st, shown, "signal")
+                present = []
+            if present:  # read off the event loop: thousands of files on a shared file system
+                texts = await asyncio.to_thread(_read_all, [self.directory / n for n in present])
+                for name, text in zip(present, texts, strict=True):
+                    rank = names.pop(name)
+                    st, shown = waiting[rank]
+                    if isinstance(text, OSError):
+                        why = f"its stack file cannot be read ({text.strerror})"
+                        self._none(rank, shown, why, st, write=False)
+                    else:
+                        self._summarize(st, shown, "signal", text)
             if not names or time.monotonic() >= until:
                 return
             await asyncio.sleep(POLL_S)
@@ -240,7 +246,7 @@ class _Collection:
             if failure is None:
                 cmd = "py-spy dump --nonblocking --full-filenames"
                 self._write(st.rank, f"{header} with {cmd}\n\n{out}")
-                self._summarize_text(st, shown, "py-spy", out)
+                self._summarize(st, shown, "py-spy", out)
                 return
         note = f"{failure}; {kernel_view(st.pid)}"
         self._write(st.rank, f"{header}\n# no stack: {note}\n")
@@ -278,17 +284,7 @@ class _Collection:
         return text, None
 
     # --- results ------------------------------------------------------------------------------
-    def _summarize(self, st: RankState, shown: str, how: str) -> None:
-        path = protocol.stacks_path(self.attempt_dir, st.rank)
-        try:
-            with open(path, "rb") as f:
-                text = f.read(READ_BYTES).decode(errors="replace")
-        except OSError as exc:
-            self._none(st.rank, shown, f"its stack file cannot be read ({exc.strerror})", st)
-            return
-        self._summarize_text(st, shown, how, text)
-
-    def _summarize_text(self, st: RankState, shown: str, how: str, text: str) -> None:
+    def _summarize(self, st: RankState, shown: str, how: str, text: str) -> None:
         place = place_of(text)
         if place is None:
             self._none(st.rank, shown, "its stack file shows no frame of its main thread", st,
@@ -318,6 +314,17 @@ class _Collection:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _read_all(paths: list[Path]) -> list[str | OSError]:
+    out: list[str | OSError] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                out.append(f.read(READ_BYTES).decode(errors="replace"))
+        except OSError as exc:
+            out.append(exc)
+    return out
 
 
 def kernel_view(pid: int) -> str:

@@ -41,15 +41,23 @@ def installed() -> bool:
 
 
 def install(env: Mapping[str, str], rank: int) -> str:
-    """Register the handler; return where dumps go."""
+    """Register the handler; return where dumps go ("" when it cannot be: the rank trains all
+    the same, and the supervisor reads it from outside)."""
     global _installed
     if _installed is not None:
         return _installed
+    try:
+        _installed = _install(env, rank)
+    except (OSError, RuntimeError, ValueError, AttributeError):  # no stderr, no pipe, no thread
+        return ""
+    return _installed
+
+
+def _install(env: Mapping[str, str], rank: int) -> str:
     attempt_dir = env.get(protocol.ENV_ATTEMPT_DIR)
     if not attempt_dir:
         faulthandler.register(protocol.STACKS_SIGNAL, file=sys.stderr, all_threads=True)
-        _installed = "stderr"
-        return _installed
+        return "stderr"
     read_fd, write_fd = os.pipe()  # neither is inherited by a program this rank may exec
     with contextlib.suppress(OSError, AttributeError):
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -58,10 +66,13 @@ def install(env: Mapping[str, str], rank: int) -> str:
     faulthandler.register(protocol.STACKS_SIGNAL, file=write_fd, all_threads=True, chain=False)
     path = protocol.stacks_path(attempt_dir, rank)
     header = f"# rank {rank} (pid {os.getpid()} on {socket.gethostname()}): its own dump"
-    threading.Thread(
-        target=_copy_dumps, args=(read_fd, path, header), name="es-stacks", daemon=True
-    ).start()
-    _installed = path
+    try:
+        threading.Thread(
+            target=_copy_dumps, args=(read_fd, path, header), name="es-stacks", daemon=True
+        ).start()
+    except RuntimeError:
+        faulthandler.unregister(protocol.STACKS_SIGNAL)
+        raise
     return path
 
 
