@@ -17,7 +17,7 @@ import sys
 from typing import IO, Any
 
 from supervisor import config as config_mod
-from supervisor import decisions, fault_hooks, launcher, memdir
+from supervisor import decisions, fault_hooks, hygiene, launcher, memdir
 from supervisor.attempt import Attempt, AttemptResult, Launcher, Shared
 from supervisor.control import ControlServer, bind_for
 from supervisor.decisions import AttemptRecord, Decision, ExitCode
@@ -29,6 +29,7 @@ from supervisor.standby import StandbyKeeper
 from supervisor.stop import StopRequests
 
 BAD_MESSAGES_EVERY_S = 5.0
+SWEEP_NAMED = 50  # paths a node_sweep event names (it counts them all)
 
 __all__ = ["Job", "Resolved", "resolve"]  # cli and experiment resolve through this module
 
@@ -68,6 +69,7 @@ class Job:
         code, reason = ExitCode.ERROR, "internal error"
         try:
             self._open_memory_tier()
+            self._sweep_node("start")
             code, reason = await self._attempts(first_attempt)
         finally:
             await self._close(services, code, reason)
@@ -115,6 +117,7 @@ class Job:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.request)
         self._close_memory_tier()  # first: whatever fails below, the node's memory is freed
+        self._close_node_scratch()
         for task in services:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -271,6 +274,24 @@ class Job:
             self.emit("mem_removed", path=held.path)
         else:
             self.emit("mem_remove_failed", path=held.path, error=error)
+
+    def _sweep_node(self, when: str) -> None:
+        """What killed runs left on this node and nothing holds any more (`hygiene.sweep`)."""
+        removed = hygiene.sweep()
+        if removed:  # after a day of runs from before the fix: hundreds
+            self.emit("node_sweep", when=when, count=len(removed), paths=removed[:SWEEP_NAMED])
+
+    def _close_node_scratch(self) -> None:
+        """The job is over: its async stage dir goes, then whatever its attempts left."""
+        env = {**os.environ, **self.cfg.launch.env}
+        stage = hygiene.stage_dir(self.cfg.worker.flags, env, self.job_id)
+        if stage is not None and os.path.lexists(stage):
+            error = hygiene.remove_stage_dir(stage)
+            if error is None:
+                self.emit("stage_removed", path=stage)
+            else:
+                self.emit("stage_remove_failed", path=stage, error=error)
+        self._sweep_node("end")
 
     def _bind(self) -> HeartbeatServer:
         hb = self.cfg.heartbeat

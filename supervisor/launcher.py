@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -523,8 +523,7 @@ class Launched:
         killed = 0
         if procs:
             _, alive = await asyncio.to_thread(psutil.wait_procs, procs, timeout=grace)
-            for proc in alive:
-                _signal(proc, signal.SIGKILL)
+            await self._kill_ranks_first(alive)
             for pid in self.pids:
                 _kill_group(pid, signal.SIGKILL)
             killed = len(alive)
@@ -541,6 +540,29 @@ class Launched:
         if not survivors:
             _LIVE.discard(self)
         return TeardownResult(terminated, killed, survivors, time.monotonic() - t0)
+
+    async def _kill_ranks_first(self, alive: list[psutil.Process]) -> None:
+        """SIGKILL what outlived the grace, the launcher's own processes last (`kill_order`)."""
+        parents: dict[int, int] = {}
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                parents[proc.pid] = proc.ppid()
+        by_pid = {proc.pid: proc for proc in alive}
+        now, spared = kill_order(parents, self.launcher_pids)
+        for proc in [by_pid[pid] for pid in now] + [p for p in alive if p.pid not in parents]:
+            _signal(proc, signal.SIGKILL)
+        if spared:
+            wait = [by_pid[pid] for pid in spared]
+            _, left = await asyncio.to_thread(psutil.wait_procs, wait, timeout=LAUNCHER_EXIT_S)
+            for proc in left:
+                _signal(proc, signal.SIGKILL)
+
+    @property
+    def launcher_pids(self) -> list[int]:
+        """The processes we started that are a launcher (mpiexec, srun), not a rank."""
+        return [
+            p.pid for p, spec in zip(self.popens, self.plan.procs, strict=True) if spec.rank is None
+        ]
 
     def _alive(self, include_orphans: bool) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
@@ -561,6 +583,23 @@ class Launched:
             except psutil.Error:
                 pass
         return list(found.values())
+
+
+# After its ranks are killed, how long a launcher gets to end by itself before it is killed too.
+LAUNCHER_EXIT_S = 3.0
+
+
+def kill_order(
+    parents: Mapping[int, int], launchers: Collection[int]
+) -> tuple[list[int], list[int]]:
+    """Pure: of the processes that outlived the teardown's grace (pid -> parent pid), those to
+    SIGKILL at once (the ranks, and anything else) and those spared for LAUNCHER_EXIT_S to end
+    by themselves once the ranks are gone: a launcher (`launchers`) and its own children
+    (Hydra's proxies, ssh). Hydra's proxy SIGKILLed leaves `/tmp/hydra_hwloc_xmlfile_*` on
+    its node (one per killed attempt, issue 17); once its ranks are dead it exits and removes
+    it. A SIGSTOPped or stalled rank keeps them all alive past the grace."""
+    spared = sorted(p for p, ppid in parents.items() if p in launchers or ppid in launchers)
+    return sorted(p for p in parents if p not in spared), spared
 
 
 def reap_orphans(exclude: set[int]) -> None:

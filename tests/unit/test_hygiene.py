@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
+import pytest
+
+from supervisor import hygiene
+from supervisor.launcher import kill_order
 from worker.dist import mpi_shm_paths, release_mpi_shm
 
 MAPS = """\
@@ -37,3 +44,60 @@ def test_release_unlinks_the_names_it_maps_and_tolerates_a_peer_first(tmp_path: 
     assert release_mpi_shm(str(maps)) == [str(seg)]
     assert not seg.exists() and other.exists()
     assert release_mpi_shm(str(tmp_path / "missing")) == []
+
+
+# --- the supervisor's side ------------------------------------------------------------------------
+def test_stage_dir_is_the_workers_default_under_the_supervisor(tmp_path: Path):
+    from worker.ckpt.async_save import default_stage_root
+
+    env = {"TMPDIR": str(tmp_path)}
+    flags = {"async_ckpt": True, "ckpt_dir": "/ckpt"}
+    assert hygiene.stage_dir(flags, env, "job-1") == str(tmp_path / "es-ckpt-job-1")
+    with pytest.MonkeyPatch.context() as mp:  # the worker's own answer, in the ranks' env
+        mp.setattr(tempfile, "tempdir", None)
+        mp.setenv("TMPDIR", str(tmp_path))
+        assert str(default_stage_root("/ckpt", "job-1")) == hygiene.stage_dir(flags, env, "job-1")
+    assert hygiene.stage_dir({"async_ckpt": False}, env, "job-1") is None
+    assert hygiene.stage_dir({**flags, "ckpt_stage_dir": "/scratch/x"}, env, "job-1") is None
+    assert hygiene.temp_dir({"TMPDIR": str(tmp_path / "missing")}) == tempfile.gettempdir()
+
+
+def test_orphans_are_the_candidates_nothing_holds():
+    assert hygiene.orphans(["/a", "/b", "/c"], {"/b", "/x"}) == ["/a", "/c"]
+
+
+def test_kill_order_spares_the_launcher_and_its_children_for_last():
+    # mpiexec 10 -> proxy 11 -> ranks 12, 13 (one with a child 14); 20: an orphan rank
+    parents = {10: 1, 11: 10, 12: 11, 13: 11, 14: 13, 20: 1}
+    assert kill_order(parents, [10]) == ([12, 13, 14, 20], [10, 11])
+    assert kill_order({12: 11, 13: 11}, [10]) == ([12, 13], [])  # the launcher is gone
+    assert kill_order(parents, []) == ([10, 11, 12, 13, 14, 20], [])  # local: ranks only
+
+
+def test_sweep_removes_only_this_users_unheld_files(tmp_path: Path):
+    shm, hydra = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    hydra.mkdir()
+    orphan = shm / "mpich_shm_1_0"
+    held = shm / "mpich_shm_2_0"
+    other = shm / "es-mem-job"  # not MPICH's
+    xml = hydra / "hydra_hwloc_xmlfile_abc"
+    for f in (orphan, held, xml):
+        f.write_bytes(b"x")
+    other.mkdir()
+    (shm / "mpich_vci_3_0").symlink_to(held)  # never followed nor removed
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(held)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        roots = [(str(shm), hygiene.SHM_PREFIXES), (str(hydra), hygiene.HYDRA_PREFIXES)]
+        assert hygiene.sweep(roots) == sorted([str(orphan), str(xml)])
+        assert held.exists() and other.exists() and (shm / "mpich_vci_3_0").is_symlink()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert hygiene.sweep(roots) == [str(held)]  # its holder is gone
+
+
+HOLD = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(120)\n"

@@ -1,0 +1,256 @@
+"""End to end: after an attempt is killed (again and again), nothing of the job is left on the
+node (issue 17, node hygiene): no MPI shared memory in /dev/shm, no launcher file in the temp
+dir, no async stage dir; the memory tier's directory is kept on purpose and removed at the end.
+
+Other tests may run beside these and make and leave entries of their own, so a before/after
+count of /dev/shm would not tell whose they are: a watcher thread instead notes every file under
+/dev/shm and the temp dirs that the job's processes map or hold open while they run (from
+/proc/<pid>/maps and /proc/<pid>/fd, taken apart from whatever the job does to remove them), and
+the test then finds none of them left, nor the job's own named directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import protocol
+from tests.support import REPO, events, mpiexec, rank_env, toml_value
+
+VENV_BIN = str(Path(sys.executable).parent)
+JOB_TIMEOUT = 300
+WATCH_EVERY_S = 0.05
+WATCHED_ROOTS = ("/dev/shm/", "/tmp/", tempfile.gettempdir().rstrip("/") + "/")
+
+WORKER = {
+    "model": "debug",
+    "device": "cpu",
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "n_kv_heads": 1,
+    "vocab_size": 256,
+    "seq_len": 32,
+    "batch_size": 2,
+    "train_iters": 40,
+    "save_interval": 5,
+    "async_ckpt": True,
+    "mem_ckpt_interval": 2,
+}
+
+pytestmark = pytest.mark.slow
+
+
+def node_paths(pid: int) -> set[str]:
+    """Files under /dev/shm or a temp dir that process `pid` maps or holds open now."""
+    found: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    for line in maps.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6:
+            found.add(parts[5].removesuffix(" (deleted)"))
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            found.add(os.readlink(f"/proc/{pid}/fd/{fd}").removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return {p for p in found if p.startswith(WATCHED_ROOTS)}
+
+
+class Watcher(threading.Thread):
+    """Notes what the descendants of `root` map or hold under the watched roots until stopped."""
+
+    def __init__(self, root: int):
+        super().__init__(daemon=True)
+        self.root = root
+        self.seen: set[str] = set()
+        self.pids: set[int] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(WATCH_EVERY_S):
+            try:
+                procs = psutil.Process(self.root).children(recursive=True)
+            except psutil.Error:
+                continue
+            for proc in procs:
+                self.pids.add(proc.pid)
+                self.seen |= node_paths(proc.pid)
+
+    def stop(self) -> set[str]:
+        self.done.set()
+        self.join(timeout=10)
+        return self.seen
+
+
+def table(header: str, items: dict) -> str:
+    return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
+
+
+def write_config(tmp_path: Path, faults: list[dict], max_restarts: int = 8) -> Path:
+    text = table("[job]", {"name": "hyg", "run_dir": str(tmp_path / "run")})
+    text += table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
+    text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
+    text += table("[worker]", WORKER)
+    restart = {"max_restarts": max_restarts, "teardown_grace_s": 1.0, "backoff_s": [0],
+               "max_same_resume": 4, "standby": False}  # fmt: skip
+    text += table("[restart]", restart)
+    text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
+    text += table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 4, "save": 120})
+    text += "".join(table("[[faults]]", f) for f in faults)
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def run_watched(config: Path) -> tuple[int, str, set[str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", str(config), "--quiet"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    watcher = Watcher(proc.pid)
+    watcher.start()
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"supervisor did not finish in {JOB_TIMEOUT} s:\n{out[-4000:]}")
+    finally:
+        seen = watcher.stop()
+    return proc.returncode, out, seen
+
+
+def left_of(seen: set[str]) -> list[str]:
+    """What of the job's files is still on the node (a directory counts by its top entry)."""
+    return sorted(p for p in seen if os.path.lexists(p))
+
+
+def job_dirs(job_id: str) -> list[Path]:
+    """The job's own named scratch: the async stage dir and the memory tier's directory."""
+    roots = {Path(tempfile.gettempdir()), Path(protocol.mem_root(os.environ))}
+    return [r / f"{prefix}{job_id}" for r in roots for prefix in ("es-ckpt-", protocol.MEM_PREFIX)]
+
+
+def mine(paths: set[str], tmp_path: Path) -> set[str]:
+    """The node's files, not the test's own run dir (which lies in a temp dir too)."""
+    return {p for p in paths if not p.startswith(str(tmp_path))}
+
+
+def test_killed_and_torn_down_attempts_leave_nothing_of_the_job(tmp_path):
+    faults = [
+        {"name": "kill", "every_steps": 12, "action": "kill"},  # SIGKILL of every rank
+        {"name": "hang", "at_step": 18, "action": "hang", "target": "rank:1"},  # SIGSTOP:
+        # the teardown's grace passes and it SIGKILLs the attempt (ranks, proxy and mpiexec)
+    ]
+    rc, out, seen = run_watched(write_config(tmp_path, faults))
+    assert rc == 0, out[-4000:]
+    evs = events(tmp_path / "run")
+    job = next(e["job"] for e in evs if e["event"] == "start")
+    fired = [e for e in evs if e["event"] == "fault"]
+    assert sum(f["name"] == "kill" for f in fired) >= 2 and any(f["name"] == "hang" for f in fired)
+    ends = [e["detected_by"] for e in evs if e["event"] == "attempt_end"]
+    assert "hang" in ends and ends.count("exit") >= 3  # two kills at least, and the last: done
+    teardowns = [e for e in evs if e["event"] == "teardown_done"]
+    assert any(e["killed"] for e in teardowns)  # the hang's attempt was SIGKILLed
+
+    seen = mine(seen, tmp_path)
+    # What the job made on the node while it ran (the watcher saw it, the test is not empty):
+    # MPICH's segments, Hydra's topology files, the stage and memory-tier directories.
+    assert any(p.startswith("/dev/shm/mpich_shm_") for p in seen), sorted(seen)
+    assert any("/hydra_hwloc_xmlfile_" in p for p in seen), sorted(seen)
+    assert any(f"/es-ckpt-{job}/" in p for p in seen) and any(f"/es-mem-{job}/" in p for p in seen)
+    assert left_of(seen) == []
+    assert [str(d) for d in job_dirs(job) if d.exists()] == []
+    # Removed where they arose, not by the end-of-job sweep of what nothing holds.
+    swept = {
+        p for e in evs if e["event"] == "node_sweep" and e["when"] == "end" for p in e["paths"]
+    }
+    assert not swept & seen, sorted(swept & seen)
+    assert [e["path"] for e in evs if e["event"] == "stage_removed"] == [
+        str(Path(tempfile.gettempdir()) / f"es-ckpt-{job}")
+    ]
+
+
+BY_HAND = """
+import os, signal
+from mpi4py import MPI  # MPI_Init: the node's segment is made and mapped
+from worker import dist
+names = dist.mpi_shm_paths(open("/proc/self/maps").read())
+print("segments", *[f"{n}:{int(os.path.exists(n))}" for n in names], flush=True)
+dist.mpi_world()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_ranks_killed_under_a_plain_mpiexec_leave_no_mpi_segment():
+    proc = subprocess.run(
+        [mpiexec(), "-n", "2", sys.executable, "-c", BY_HAND],
+        env={**rank_env(), "PYTHONPATH": str(REPO)}, cwd=REPO,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0  # the ranks were killed
+    found = [ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("segments")]
+    assert len(found) == 2, proc.stdout + proc.stderr
+    # One segment for the node, which each rank mapped and found there after MPI_Init ...
+    assert {tuple(items) for items in found} == {(found[0][0],)}, found
+    name, _, existed = found[0][0].rpartition(":")
+    assert name.startswith("/dev/shm/mpich_shm_") and existed == "1"
+    assert not os.path.exists(name)  # ... and none once they were killed
+
+
+STOPPABLE = """
+import signal, time
+from mpi4py import MPI  # MPI_Init: Hydra's proxy writes its topology file for the ranks
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank stuck in a step: it does not end
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_torn_down_hydra_attempt_leaves_no_topology_file(tmp_path):
+    from supervisor import launcher as L
+
+    argv = [mpiexec(), "-n", "2", sys.executable, "-c", STOPPABLE]
+    plan = L.LaunchPlan("hydra", [L.ProcSpec(argv, rank_env())], 2, ["localhost"])
+    out = tmp_path / "output.log"
+
+    async def main():
+        launched = await L.Launched.start(plan, out)
+        for _ in range(600):  # bounded: 60 s for both ranks to be past MPI_Init
+            if out.exists() and out.read_text().count("ready") == 2:
+                break
+            await asyncio.sleep(0.1)
+        launched.refresh()
+        procs = psutil.Process(launched.pids[0]).children(recursive=True)
+        files = set().union(*(node_paths(p.pid) for p in procs))
+        ranks = [p for p in procs if not p.children()]
+        ranks[0].send_signal(signal.SIGSTOP)  # keeps the whole attempt alive past the grace
+        result = await launched.teardown(0.5)
+        return files, result
+
+    files, result = asyncio.run(main())
+    xml = [p for p in files if "/hydra_hwloc_xmlfile_" in p]
+    assert xml, files
+    assert result.survivors == [] and result.killed >= 3  # mpiexec, its proxy, the ranks
+    assert [p for p in xml if os.path.exists(p)] == []
