@@ -131,8 +131,9 @@ def is_own_code(path: str) -> bool:
 
 
 def where(frame: Frame) -> str:
-    """`worker/loop.py:90 train_step`."""
-    return f"{short_path(frame.file)}:{frame.line} {frame.func}"
+    """`worker/loop.py:90 train_step`; the function by its own name, as faulthandler gives it
+    (py-spy qualifies it: `Transformer.forward`), so both read the same."""
+    return f"{short_path(frame.file)}:{frame.line} {frame.func.rsplit('.', 1)[-1]}"
 
 
 @dataclass(frozen=True)

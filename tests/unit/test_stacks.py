@@ -29,6 +29,7 @@ from supervisor.stack_text import (
     ranks_text,
     short_path,
     summary_lines,
+    where,
 )
 from supervisor.summary import summary
 from tests.support import events, synthetic_events, synthetic_metrics, write_run
@@ -78,8 +79,17 @@ def test_py_spy_on_a_stopped_rank():
     assert threads[0].frames[0].func == "all_gather_single"
     assert threads[0].frames[14] == Frame("/work/main/worker/loop.py", 81, "train_step")
     assert threads[0].frames[-1] == Frame("<frozen runpy>", 198, "_run_module_as_main")
-    # The same place, read from outside, as the rank's own dump gives.
+    # The same place, read from outside, as the rank's own dump gives; py-spy's qualified
+    # function names read as faulthandler's.
     assert place_of(text).text() == place_of(dump("faulthandler_in_collective.txt")).text()
+    assert threads[0].frames[2].func == "DefaultAllGather.__call__"
+    fh = parse_faulthandler(dump("faulthandler_in_collective.txt"))[-1]
+    assert (
+        where(threads[0].frames[2])
+        == where(fh.frames[2])
+        == ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:119 __call__")
+    )
+    assert where(threads[0].frames[1]).endswith(":83 wrapper")  # _exception_logger.<locals>.
 
 
 def test_py_spy_with_short_names_and_a_failed_py_spy():
