@@ -19,15 +19,19 @@ import psutil
 import pytest
 
 from supervisor import protocol, stacks
+from supervisor.control import ControlServer
 from supervisor.decisions import RankState
 from supervisor.stack_text import place_of
 from tests.support import REPO
 
 RANK = """
-import os, sys, time
+import os, signal, sys, time
 from worker import stack_dump
+from worker.beat import Beacon
 if sys.argv[1] == "handler":
     stack_dump.install(os.environ, int(sys.argv[2]))
+signal.signal(signal.SIGUSR1, lambda *_: print("usr1", flush=True))
+beacon = Beacon.from_env(int(sys.argv[2]), 2)  # with ES_CONTROL_ADDR: the control channel
 
 def spin():
     print("ready", flush=True)
@@ -37,6 +41,7 @@ def spin():
 spin()
 """
 READY_S = 30
+KEY = b"k" * 32
 
 
 def in_spin(place) -> bool:
@@ -45,13 +50,23 @@ def in_spin(place) -> bool:
     return (Path(f.file).name, f.func) == ("rank.py", "spin") and place.own == f
 
 
-def start(tmp_path: Path, attempt_dir: Path | None, mode: str, rank: int) -> subprocess.Popen:
+def start(
+    tmp_path: Path, attempt_dir: Path | None, mode: str, rank: int, control: str | None = None
+) -> subprocess.Popen:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ES_")}
     env["PYTHONPATH"] = str(REPO)
     if attempt_dir is not None:
         env[protocol.ENV_ATTEMPT_DIR] = str(attempt_dir)
+    if control is not None:
+        env.update({
+            protocol.ENV_HEARTBEAT_ADDR: "tcp://127.0.0.1:9",  # nobody listens: beats are lost
+            protocol.ENV_HEARTBEAT_KEY: KEY.decode(),
+            protocol.ENV_JOB_ID: "job",
+            protocol.ENV_ATTEMPT: "0",
+            protocol.ENV_CONTROL_ADDR: control,
+        })  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, str(script), mode, str(rank)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -136,6 +151,43 @@ def test_a_rank_on_another_host_is_asked_and_writes_its_own(tmp_path, procs):
     s0, s1 = got.stacks
     assert (s0.state, s0.how) == ("on node-b", "signal") and in_spin(s0.place)
     assert s1.place is None and "could not be asked: rank not connected" in s1.note
+
+
+def test_over_the_control_channel_a_rank_dumps_its_own_and_one_without_the_handler_lives(
+    tmp_path, procs
+):
+    """The remote path for real: the supervisor's control socket, the ranks' beat threads."""
+    attempt = tmp_path / "attempts" / "000"
+    server = ControlServer(KEY, "job", "127.0.0.1", "127.0.0.1")
+    try:
+        procs += [start(tmp_path, attempt, "handler", 0, server.address),
+                  start(tmp_path, attempt, "plain", 1, server.address)]  # fmt: skip
+
+        def send(rank: int, signum: int) -> str | None:
+            msg = protocol.control_message("job", 0, rank, time.time(), "signal", 0, signal=signum)
+            return server.send(0, rank, msg)
+
+        deadline = time.monotonic() + READY_S
+        while send(1, 0) is not None or send(0, 0) is not None:  # signal 0: are you there?
+            assert time.monotonic() < deadline, "the ranks never connected"
+            time.sleep(0.01)
+        ranks = {r: RankState(r, 0.0, 0.0, host="node-b", pid=p.pid) for r, p in enumerate(procs)}
+        ask = lambda rank: send(rank, int(protocol.STACKS_SIGNAL))  # noqa: E731
+        got = asyncio.run(
+            stacks.collect(attempt, ranks, 2, this_host="node-a", ask_remote=ask, signal_wait_s=1)
+        )
+        s0, s1 = got.stacks
+        assert (s0.state, s0.how) == ("on node-b", "signal") and in_spin(s0.place)
+        assert "its own dump" in (attempt / "stacks" / "rank-0.txt").read_text()
+        assert s1.place is None and "py-spy reads local pids only" in s1.note
+        # Rank 1 has no handler: its beat thread did not pass the signal on (it would have
+        # died of it), and it still takes the next command.
+        assert send(1, int(signal.SIGUSR1)) is None
+        ready, _, _ = select.select([procs[1].stdout], [], [], READY_S)
+        assert ready and procs[1].stdout.readline() == "usr1\n"
+        assert procs[1].poll() is None
+    finally:
+        server.close()
 
 
 def test_without_the_supervisor_the_dump_goes_to_stderr(tmp_path, procs):
