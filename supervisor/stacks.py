@@ -237,7 +237,7 @@ class _Collection:
     async def _read_outside(self, st: RankState, shown: str, why: str) -> None:
         """py-spy (non-blocking: it works on a stopped process) into the rank's file; when it
         cannot, the file says why, with what the kernel shows of the process."""
-        header = f"# rank {st.rank} (pid {st.pid} on {st.host}): {shown}; read from outside ({why})"
+        header = f"# rank {st.rank} (pid {st.pid} on {st.host}): {shown}; read from outside: {why}"
         if self.pyspy is None:
             failure = "py-spy not found (pip install py-spy)"
         else:
@@ -245,7 +245,7 @@ class _Collection:
                 out, failure = await self._run_pyspy(st.pid)
             if failure is None:
                 cmd = "py-spy dump --nonblocking --full-filenames"
-                self._write(st.rank, f"{header} with {cmd}\n\n{out}")
+                self._write(st.rank, f"{header}; with {cmd}\n\n{out}")
                 self._summarize(st, shown, "py-spy", out)
                 return
         note = f"{failure}; {kernel_view(st.pid)}"
