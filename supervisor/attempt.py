@@ -126,7 +126,7 @@ class Attempt:
         self.s = shared
         self.cfg = shared.r.cfg
         self.dir = shared.r.run_dir / "attempts" / f"{number:03d}"
-        self.table = AttemptTable(number, shared.r.world, time.monotonic())
+        self.table = AttemptTable(number, shared.r.world, time.monotonic(), self.cfg.heartbeat)
         self._last_progress_event = 0.0
         self.standby = standby  # until `go`: faults, progress limits and the job leave it be
         self.running: Running | None = None
@@ -406,7 +406,9 @@ class Attempt:
             await asyncio.sleep(period)
             now = time.monotonic()
             self._check_local_pids(now)
-            finding = decisions.judge_ranks(table.ranks, table.world, now, table.launched_at, hb)
+            finding = decisions.judge_ranks(
+                table.ranks, table.world, now, table.launched_at, hb, limits=table.limits
+            )
             if finding is not None:
                 if finding.kind == "rank_exit":
                     self._emit_finding(finding, now)

@@ -331,6 +331,7 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
         out.append(f"step:     {newest[0]} (attempt {newest[1]})")
     ckpt = _newest_checkpoint(resolved, events)
     out.append(f"checkpoint: {ckpt}")
+    out += limits_lines(events, resolved)
     # A graceful stop (the user's SIGINT/SIGTERM) is no failure.
     failures = [
         e
@@ -349,6 +350,39 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     else:
         out.append("last failure: none")
     return out
+
+
+def limits_lines(events: list[dict], resolved: dict) -> list[str]:
+    """The "auto" limits in force in the newest attempt: learned (`auto_limit` events), or
+    still at their maximum. Nothing when the config has none."""
+    hb = resolved.get("heartbeat", {})
+    progress, cap = hb.get("progress", {}), hb.get("auto_max", {})
+    defaults = config_mod.AutoMaxConfig()
+    asked = [("timeout_s", hb.get("timeout_s"))] + [(p, progress.get(p)) for p in ("train", "save")]
+    names = [name for name, value in asked if value == config_mod.AUTO]
+    if not names:
+        return []
+    launches = [e for e in events if e.get("event") in ("launch", "standby_go")]
+    newest = launches[-1].get("attempt") if launches else None
+    learned = {
+        e.get("limit"): e
+        for e in events
+        if e.get("event") == "auto_limit" and e.get("attempt") == newest and newest is not None
+    }
+    out = []
+    for name in names:
+        e = learned.get(name)
+        if e is None:
+            most = cap.get(name, getattr(defaults, name))
+            out.append(f"{name} {most:g} s (auto: its maximum until learned)")
+            continue
+        basis = ", ".join(
+            f"{k} {e[k]:g}" for k in ("p99_step_s", "p99_beat_gap_s", "longest_save_s", "samples")
+            if isinstance(e.get(k), (int, float))
+        )  # fmt: skip
+        where = "while training" if name == "timeout_s" else f"phase {name}"
+        out.append(f"{name} {e.get('seconds')} s (auto, {where}; from {basis})")
+    return [("limits:   " if i == 0 else "          ") + line for i, line in enumerate(out)]
 
 
 def stacks_lines(events: list[dict], attempt: object) -> list[str]:

@@ -88,12 +88,26 @@ class RestartConfig:
     standby: bool = True
 
 
+AUTO = "auto"  # a limit learned from the run's own step times and beats (decisions.auto_*)
+AUTO_PHASES = ("train", "save")  # the phases that recur: "auto" has something to learn from
+
+
 @dataclass
 class ProgressConfig:
-    """Seconds a rank may stay in a phase without its step or phase moving."""
+    """Seconds a rank may stay in a phase without its step or phase moving; "auto" (train,
+    save): learned from the run, within [heartbeat.auto_max]."""
 
-    init: float = 120.0
-    load: float = 300.0
+    init: float | Literal["auto"] = 120.0  # "auto" is refused (check): nothing to learn from
+    load: float | Literal["auto"] = 300.0
+    train: float | Literal["auto"] = 120.0
+    save: float | Literal["auto"] = 600.0
+
+
+@dataclass
+class AutoMaxConfig:
+    """The most each "auto" limit may be (seconds); also what it is until learned."""
+
+    timeout_s: float = 10.0
     train: float = 120.0
     save: float = 600.0
 
@@ -101,8 +115,9 @@ class ProgressConfig:
 @dataclass
 class HeartbeatConfig:
     interval_s: float = 1.0
-    # Liveness: no message from a rank for this long means it is lost.
-    timeout_s: float = 10.0
+    # Liveness: no message from a rank for this long means it is lost; "auto": learned from
+    # the beats' own gaps while the ranks train (within [heartbeat.auto_max]).
+    timeout_s: float | Literal["auto"] = 10.0
     # How often the supervisor judges liveness and progress.
     check_s: float = 0.1
     # Where to bind: "auto" is loopback when every node is this host, else all interfaces.
@@ -111,6 +126,7 @@ class HeartbeatConfig:
     # Host name the ranks connect to; "auto": this host's name (loopback when local).
     advertise: str = "auto"
     progress: ProgressConfig = field(default_factory=ProgressConfig)
+    auto_max: AutoMaxConfig = field(default_factory=AutoMaxConfig)
 
 
 @dataclass
@@ -262,20 +278,46 @@ def check(cfg: Config) -> None:
         need(_finite(v) and v >= 0, f"restart.{name}", "expected seconds >= 0")
     hb = cfg.heartbeat
     need(_finite(hb.interval_s) and hb.interval_s > 0, "heartbeat.interval_s", "expected > 0")
+    twice = f"at least twice interval_s ({2 * hb.interval_s:g} s)"
+    if hb.timeout_s != AUTO:
+        need(
+            _finite(hb.timeout_s) and hb.timeout_s >= 2 * hb.interval_s,
+            "heartbeat.timeout_s",
+            _got(twice, hb.timeout_s),
+        )
+    v = hb.auto_max.timeout_s
     need(
-        _finite(hb.timeout_s) and hb.timeout_s >= 2 * hb.interval_s,
-        "heartbeat.timeout_s",
-        f"expected at least twice interval_s ({2 * hb.interval_s:g} s), got {hb.timeout_s:g}",
+        _finite(v) and v >= 2 * hb.interval_s,
+        "heartbeat.auto_max.timeout_s",
+        _got(twice, v, auto=False),
     )
     need(_finite(hb.check_s) and 0 < hb.check_s <= 5, "heartbeat.check_s", "expected 0 < s <= 5")
     need(0 <= hb.port <= 65535, "heartbeat.port", "expected 0 (any) or a port number")
+    more = f"seconds > interval_s ({hb.interval_s:g})"
     for phase in PHASE_NAMES:
         v = getattr(hb.progress, phase)
+        key = f"heartbeat.progress.{phase}"
+        if v == AUTO:
+            need(
+                phase in AUTO_PHASES,
+                key,
+                f'"auto" is for {" and ".join(AUTO_PHASES)} (phases that recur, so there is '
+                f"something to learn from); {phase} comes once an attempt: give {more}",
+            )
+            continue
+        need(_finite(v) and v > hb.interval_s, key, _got(more, v))
+    for phase in AUTO_PHASES:
+        v = getattr(hb.auto_max, phase)
         need(
             _finite(v) and v > hb.interval_s,
-            f"heartbeat.progress.{phase}",
-            f"expected seconds > interval_s ({hb.interval_s:g}), got {v:g}",
+            f"heartbeat.auto_max.{phase}",
+            _got(more, v, auto=False),
         )
+
+
+def _got(expected: str, v: Any, auto: bool = True) -> str:
+    what = f'"auto" or {expected}' if auto else expected
+    return f"expected {what}, got {v:g}" if _finite(v) else f"expected {what}, got {v!r}"
 
 
 def _finite(x: float) -> bool:

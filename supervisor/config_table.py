@@ -120,6 +120,8 @@ def _describe(hint: Any) -> str:
         return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
     if origin is dict:
         return "a table"
+    if origin is Literal:
+        return " or ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
     return {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}.get(
         hint, str(hint)
     )

@@ -8,13 +8,14 @@ values. `attempt.py` and `job.py` gather the facts and act on the answers.
 from __future__ import annotations
 
 import enum
+import math
 import re
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from supervisor.config import HeartbeatConfig, RestartConfig
+from supervisor.config import AUTO, HeartbeatConfig, RestartConfig
 
 
 class ExitCode(enum.IntEnum):
@@ -66,34 +67,39 @@ def judge_ranks(
     launched_at: float,
     hb: HeartbeatConfig,
     waiting: bool = False,
+    limits: Limits | None = None,
 ) -> Finding | None:
     """A rank gone before `done` first, then liveness (no message for `timeout_s`), then
     progress (the phase's timeout), then ranks that never said hello (the init timeout).
 
-    `waiting`: the attempt is a standby; its ranks may stay in phase `standby` for good. Once
-    told to go, one still in `standby` has the load timeout to move on."""
+    `limits`: the limits in force (learned ones included); by default the config's, every
+    "auto" at its maximum. `waiting`: the attempt is a standby; its ranks may stay in phase
+    `standby` for good. Once told to go, one still in `standby` has the load timeout to move
+    on."""
+    lim = limits if limits is not None else fixed_limits(hb)
     gone: list[RankState] = []
     lost: list[RankState] = []
     stalled: list[tuple[RankState, float]] = []
-    liveness_deadline = now - hb.timeout_s
-    p = hb.progress
-    standby = float("inf") if waiting else p.load
-    limits = {"init": p.init, "standby": standby, "load": p.load, "train": p.train, "save": p.save}
-    train = p.train
+    liveness_deadline = now - lim.timeout_s
+    train_liveness = now - lim.train_timeout_s if lim.train_timeout_s else liveness_deadline
+    p = lim.progress
+    standby = float("inf") if waiting else p["load"]
+    by_phase = {**p, "standby": standby}
+    train = p["train"]
     # One pass over the ranks heard from: this runs every check for every rank of the job.
     for st in ranks.values():
         if st.phase == "done":
             continue
         if st.exited:
             gone.append(st)
-        elif st.last_seen < liveness_deadline:
+        elif st.last_seen < (train_liveness if st.phase == "train" else liveness_deadline):
             lost.append(st)
         else:
-            limit = limits.get(st.phase, train)
+            limit = by_phase.get(st.phase, train)
             if now - st.last_progress > limit:
                 stalled.append((st, limit))
     missing: list[int] = []
-    if len(ranks) < world and now - launched_at > p.init:
+    if len(ranks) < world and now - launched_at > p["init"]:
         missing = [r for r in range(world) if r not in ranks]
     if gone:
         first = min(gone, key=lambda s: s.exited_at)
@@ -106,23 +112,34 @@ def judge_ranks(
             deadline=first.exited_at,
         )
     if lost:
-        worst = min(lost, key=lambda s: s.last_seen)
+
+        def timeout(st: RankState) -> float:
+            return (
+                lim.train_timeout_s
+                if st.phase == "train" and lim.train_timeout_s
+                else lim.timeout_s
+            )
+
+        worst = min(lost, key=lambda s: s.last_seen + timeout(s))
+        t = timeout(worst)
+        auto = ", auto" if worst.phase == "train" and lim.train_timeout_s else ""
         return Finding(
             kind="hang",
             ranks=tuple(s.rank for s in lost),
-            reason=f"no heartbeat for {now - worst.last_seen:.1f} s (timeout {hb.timeout_s:g} s)",
+            reason=f"no heartbeat for {now - worst.last_seen:.1f} s (timeout {_secs(t)} s{auto})",
             phase=worst.phase,
             step=worst.step,
-            deadline=worst.last_seen + hb.timeout_s,
+            deadline=worst.last_seen + t,
         )
     if stalled:
         worst, limit = min(stalled, key=lambda p: p[0].last_progress + p[1])
+        auto = ", auto" if worst.phase in lim.learned else ""
         return Finding(
             kind="no_progress",
             ranks=tuple(s.rank for s, _ in stalled),
             reason=(
                 f"step {worst.step} has not moved in phase {worst.phase!r} for "
-                f"{now - worst.last_progress:.1f} s (timeout {limit:g} s)"
+                f"{now - worst.last_progress:.1f} s (timeout {_secs(limit)} s{auto})"
             ),
             phase=worst.phase,
             step=worst.step,
@@ -132,12 +149,125 @@ def judge_ranks(
         return Finding(
             kind="no_progress",
             ranks=tuple(missing),
-            reason=f"no hello within the init timeout ({hb.progress.init:g} s)",
+            reason=f"no hello within the init timeout ({p['init']:g} s)",
             phase="init",
             step=-1,
-            deadline=launched_at + hb.progress.init,
+            deadline=launched_at + p["init"],
         )
     return None
+
+
+def _secs(x: float) -> str:
+    return f"{round(x, 2):g}"
+
+
+# --- limits learned from the run ("auto") ---------------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    """The liveness timeout and the progress limits in force (seconds). `train_timeout_s`: the
+    liveness timeout while a rank trains, once learned (other phases keep `timeout_s`: a save
+    or a load may hold a rank's GIL long enough to delay its beats). `learned`: which limits
+    are learned values now: `timeout_s`, `train`, `save`."""
+
+    timeout_s: float
+    progress: Mapping[str, float]
+    train_timeout_s: float | None = None
+    learned: frozenset[str] = frozenset()
+
+
+def fixed_limits(hb: HeartbeatConfig) -> Limits:
+    """The config's limits, each "auto" at its maximum: what holds until something is learned."""
+    cap = hb.auto_max
+    timeout = cap.timeout_s if hb.timeout_s == AUTO else hb.timeout_s
+    progress = {}
+    for phase in ("init", "load", "train", "save"):
+        v = getattr(hb.progress, phase)
+        progress[phase] = getattr(cap, phase, 0.0) if v == AUTO else v
+    return Limits(float(timeout), progress)
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    """How one "auto" limit is derived: `multiple` x the recent p99 of its samples (+ slack),
+    never below `floor_s` nor above the maximum; nothing before `min_samples` samples."""
+
+    multiple: float
+    floor_s: float
+    min_samples: int
+
+
+# Conservative on purpose: a false finding costs a relaunch. Step gaps on a loaded 2-core host
+# reach 3-5x their median; p99 over the recent window already holds the spikes seen so far.
+TRAIN_RULE = AutoRule(multiple=4.0, floor_s=1.5, min_samples=20)  # and >= 2 beat intervals
+TIMEOUT_RULE = AutoRule(multiple=4.0, floor_s=2.0, min_samples=20)  # and >= 3 beat intervals
+SAVE_RULE = AutoRule(multiple=4.0, floor_s=10.0, min_samples=2)
+WARMUP_STEPS = 5  # an attempt's first step gaps are not samples (start-up: allocation, caches)
+WINDOW = 200  # the recent samples a p99 is taken over
+
+
+def quantile(samples: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` quantile (0 < q <= 1) of a non-empty sample."""
+    ordered = sorted(samples)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
+
+
+def auto_train_limit(
+    step_gaps: Sequence[float], beat_gaps: Sequence[float], interval_s: float, max_s: float
+) -> tuple[float, dict] | None:
+    """Pure: the train progress limit learned from rank 0's recent step gaps (one step's end to
+    the next, in phase train): `multiple` x their p99, plus the p99 gap between beats (the
+    other ranks' step reaches us only with a beat, up to a beat late), within [floor, max_s];
+    the floor is at least two beat intervals. None until there are enough samples."""
+    rule = TRAIN_RULE
+    if len(step_gaps) < rule.min_samples:
+        return None
+    p99_step = quantile(step_gaps, 0.99)
+    p99_beat = quantile(beat_gaps, 0.99) if beat_gaps else interval_s
+    floor = max(rule.floor_s, 2 * interval_s)
+    value = min(max_s, max(floor, rule.multiple * p99_step + p99_beat))
+    basis = {"p99_step_s": round(p99_step, 4), "p99_beat_gap_s": round(p99_beat, 4),
+             "samples": len(step_gaps), "multiple": rule.multiple, "floor_s": floor,
+             "max_s": max_s}  # fmt: skip
+    return value, basis
+
+
+def auto_timeout(
+    beat_gaps: Sequence[float], interval_s: float, max_s: float
+) -> tuple[float, dict] | None:
+    """Pure: the liveness timeout while training, learned from the gaps between consecutive
+    beats of each rank: `multiple` x their p99, within [floor, max_s]; the floor is at least
+    three beat intervals. None until there are enough samples."""
+    rule = TIMEOUT_RULE
+    if len(beat_gaps) < rule.min_samples:
+        return None
+    p99 = quantile(beat_gaps, 0.99)
+    floor = max(rule.floor_s, 3 * interval_s)
+    value = min(max_s, max(floor, rule.multiple * p99))
+    basis = {"p99_beat_gap_s": round(p99, 4), "samples": len(beat_gaps),
+             "multiple": rule.multiple, "floor_s": floor, "max_s": max_s}  # fmt: skip
+    return value, basis
+
+
+def auto_save_limit(durations: Sequence[float], max_s: float) -> tuple[float, dict] | None:
+    """Pure: the save progress limit learned from how long rank 0's recent saves took:
+    `multiple` x the longest, within [floor, max_s]. None until enough saves were seen."""
+    rule = SAVE_RULE
+    if len(durations) < rule.min_samples:
+        return None
+    longest = max(durations)
+    value = min(max_s, max(rule.floor_s, rule.multiple * longest))
+    basis = {"longest_save_s": round(longest, 4), "samples": len(durations),
+             "multiple": rule.multiple, "floor_s": rule.floor_s, "max_s": max_s}  # fmt: skip
+    return value, basis
+
+
+def limit_changed(current: float, derived: float) -> bool:
+    """Whether a derived limit differs enough from the one in force to replace it (and be said
+    in an event): up by 10 % (and 0.1 s), or down by 25 % (and 0.2 s). Rising follows load
+    at once; falling waits for a clear change, so the limit does not flap step by step."""
+    if derived > current:
+        return derived - current >= max(0.1, 0.10 * current)
+    return current - derived >= max(0.2, 0.25 * current)
 
 
 # --- the warm standby --------------------------------------------------------------------------

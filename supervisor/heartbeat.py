@@ -13,9 +13,10 @@ into the few notes worth an event (hello, first step, checkpoint complete, resum
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,9 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from supervisor import protocol
-from supervisor.decisions import RankState
+from supervisor import decisions, protocol
+from supervisor.config import AUTO, HeartbeatConfig
+from supervisor.decisions import Limits, RankState
 
 # Messages queued per connection (each rank has its own): a rank sends a few a second, so 100
 # is seconds of slack, and a flooding peer can make us hold at most 100 frames of
@@ -124,13 +126,103 @@ class Note:
     fields: dict[str, Any]
 
 
+DERIVE_EVERY_S = 0.5  # how often the "auto" limits are derived again from their samples
+SAVES_KEPT = 20
+
+
+@dataclass
+class Learner:
+    """An attempt's "auto" limits: the samples they are learned from (what its ranks' messages
+    show: rank 0's step gaps and save times, every rank's beat gaps, all while training) and
+    the limits in force (`decisions.auto_*` derive, `decisions.limit_changed` adopts). Each
+    attempt learns anew: a relaunch starts at the maximum, and its first steps (slow) are not
+    samples."""
+
+    hb: HeartbeatConfig
+    limits: Limits
+    step_gaps: deque = field(default_factory=lambda: deque(maxlen=decisions.WINDOW))
+    beat_gaps: deque = field(default_factory=lambda: deque(maxlen=decisions.WINDOW))
+    saves: deque = field(default_factory=lambda: deque(maxlen=SAVES_KEPT))
+    warmup_left: int = decisions.WARMUP_STEPS
+    last_beat: dict[int, tuple[float, str]] = field(default_factory=dict)
+    save_started: float | None = None
+    next_derive: float = 0.0
+
+    @classmethod
+    def wanted(cls, hb: HeartbeatConfig | None) -> Learner | None:
+        if hb is None:
+            return None
+        auto = AUTO in (hb.timeout_s, hb.progress.train, hb.progress.save)
+        return cls(hb, decisions.fixed_limits(hb)) if auto else None
+
+    def beat(self, rank: int, phase: str, now: float) -> None:
+        last = self.last_beat.get(rank)
+        self.last_beat[rank] = (now, phase)
+        if last is not None and last[1] == "train" and phase == "train":
+            self.beat_gaps.append(now - last[0])
+
+    def moved(self, before: tuple[str, int, float], phase: str, now: float) -> None:
+        """Rank 0's step or phase moved from `before` (phase, step, when it last moved)."""
+        old, _, since = before
+        if old == "train" and phase == "train":
+            if self.warmup_left > 0:
+                self.warmup_left -= 1
+            else:
+                self.step_gaps.append(now - since)
+        if phase == "save" and old != "save":
+            self.save_started = now
+        elif old == "save" and phase != "save" and self.save_started is not None:
+            self.saves.append(now - self.save_started)
+            self.save_started = None
+
+    def derive(self, now: float) -> list[Note]:
+        """Every DERIVE_EVERY_S: the limits from their samples now; a note for each adopted."""
+        if now < self.next_derive:
+            return []
+        self.next_derive = now + DERIVE_EVERY_S
+        hb, cap, notes = self.hb, self.hb.auto_max, []
+        if hb.progress.train == AUTO:
+            got = decisions.auto_train_limit(
+                self.step_gaps, self.beat_gaps, hb.interval_s, cap.train
+            )
+            notes += self._adopt("train", got)
+        if hb.progress.save == AUTO:
+            notes += self._adopt("save", decisions.auto_save_limit(self.saves, cap.save))
+        if hb.timeout_s == AUTO:
+            got = decisions.auto_timeout(self.beat_gaps, hb.interval_s, cap.timeout_s)
+            notes += self._adopt("timeout_s", got)
+        return notes
+
+    def _adopt(self, name: str, got: tuple[float, dict] | None) -> list[Note]:
+        if got is None:
+            return []
+        value, basis = got
+        lim = self.limits
+        if name == "timeout_s":
+            current = lim.train_timeout_s or lim.timeout_s
+        else:
+            current = lim.progress[name]
+        if name in lim.learned and not decisions.limit_changed(current, value):
+            return []
+        if name == "timeout_s":
+            lim = dataclasses.replace(lim, train_timeout_s=value)
+        else:
+            lim = dataclasses.replace(lim, progress={**lim.progress, name: value})
+        self.limits = dataclasses.replace(lim, learned=lim.learned | {name})
+        said = {"limit": name, "seconds": round(value, 3), "previous_s": round(current, 3)}
+        return [Note("auto_limit", {**said, **basis})]
+
+
 @dataclass
 class AttemptTable:
-    """Rank states of one attempt, and what its ranks have said so far."""
+    """Rank states of one attempt, and what its ranks have said so far. With `hb` and an
+    "auto" limit in it, also the limits learned from them (`limits`, `Learner`)."""
 
     attempt: int
     world: int
     launched_at: float
+    hb: HeartbeatConfig | None = None
+    learner: Learner | None = None
     ranks: dict[int, RankState] = field(default_factory=dict)
     first_step: int | None = None
     max_step: int | None = None
@@ -142,7 +234,27 @@ class AttemptTable:
     errors: dict[int, str] = field(default_factory=dict)
     stale: int = 0
 
+    def __post_init__(self) -> None:
+        if self.learner is None:
+            self.learner = Learner.wanted(self.hb)
+
+    @property
+    def limits(self) -> Limits | None:
+        """The limits in force when some are learned ("auto"); None: the config's."""
+        return self.learner.limits if self.learner is not None else None
+
     def update(self, msg: dict[str, Any], now: float) -> list[Note]:
+        """Fold one verified message into the table; return the notes it produced."""
+        notes = self._update(msg, now)
+        learner = self.learner
+        if learner is not None and msg["attempt"] == self.attempt and msg["rank"] in self.ranks:
+            st = self.ranks[msg["rank"]]
+            if msg["kind"] == "beat":
+                learner.beat(st.rank, st.phase, now)
+            notes += learner.derive(now)
+        return notes
+
+    def _update(self, msg: dict[str, Any], now: float) -> list[Note]:
         """Fold one verified message into the table; return the notes it produced."""
         if msg["attempt"] != self.attempt:
             self.stale += 1  # a straggler of an earlier attempt
@@ -212,9 +324,10 @@ class AttemptTable:
                 notes.append(Note("rank_done", {"rank": rank, "step": msg["step"]}))
         return notes
 
-    @staticmethod
-    def _move(st: RankState, phase: str, step: int, now: float) -> None:
+    def _move(self, st: RankState, phase: str, step: int, now: float) -> None:
         if phase != st.phase or step != st.step:
+            if st.rank == 0 and self.learner is not None:
+                self.learner.moved((st.phase, st.step, st.last_progress), phase, now)
             st.phase, st.step, st.last_progress = phase, step, now
 
     @property
