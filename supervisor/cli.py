@@ -381,7 +381,9 @@ def limits_lines(events: list[dict], resolved: dict) -> list[str]:
             if isinstance(e.get(k), (int, float))
         )  # fmt: skip
         where = "while training" if name == "timeout_s" else f"phase {name}"
-        out.append(f"{name} {e.get('seconds')} s (auto, {where}; from {basis})")
+        seconds = e.get("seconds")
+        shown = f"{seconds:g}" if isinstance(seconds, (int, float)) else "?"
+        out.append(f"{name} {shown} s (auto, {where}; from {basis})")
     return [("limits:   " if i == 0 else "          ") + line for i, line in enumerate(out)]
 
 
