@@ -134,18 +134,30 @@ def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
     return args, the_job_dir(Path(env["ES_MEM_ROOT"]))
 
 
-def test_a_torn_slot_on_one_rank_takes_the_newest_step_both_hold(tmp_path, mem_root):
+def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, mem_root):
+    """Rank 1 dies inside its copy of step 7 (slots: 6 whole, 7 torn); rank 0 holds 6 whole.
+    Rank 0's slot of step 6 then has its closing generation rewritten: no step is held whole
+    by both, so every rank resumes from the durable tier (were the torn slot taken, it would
+    be memory step 6)."""
     env = rank_env(ES_MEM_ROOT=str(mem_root))
-    args, directory = _fail_at_step_8(tmp_path, env)
-    slots = sorted((slot_state(directory, 1, s) for s in range(2)), key=lambda h: h.step)
-    assert slots[0].step == 6 and not slots[0].torn, slots
-    newest = slots[1]
-    with newest.path.open("r+b") as f:  # its closing generation, as if the copy was cut short
+    args = flags(tmp_path, "m")
+    died = run_worker(
+        2, *args, "--inject-rank", "1", "--inject-kill-in-mem-copy-at-step", "7", env=env
+    )
+    assert died.returncode != 0
+    directory = the_job_dir(mem_root)
+    assert {(s.step, s.torn) for s in (slot_state(directory, 1, i) for i in range(2))} >= {
+        (6, False)
+    }
+    (six,) = [s for s in (slot_state(directory, 0, i) for i in range(2)) if s.step == 6]
+    assert not six.torn
+    with six.path.open("r+b") as f:  # its closing generation, as if the copy was cut short
         f.seek(16)
-        f.write(struct.pack("<Q", newest.gen + 99))
+        f.write(struct.pack("<Q", six.gen + 99))
     again = run_worker(2, *args, env=env)
     assert again.returncode == 0, again.stderr
-    assert "RESUMED from step=6 (memory" in again.stdout
+    assert "memory tier: no step held complete by every rank" in again.stdout
+    assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
     assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
 
 
