@@ -153,8 +153,10 @@ def job_dirs(job_id: str) -> list[Path]:
 
 
 def mine(paths: set[str], tmp_path: Path) -> set[str]:
-    """The node's files, not the test's own run dir (which lies in a temp dir too)."""
-    return {p for p in paths if not p.startswith(str(tmp_path))}
+    """The node's files, not the test's own run dir nor the checkout and its interpreter (which
+    may lie in a temp dir too: a CI clone under /tmp maps its venv's binaries and libraries)."""
+    kept = (str(tmp_path), str(REPO) + "/", sys.prefix + "/", sys.base_prefix + "/")
+    return {p for p in paths if not p.startswith(kept)}
 
 
 def test_killed_and_torn_down_attempts_leave_nothing_of_the_job(tmp_path):
