@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,6 +33,9 @@ HYDRA_PREFIXES = ("hydra_hwloc_xmlfile_",)
 # The worker's default async stage dir (worker.ckpt.async_save.default_stage_root) under the
 # supervisor: `<temp dir>/es-ckpt-<job id>`.
 STAGE_PREFIX = "es-ckpt-"
+# A sweep leaves files younger than this: what a job starting beside us makes is not yet ours to
+# judge.
+MIN_AGE_S = 60.0
 
 
 # --- decisions ------------------------------------------------------------------------------------
@@ -94,7 +98,7 @@ def held_paths(proc_root: str = "/proc") -> set[str]:
     return held
 
 
-def _candidates(root: str, prefixes: tuple[str, ...], uid: int) -> list[str]:
+def _candidates(root: str, prefixes: tuple[str, ...], uid: int, before: float) -> list[str]:
     try:
         names = os.listdir(root)
     except OSError:
@@ -105,7 +109,8 @@ def _candidates(root: str, prefixes: tuple[str, ...], uid: int) -> list[str]:
             continue
         path = os.path.join(root, name)
         try:
-            if sweepable(name, os.lstat(path), uid, prefixes):
+            st = os.lstat(path)
+            if sweepable(name, st, uid, prefixes) and st.st_mtime < before:
                 found.append(path)
         except OSError:
             continue
@@ -119,13 +124,15 @@ def sweep(
         (HYDRA_TMP, HYDRA_PREFIXES),
     ),
     proc_root: str = "/proc",
+    min_age_s: float = MIN_AGE_S,
 ) -> list[str]:
     """Remove this user's MPICH segments and Hydra topology files that no live process maps or
     holds open; return the paths removed. The candidates are listed before the processes are
     read, so one made meanwhile is not among them, and one listed is held from its creation
-    (shm_open, mkstemp) until its maker ends or removes it."""
-    uid = os.getuid()
-    candidates = [p for root, prefixes in roots for p in _candidates(root, prefixes, uid)]
+    (shm_open, mkstemp) until its maker ends or removes it. Only files older than `min_age_s`:
+    another job starting on the node may hold its own only a moment after making them."""
+    uid, before = os.getuid(), time.time() - min_age_s
+    candidates = [p for root, prefixes in roots for p in _candidates(root, prefixes, uid, before)]
     if not candidates:
         return []
     removed = []

@@ -92,12 +92,13 @@ def test_sweep_removes_only_this_users_unheld_files(tmp_path: Path):
     try:
         assert holder.stdout.readline().strip() == "holding"
         roots = [(str(shm), hygiene.SHM_PREFIXES), (str(hydra), hygiene.HYDRA_PREFIXES)]
-        assert hygiene.sweep(roots) == sorted([str(orphan), str(xml)])
+        assert hygiene.sweep(roots, min_age_s=60) == []  # too young: maybe a starting job's
+        assert hygiene.sweep(roots, min_age_s=0) == sorted([str(orphan), str(xml)])
         assert held.exists() and other.exists() and (shm / "mpich_vci_3_0").is_symlink()
     finally:
         holder.kill()
         holder.wait(timeout=10)
-    assert hygiene.sweep(roots) == [str(held)]  # its holder is gone
+    assert hygiene.sweep(roots, min_age_s=0) == [str(held)]  # its holder is gone
 
 
 HOLD = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(120)\n"
