@@ -107,6 +107,55 @@ def toml_value(v) -> str:
     return str(v)
 
 
+def toml_table(header: str, items: dict) -> str:
+    """One TOML table of a job config the supervisor tests write."""
+    return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
+
+
+# The worker table of a tiny supervised job (2 ranks on 2 cores, seconds per attempt).
+TINY_JOB_WORKER = {
+    "model": "debug",
+    "device": "cpu",
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "n_kv_heads": 1,
+    "vocab_size": 256,
+    "seq_len": 32,
+    "batch_size": 2,
+}
+
+
+def supervisor_env() -> dict[str, str]:
+    """The environment a test's `supervisor run` gets: this venv's mpiexec, no job's variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def start_supervisor(config: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", str(config), *args],
+        cwd=REPO, env=supervisor_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def finish_supervisor(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """Its exit status and output; the test fails if it runs past `timeout`."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"supervisor did not finish in {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def run_supervisor(config: Path, timeout: float, *args: str) -> tuple[int, str]:
+    return finish_supervisor(start_supervisor(config, *args), timeout)
+
+
 def events(run: Path) -> list[dict]:
     """A run's events.jsonl; a line still being written is skipped."""
     return list(read_events(run / "events.jsonl"))

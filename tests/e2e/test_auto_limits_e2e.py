@@ -5,72 +5,40 @@ wait for; the liveness timeout, learned too, finds nothing that was not injected
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, events, toml_value
+from tests.support import TINY_JOB_WORKER, events, run_supervisor, toml_table
 
-VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 420
 MAX_TRAIN_S = 60.0  # what the train limit is until learned: a stall found by it takes a minute
 
-WORKER = {
-    "model": "debug",
-    "device": "cpu",
-    "dim": 32,
-    "n_layers": 2,
-    "n_heads": 2,
-    "n_kv_heads": 1,
-    "vocab_size": 256,
-    "seq_len": 32,
-    "batch_size": 2,
-    "train_iters": 70,
-    "save_interval": 10,
-}
+WORKER = {**TINY_JOB_WORKER, "train_iters": 70, "save_interval": 10}
 
 pytestmark = pytest.mark.slow
 
 
-def table(header: str, items: dict) -> str:
-    return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
-
-
 def write_config(tmp_path: Path, faults: list[dict]) -> Path:
-    text = table("[job]", {"name": "auto", "run_dir": str(tmp_path / "run")})
-    text += table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
-    text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
-    text += table("[worker]", WORKER)
-    text += table("[restart]", {"max_restarts": 3, "teardown_grace_s": 1.0, "backoff_s": [0],
+    text = toml_table("[job]", {"name": "auto", "run_dir": str(tmp_path / "run")})
+    text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
+    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
+    text += toml_table("[worker]", WORKER)
+    text += toml_table("[restart]", {"max_restarts": 3, "teardown_grace_s": 1.0, "backoff_s": [0],
                                 "standby": False})  # fmt: skip
-    text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": "auto"})
-    text += table("[heartbeat.progress]", {"init": 120, "load": 120, "train": "auto", "save": 120})
-    text += table("[heartbeat.auto_max]", {"timeout_s": 10, "train": MAX_TRAIN_S})
-    text += "".join(table("[[faults]]", f) for f in faults)
+    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": "auto"})
+    progress = {"init": 120, "load": 120, "train": "auto", "save": 120}
+    text += toml_table("[heartbeat.progress]", progress)
+    text += toml_table("[heartbeat.auto_max]", {"timeout_s": 10, "train": MAX_TRAIN_S})
+    text += "".join(toml_table("[[faults]]", f) for f in faults)
     path = tmp_path / "job.toml"
     path.write_text(text)
     return path
 
 
 def run_job(config: Path) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", str(config)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"supervisor did not finish in {JOB_TIMEOUT} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_supervisor(config, JOB_TIMEOUT)
 
 
 def test_a_stall_is_found_under_the_learned_train_limit(tmp_path):

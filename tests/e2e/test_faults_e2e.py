@@ -13,74 +13,49 @@ file stays within a few minutes on 2 cores); each fault is checked through the a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, events, read_metrics, run_worker, toml_value
+from tests.support import (
+    TINY_JOB_WORKER,
+    events,
+    read_metrics,
+    run_supervisor,
+    run_worker,
+    toml_table,
+)
 
-VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 420
 
 TRAIN_ITERS = 40
-WORKER = {
-    "model": "debug",
-    "device": "cpu",
-    "dim": 32,
-    "n_layers": 2,
-    "n_heads": 2,
-    "n_kv_heads": 1,
-    "vocab_size": 256,
-    "seq_len": 32,
-    "batch_size": 2,
-    "train_iters": TRAIN_ITERS,
-}
+WORKER = {**TINY_JOB_WORKER, "train_iters": TRAIN_ITERS}
 EXPECTED_PATH = {"kill": "exit", "term": "exit", "corrupt": "exit", "unmark": "exit",
                  "hang": "hang", "stall": "no_progress"}  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
 
-def table(header: str, items: dict) -> str:
-    return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
-
-
 def write_config(
     tmp_path: Path, faults: list[dict], worker: dict, train_progress_s: float = 3.0
 ) -> Path:
-    text = table("[job]", {"name": "f", "run_dir": str(tmp_path / "run")})
-    text += table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
-    text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
-    text += table("[worker]", {**WORKER, **worker})
-    text += table("[restart]", {"max_restarts": 8, "teardown_grace_s": 1.0, "backoff_s": [0],
+    text = toml_table("[job]", {"name": "f", "run_dir": str(tmp_path / "run")})
+    text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
+    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
+    text += toml_table("[worker]", {**WORKER, **worker})
+    text += toml_table("[restart]", {"max_restarts": 8, "teardown_grace_s": 1.0, "backoff_s": [0],
                                 "max_same_resume": 4, "standby": False})  # fmt: skip
-    text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
+    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
     progress = {"init": 120, "load": 120, "train": train_progress_s, "save": 120}
-    text += table("[heartbeat.progress]", progress)
-    text += "".join(table("[[faults]]", f) for f in faults)
+    text += toml_table("[heartbeat.progress]", progress)
+    text += "".join(toml_table("[[faults]]", f) for f in faults)
     path = tmp_path / "job.toml"
     path.write_text(text)
     return path
 
 
 def run_job(config: Path) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", str(config)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"supervisor did not finish in {JOB_TIMEOUT} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_supervisor(config, JOB_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

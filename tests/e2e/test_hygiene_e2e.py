@@ -24,23 +24,23 @@ import psutil
 import pytest
 
 from supervisor import protocol
-from tests.support import REPO, events, mpiexec, rank_env, toml_value
+from tests.support import (
+    REPO,
+    TINY_JOB_WORKER,
+    events,
+    finish_supervisor,
+    mpiexec,
+    rank_env,
+    start_supervisor,
+    toml_table,
+)
 
-VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 300
 WATCH_EVERY_S = 0.05
 WATCHED_ROOTS = ("/dev/shm/", "/tmp/", tempfile.gettempdir().rstrip("/") + "/")
 
 WORKER = {
-    "model": "debug",
-    "device": "cpu",
-    "dim": 32,
-    "n_layers": 2,
-    "n_heads": 2,
-    "n_kv_heads": 1,
-    "vocab_size": 256,
-    "seq_len": 32,
-    "batch_size": 2,
+    **TINY_JOB_WORKER,
     "train_iters": 40,
     "save_interval": 5,
     "async_ckpt": True,
@@ -100,45 +100,31 @@ class Watcher(threading.Thread):
         return self.seen
 
 
-def table(header: str, items: dict) -> str:
-    return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
-
-
 def write_config(tmp_path: Path, faults: list[dict], max_restarts: int = 8) -> Path:
-    text = table("[job]", {"name": "hyg", "run_dir": str(tmp_path / "run")})
-    text += table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
-    text += table("[launch.env]", {"OMP_NUM_THREADS": "1"})
-    text += table("[worker]", WORKER)
+    text = toml_table("[job]", {"name": "hyg", "run_dir": str(tmp_path / "run")})
+    text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
+    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
+    text += toml_table("[worker]", WORKER)
     restart = {"max_restarts": max_restarts, "teardown_grace_s": 1.0, "backoff_s": [0],
                "max_same_resume": 4, "standby": False}  # fmt: skip
-    text += table("[restart]", restart)
-    text += table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
-    text += table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 4, "save": 120})
-    text += "".join(table("[[faults]]", f) for f in faults)
+    text += toml_table("[restart]", restart)
+    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 3.0})
+    text += toml_table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 4, "save": 120})
+    text += "".join(toml_table("[[faults]]", f) for f in faults)
     path = tmp_path / "job.toml"
     path.write_text(text)
     return path
 
 
 def run_watched(config: Path) -> tuple[int, str, set[str]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", str(config), "--quiet"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_supervisor(config, "--quiet")
     watcher = Watcher(proc.pid)
     watcher.start()
     try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"supervisor did not finish in {JOB_TIMEOUT} s:\n{out[-4000:]}")
+        rc, out = finish_supervisor(proc, JOB_TIMEOUT)
     finally:
         seen = watcher.stop()
-    return proc.returncode, out, seen
+    return rc, out, seen
 
 
 def left_of(seen: set[str]) -> list[str]:
