@@ -83,6 +83,7 @@ class FaultEngine:
         self.inflight: set[int] = set()  # async saves staged or written, not yet complete
         self.total = 0
         self.retrying: set[_Retry] = set()
+        self.hits: dict[int, tuple[int, ...]] = {}  # attempt -> ranks its disruptive faults hit
 
     @classmethod
     def create(
@@ -126,6 +127,12 @@ class FaultEngine:
 
     def attempt_over(self) -> None:
         self.attempt = None
+
+    def hit(self, attempt: int) -> tuple[int, ...]:
+        return self.hits.get(attempt, ())
+
+    def resize(self, world: int) -> None:
+        self.world = world  # a target beyond it is never ready: it waits, and never fires
 
     def on_message(self, msg: dict[str, Any], table: Any, now: float) -> None:
         kind = msg["kind"]
@@ -215,6 +222,9 @@ class FaultEngine:
         errors += sent_errors
         if act.kind in DISRUPTIVE:
             self.disrupted = True
+        if act.kind in DISRUPTIVE and act.kind not in ("corrupt", "unmark"):  # a rank's fault
+            before = self.hits.get(table.attempt, ())
+            self.hits[table.attempt] = tuple(sorted({*before, *f.ranks}))
         self.total += 1
         extra: dict[str, Any] = {}
         if act.kind not in IN_STEP:

@@ -127,11 +127,12 @@ class JobShape:
 
 
 def shape_of(cfg: Any, world_nodes: int | None = None) -> JobShape:
-    """The JobShape of a supervisor Config (worker flags, launch) and, once resolved, its nodes."""
+    """The JobShape of a supervisor Config (worker flags, launch) and, once resolved, the nodes
+    it starts on (its spares are not part of the world)."""
     flags = cfg.worker.flags
     nodes = world_nodes
     if nodes is None and isinstance(cfg.launch.nodes, list):
-        nodes = len(cfg.launch.nodes)
+        nodes = len(cfg.launch.nodes) - cfg.launch.spares
     rpn = cfg.launch.ranks_per_node
     ti, si = flags.get("train_iters"), flags.get("save_interval")
     return JobShape(

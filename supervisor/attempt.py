@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from supervisor import decisions, launcher, protocol, stacks
+from supervisor import decisions, launcher, nodes, protocol, stacks
 from supervisor.control import ControlServer
 from supervisor.decisions import AttemptRecord, Finding, Outcome
 from supervisor.fault_hooks import FaultHooks
 from supervisor.heartbeat import AttemptTable
 from supervisor.launcher import Exit, LaunchPlan, TeardownResult
 from supervisor.resolve import Resolved
-from supervisor.stack_text import summary_lines
+from supervisor.stack_text import summary_lines, where
 from supervisor.stop import StopRequests
 
 PROGRESS_EVERY_S = 5.0  # a `progress` event at most this often
@@ -102,6 +102,7 @@ class AttemptResult:
     outcome: Outcome
     finding: Finding | None
     record: AttemptRecord
+    attribution: nodes.Attribution | None = None  # the node a failure is laid on, if any
 
 
 @dataclass
@@ -134,6 +135,8 @@ class Attempt:
         self.ready_at: float | None = None  # monotonic: every standby rank said it waits
         self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
         self.prepared = ""  # what a standby holds ready, as its rank 0 says it
+        self.nodes = list(shared.r.pool.active)  # where its ranks run, in rank order
+        self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
 
     def emit(self, event: str, **facts: Any) -> None:
         self.s.emit(event, attempt=self.number, **facts)
@@ -178,7 +181,32 @@ class Attempt:
         if teardown.survivors:
             self.emit("teardown_survivors", pids=teardown.survivors)
         error = decisions.error_of(t.errors, list(running.tail))
-        return self._result(outcome, end.finding, error if outcome.kind != "success" else None)
+        failed = outcome.kind in ("failure", "bad_input")
+        blame = self._attribute(end, list(running.tail)) if failed else None
+        return self._result(
+            outcome, end.finding, error if outcome.kind != "success" else None, blame
+        )
+
+    def _attribute(self, end: _End, tail: list[str]) -> nodes.Attribution:
+        """The node this failure is laid on, from what the attempt saw (`nodes.attribute`)."""
+        t, finding = self.table, end.finding
+        pids = {r: st.pid for r, st in t.ranks.items()}
+        stalled = ()
+        if finding is not None and finding.kind == "no_progress":
+            places = {r: w for r, w in self.stack_places.items() if r in finding.ranks}
+            stalled = nodes.outside_collectives(places)
+        facts = nodes.FailureFacts(
+            kind=finding.kind if finding else "exit",
+            finding_ranks=finding.ranks if finding else (),
+            error_ranks=tuple(t.errors),
+            first_exited=nodes.first_exited(
+                {r: st.exited_at for r, st in t.ranks.items() if st.exited}
+            ),
+            launcher_named=nodes.launcher_named_ranks(tail, pids),
+            injected=self.s.faults.hit(self.number),
+            stalled_outside_collectives=stalled,
+        )
+        return nodes.attribute(facts, self.nodes, self.cfg.launch.ranks_per_node)
 
     def _plan(self) -> LaunchPlan:
         """The attempt's command, with the contract environment (command.txt shows it)."""
@@ -374,7 +402,11 @@ class Attempt:
         return result
 
     def _result(
-        self, outcome: Outcome, finding: Finding | None, error: str | None = None
+        self,
+        outcome: Outcome,
+        finding: Finding | None,
+        error: str | None = None,
+        blame: nodes.Attribution | None = None,
     ) -> AttemptResult:
         t = self.table
         record = AttemptRecord(
@@ -392,8 +424,9 @@ class Attempt:
             ckpt_complete=t.ckpt_complete,
             stale_messages=t.stale,
             error=error,
+            **({"node": blame.node, "attributed": blame.as_dict()} if blame else {}),
         )
-        return AttemptResult(self.number, outcome, finding, record)
+        return AttemptResult(self.number, outcome, finding, record, blame)
 
     # --- watching -----------------------------------------------------------------------------
     async def _watch(self, running: Running) -> tuple[Finding, float]:
@@ -453,6 +486,9 @@ class Attempt:
                 "stacks_error": f"{type(exc).__name__}: {exc}",
             }
         else:
+            self.stack_places = {
+                st.rank: where(st.place.innermost) for st in got.stacks if st.place is not None
+            }
             facts = {
                 "stacks_dir": str(got.directory),
                 "stacks": summary_lines(got.stacks, finding.ranks),

@@ -59,6 +59,11 @@ class LaunchConfig:
     # The ranks' Python; default: the supervisor's own interpreter.
     python: str = ""
     cwd: str = ""
+    # Tests and demos: every named node runs on this host (MPICH Hydra's fork launcher), and the
+    # supervisor and worker treat each name as a node.
+    emulate_nodes: bool = False
+    # The last K nodes of the resolved list start idle; one takes an excluded node's place.
+    spares: int = 0
 
 
 @dataclass
@@ -86,6 +91,12 @@ class RestartConfig:
     # it and wait, prepared, for a failure (a second set of processes per node). False: every
     # relaunch starts cold.
     standby: bool = True
+    # A node with this many failures attributed to it in this job is excluded (0: never).
+    exclude_after: int = 2
+    # Without a spare to take an excluded node's place: go on with fewer nodes (a smaller world,
+    # the checkpoint resharded), down to min_nodes; false ends the job (exit 6).
+    shrink: bool = False
+    min_nodes: int = 1
 
 
 AUTO = "auto"  # a limit learned from the run's own step times and beats (decisions.auto_*)
@@ -266,7 +277,34 @@ def check(cfg: Config) -> None:
         need(not la.hostfile, "launch.hostfile", "give either launch.nodes or launch.hostfile")
     if la.launcher == "local":
         need(not la.hostfile, "launch.hostfile", "the local launcher runs on this host only")
+    need(la.spares >= 0, "launch.spares", "expected an integer >= 0")
+    if la.emulate_nodes:
+        need(
+            la.launcher == "mpiexec" and la.flavor != "pals",
+            "launch.emulate_nodes",
+            'emulated nodes need MPICH\'s mpiexec (launcher = "mpiexec", flavor hydra)',
+        )
+        need(
+            isinstance(la.nodes, list),
+            "launch.nodes",
+            'emulate_nodes names its nodes: give a list, e.g. nodes = ["n0", "n1", "n2"]',
+        )
+    if isinstance(la.nodes, list):
+        need(
+            la.spares < len(la.nodes),
+            "launch.spares",
+            f"expected fewer spares than nodes ({len(la.nodes)}), got {la.spares}",
+        )
     rs = cfg.restart
+    need(rs.exclude_after >= 0, "restart.exclude_after", "expected an integer >= 0 (0: never)")
+    need(rs.min_nodes >= 1, "restart.min_nodes", "expected an integer >= 1")
+    if isinstance(la.nodes, list):
+        active = len(la.nodes) - la.spares
+        need(
+            rs.min_nodes <= active,
+            "restart.min_nodes",
+            f"expected at most the {active} node(s) the job starts on, got {rs.min_nodes}",
+        )
     need(rs.max_restarts >= 0, "restart.max_restarts", "expected an integer >= 0")
     need(len(rs.backoff_s) >= 1, "restart.backoff_s", "expected at least one delay")
     for i, d in enumerate(rs.backoff_s):

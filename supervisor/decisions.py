@@ -27,6 +27,7 @@ class ExitCode(enum.IntEnum):
     BUDGET = 3  # restart budget exhausted
     NO_PROGRESS = 4  # the same resume step too many attempts in a row
     INTERRUPTED = 5  # stopped by SIGINT/SIGTERM (after a graceful stop of the ranks)
+    NODES = 6  # too few good nodes left: excluded, no spare, and no shrink (or below min_nodes)
 
 
 # --- ranks: liveness and progress ----------------------------------------------------------------

@@ -34,6 +34,14 @@ class FaultHooks(Protocol):
         """The attempt is ending: nothing more into it."""
         ...
 
+    def hit(self, attempt: int) -> tuple[int, ...]:
+        """The ranks a disruptive fault hit in `attempt` (a failure there is laid on them)."""
+        ...
+
+    def resize(self, world: int) -> None:
+        """The job goes on with `world` ranks (fewer nodes): targets beyond it are skipped."""
+        ...
+
     def close(self) -> None:
         """The job is over (a summary event; sockets closed)."""
         ...
@@ -52,6 +60,12 @@ class NoFaults:
         pass
 
     def attempt_over(self) -> None:
+        pass
+
+    def hit(self, attempt: int) -> tuple[int, ...]:
+        return ()
+
+    def resize(self, world: int) -> None:
         pass
 
     def close(self) -> None:

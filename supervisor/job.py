@@ -9,6 +9,7 @@ does is written to events.jsonl first.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import secrets
@@ -17,7 +18,7 @@ import sys
 from typing import IO, Any
 
 from supervisor import config as config_mod
-from supervisor import decisions, fault_hooks, hygiene, launcher, memdir
+from supervisor import decisions, fault_hooks, hygiene, launcher, memdir, nodes
 from supervisor.attempt import Attempt, AttemptResult, Launcher, Shared
 from supervisor.control import ControlServer, bind_for
 from supervisor.decisions import AttemptRecord, Decision, ExitCode
@@ -61,6 +62,8 @@ class Job:
         self.standby: StandbyKeeper | None = None
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
         self.mem: memdir.Held | None = None  # the memory tier's directory, held for the job's life
+        self.node_failures: collections.Counter[str] = collections.Counter()
+        self.just_excluded: list[str] = []  # by the last attempt's failure: no standby there
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> ExitCode:
@@ -100,7 +103,8 @@ class Job:
             pid=os.getpid(),
             config=self.cfg.source,
             run_dir=str(self.r.run_dir),
-            nodes=self.r.nodes,
+            nodes=self.r.active,
+            **({"spares": list(self.r.pool.spares)} if self.r.pool.spares else {}),
             world=self.r.world,
             launcher=self.r.flavor,
             heartbeat=server.address,
@@ -165,6 +169,10 @@ class Job:
             if decision.action == "stop":
                 self._give_up(number, decision.exit_code, decision.reason, **decision.facts)
                 return decision.exit_code, decision.reason
+            stop = self._count_against_node(result)
+            if stop is not None:
+                self._give_up(number, ExitCode.NODES, stop, nodes=self.r.pool.as_dict())
+                return ExitCode.NODES, stop
             attempt = await self._relaunch(number, decision)
             if attempt is None:
                 self._give_up(number, ExitCode.INTERRUPTED, "interrupted during backoff")
@@ -186,7 +194,7 @@ class Job:
         left = decisions.restarts_left(self.cfg.restart.max_restarts, self.restarts)
         standby, cold_because = None, "standby off"
         if self.standby is not None:
-            standby, cold_because = await self.standby.take()
+            standby, cold_because = await self.standby.take(self.just_excluded)
         number = standby.number if standby else self._next_number()
         self.emit(
             "relaunch",
@@ -214,6 +222,64 @@ class Job:
         self.emit("standby_lost", attempt=standby.number, reason=why, was_ready=True)
         await standby.end_standby("go failed")
         return Attempt(self._next_number(), self.shared)
+
+    def _count_against_node(self, result: AttemptResult) -> str | None:
+        """Count a failure against the node it is laid on; a node at `exclude_after` is out,
+        a spare takes its place or the job shrinks (`nodes.exclude`). Why the job must stop,
+        or None."""
+        self.just_excluded = []
+        node = result.attribution.node if result.attribution else None
+        if node is None:
+            return None
+        self.node_failures[node] += 1
+        rs = self.cfg.restart
+        out = nodes.excluded_now(self.node_failures, rs.exclude_after, self.r.pool)
+        if not out:
+            return None
+        for name in out:
+            self.emit(
+                "node_excluded",
+                node=name,
+                reason=f"{self.node_failures[name]} failure(s) laid on it "
+                f"(exclude_after = {rs.exclude_after}): {result.attribution.why}",
+                count=self.node_failures[name],
+                attempt=result.number,
+            )
+        change = nodes.exclude(self.r.pool, out, rs.shrink, rs.min_nodes)
+        self.just_excluded = out
+        for old, new in change.swaps:
+            self.emit("node_swapped", out=old, into=new, attempt=result.number)
+        if change.action == "stop":
+            self.r.pool = change.pool
+            return change.reason
+        before = self.r.world
+        self.r.pool = change.pool
+        if change.action == "shrink":
+            self._shrink(before, result.number)
+        self.r.write_hostfile()
+        return None
+
+    def _shrink(self, before: int, after_attempt: int) -> None:
+        """The world got smaller: the worker flags it needs (same global batch where the sizes
+        divide), and the fault schedule told."""
+        from supervisor import shrink
+
+        original = len(self.r.nodes) - self.cfg.launch.spares
+        plan = shrink.plan(
+            self.cfg.worker.flags, original * self.cfg.launch.ranks_per_node, self.r.world
+        )
+        self.r.worker_overrides = dict(plan.flags)
+        self.faults.resize(self.r.world)
+        self.emit(
+            "shrink",
+            attempt=after_attempt,
+            nodes=self.r.active,
+            world_before=before,
+            world=self.r.world,
+            flags=dict(plan.flags),
+            changes=list(plan.changes),
+            global_batch_kept=plan.global_batch_kept,
+        )
 
     def _next_number(self) -> int:
         self.numbers += 1
@@ -244,7 +310,7 @@ class Job:
         try:
             (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(config_mod.dumps(self.r.resolved_dict()))
-            self.r.hostfile().write_text("".join(f"{n}\n" for n in self.r.nodes))
+            self.r.write_hostfile()
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise config_mod.ConfigError(
@@ -295,7 +361,8 @@ class Job:
 
     def _bind(self) -> HeartbeatServer:
         hb = self.cfg.heartbeat
-        local = all(launcher.is_this_host(n) for n in self.r.nodes)
+        la = self.cfg.launch
+        local = la.emulate_nodes or all(launcher.is_this_host(n) for n in self.r.nodes)
         bind = hb.bind if hb.bind != "auto" else ("127.0.0.1" if local else "0.0.0.0")
         advertise = (
             hb.advertise

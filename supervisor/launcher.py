@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.config import Config, LaunchConfig
+from supervisor.config import Config, LaunchConfig, flags_from_table
 from supervisor.config_table import ConfigError
 from supervisor.protocol import ENV_HEARTBEAT_KEY
 
@@ -175,8 +175,10 @@ def detect_flavor(executable: str) -> str:
     return "unknown"
 
 
-def worker_argv(cfg: Config, run_dir: Path) -> list[str]:
-    return [python_of(cfg.launch), "-m", cfg.worker.module, *cfg.worker_flags()]
+def worker_argv(cfg: Config, overrides: Mapping[str, object] | None = None) -> list[str]:
+    """The rank's command; `overrides`: worker flags that differ from [worker] (a shrink)."""
+    flags = flags_from_table({**cfg.worker.flags, **overrides}) if overrides else cfg.worker_flags()
+    return [python_of(cfg.launch), "-m", cfg.worker.module, *flags]
 
 
 def build_plan(
@@ -188,12 +190,14 @@ def build_plan(
     run_dir: Path,
     hostfile: Path | None = None,
     master_port: int = 0,
+    overrides: Mapping[str, object] | None = None,
 ) -> LaunchPlan:
-    """The processes of one attempt. `env` is the contract environment plus [launch] env."""
+    """The processes of one attempt on `nodes` (the active ones). `env` is the contract
+    environment plus [launch] env."""
     la = cfg.launch
     rpn = la.ranks_per_node
     world = rpn * len(nodes)
-    worker = worker_argv(cfg, run_dir)
+    worker = worker_argv(cfg, overrides)
     if la.launcher == "local":
         procs = []
         for r in range(world):
@@ -241,6 +245,8 @@ def build_plan(
         ]
         return LaunchPlan("pals", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["pals"])
     hosts = ["-f", str(hostfile)] if hostfile and multi else []
+    if la.emulate_nodes:  # each name its own proxy and local ranks, all on this host
+        hosts = ["-launcher", "fork", "-hosts", ",".join(nodes)]
     argv = [
         executable,
         "-n",

@@ -34,8 +34,8 @@ def check(r: Resolved) -> list[str]:
 def check_hosts(r: Resolved) -> None:
     """Every node other than this host must resolve: Hydra's ssh and PALS reach nodes by name,
     and a name that does not resolve fails every attempt ("Could not resolve hostname")."""
-    if r.cfg.launch.launcher != "mpiexec":
-        return  # local: this host; srun: Slurm places the ranks on nodes it knows
+    if r.cfg.launch.launcher != "mpiexec" or r.cfg.launch.emulate_nodes:
+        return  # local and emulated: this host; srun: Slurm places the ranks on nodes it knows
     others = [n for n in r.nodes if not launcher.is_this_host(n)]
     with ThreadPoolExecutor(max_workers=min(RESOLVE_WORKERS, len(others) or 1)) as pool:
         for node, error in zip(others, pool.map(_resolve_error, others), strict=True):

@@ -1,49 +1,66 @@
 """What `run` fixes once for the whole job: run dir, nodes, launcher program and flavor.
 
-Every attempt launches the same nodes with the same command; `validate` and `--dry-run` resolve
-too, so that whatever can only be checked once the nodes are known (a fault's target rank) is
-caught before anything starts.
+Every attempt launches the job's active nodes with the same command (until a node is excluded:
+a spare takes its place, or with a shrink the world gets smaller and the worker flags follow);
+`validate` and `--dry-run` resolve too, so that whatever can only be checked once the nodes are
+known (a fault's target rank) is caught before anything starts.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from supervisor import config as config_mod
 from supervisor import launcher
 from supervisor.config import Config
+from supervisor.nodes import NodePool
 
 
 @dataclass
 class Resolved:
-    """The job as it runs: the same nodes and command on every attempt."""
+    """The job as it runs: every node it was given (`nodes`, spares included), which of them run
+    the ranks now (`pool`), and the worker flags a smaller world needs (`worker_overrides`)."""
 
     cfg: Config
     run_dir: Path
     nodes: list[str]
     executable: str
     flavor: str
+    pool: NodePool = field(init=False)
+    worker_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pool = NodePool.split(self.nodes, self.cfg.launch.spares)
+
+    @property
+    def active(self) -> list[str]:
+        return list(self.pool.active)
 
     @property
     def world(self) -> int:
-        return len(self.nodes) * self.cfg.launch.ranks_per_node
+        return len(self.pool.active) * self.cfg.launch.ranks_per_node
 
     def hostfile(self) -> Path:
         return self.run_dir / "hostfile"
 
+    def write_hostfile(self) -> None:
+        """The active nodes, one per line (the launcher's -f / --hostfile)."""
+        self.hostfile().write_text("".join(f"{n}\n" for n in self.pool.active))
+
     def plan(self, env: dict[str, str], master_port: int = 0) -> launcher.LaunchPlan:
         return launcher.build_plan(
             self.cfg,
-            self.nodes,
+            self.active,
             self.executable,
             self.flavor,
             env,
             self.run_dir,
             self.hostfile(),
             master_port,
+            self.worker_overrides,
         )
 
     def resolved_dict(self) -> dict[str, Any]:
@@ -80,8 +97,27 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
                     "launch.flavor",
                     f'cannot tell the flavor of {executable}; set "hydra" or "pals"',
                 )
+    if cfg.launch.emulate_nodes and flavor != "hydra":
+        raise config_mod.ConfigError(
+            cfg.source,
+            "launch.emulate_nodes",
+            f"emulated nodes need MPICH Hydra's fork launcher; {executable} is {flavor}",
+        )
+    if cfg.launch.spares >= len(nodes):
+        raise config_mod.ConfigError(
+            cfg.source,
+            "launch.spares",
+            f"{cfg.launch.spares} spare(s) leave none of the {len(nodes)} node(s) to run on",
+        )
+    if cfg.restart.min_nodes > len(nodes) - cfg.launch.spares:
+        raise config_mod.ConfigError(
+            cfg.source,
+            "restart.min_nodes",
+            f"{cfg.restart.min_nodes} is more than the {len(nodes) - cfg.launch.spares} "
+            "node(s) the job starts on",
+        )
     if cfg.faults:  # faults/: a rank or node beyond the resolved world is a config error too
         from faults.spec import check_world, shape_of
 
-        check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes)))
+        check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes) - cfg.launch.spares))
     return Resolved(cfg, run_dir, nodes, executable, flavor)
