@@ -252,34 +252,35 @@ class Job:
         if change.action == "stop":
             self.r.pool = change.pool
             return change.reason
-        before = self.r.world
+        problem = self._shrink(change.pool, result.number) if change.action == "shrink" else None
         self.r.pool = change.pool
-        if change.action == "shrink":
-            self._shrink(before, result.number)
+        if problem is not None:
+            return problem
         self.r.write_hostfile()
         return None
 
-    def _shrink(self, before: int, after_attempt: int) -> None:
-        """The world got smaller: the worker flags it needs (same global batch where the sizes
-        divide), and the fault schedule told."""
+    def _shrink(self, pool: nodes.NodePool, after_attempt: int) -> str | None:
+        """The job goes on with `pool`'s fewer nodes: the worker flags that world needs (the
+        global batch kept where the sizes divide, `shrink.plan_shrink`), and the fault schedule
+        told. Why it cannot, or None."""
         from supervisor import shrink
 
-        original = len(self.r.nodes) - self.cfg.launch.spares
-        plan = shrink.plan(
-            self.cfg.worker.flags, original * self.cfg.launch.ranks_per_node, self.r.world
-        )
+        rpn = self.cfg.launch.ranks_per_node
+        first = (len(self.r.nodes) - self.cfg.launch.spares) * rpn  # planned from the first world
+        if self.cfg.worker.module != "worker.train":  # its flags are its own: passed unchanged
+            world = len(pool.active) * rpn
+            self.emit(
+                "shrink", attempt=after_attempt, nodes=list(pool.active), world=[first, world]
+            )
+            self.faults.resize(world)
+            return None
+        plan = shrink.plan_shrink(self.cfg.worker.flags, first, len(pool.active) * rpn)
+        if plan.problem is not None:
+            return f"cannot go on with {len(pool.active)} node(s): {plan.problem}"
+        self.emit("shrink", attempt=after_attempt, nodes=list(pool.active), **plan.event())
         self.r.worker_overrides = dict(plan.flags)
-        self.faults.resize(self.r.world)
-        self.emit(
-            "shrink",
-            attempt=after_attempt,
-            nodes=self.r.active,
-            world_before=before,
-            world=self.r.world,
-            flags=dict(plan.flags),
-            changes=list(plan.changes),
-            global_batch_kept=plan.global_batch_kept,
-        )
+        self.faults.resize(plan.new_world)
+        return None
 
     def _next_number(self) -> int:
         self.numbers += 1
