@@ -48,7 +48,7 @@ class FailureFacts:
 
     kind: str  # exit | rank_exit | hang | no_progress
     finding_ranks: tuple[int, ...] = ()  # the ranks the watch named
-    error_ranks: tuple[int, ...] = ()  # ranks that reported an error (raised), in order
+    error_ranks: tuple[int, ...] = ()  # ranks that reported an error before any rank was gone
     first_exited: tuple[int, ...] = ()  # the ranks seen gone first (together), on this host
     launcher_named: tuple[int, ...] = ()  # the launcher's first bad termination
     injected: tuple[int, ...] = ()  # the ranks a disruptive injected fault hit in the attempt
@@ -67,9 +67,11 @@ class Attribution:
 
 def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -> Attribution:
     """The node a failure is laid on, from the most telling fact there is: an injected fault's
-    target; a rank that raised; the ranks whose beats stopped; of ranks making no progress,
-    those not waiting inside a collective (the others wait for them); the first rank that
-    exited (the launcher's report of its first bad termination, else the first seen gone).
+    target; a rank that raised while every rank still ran (errors after a rank is gone are its
+    peers noticing: "connection reset"); the ranks whose beats stopped; of ranks making no
+    progress, those not waiting inside a collective (the others wait for them); the first rank
+    whose process ended (seen to the millisecond on this host), else the launcher's report of
+    its first bad termination.
 
     A failure whose ranks span several nodes, or that takes down every active node, says
     nothing about any one node (a single-node job never excludes its node this way)."""
@@ -79,8 +81,8 @@ def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -
         (facts.error_ranks[:1], "the first rank that reported an error"),
         (facts.finding_ranks if facts.kind == "hang" else (), "the ranks whose beats stopped"),
         (stalled if facts.kind == "no_progress" else (), "the ranks that stopped stepping"),
+        (facts.first_exited, "the first rank whose process ended"),
         (facts.launcher_named, "the launcher's first bad termination"),
-        (facts.first_exited, "the first ranks seen gone"),
     ]
     for ranks, fact in candidates:
         ranks = tuple(r for r in ranks if 0 <= r < len(active) * ranks_per_node)

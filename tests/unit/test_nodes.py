@@ -1,0 +1,161 @@
+"""The job's nodes: failures laid on a node, exclusion, spares, shrink (pure functions), and the
+config and command that name them."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor import config as config_mod
+from supervisor import launcher as L
+from supervisor.config_table import ConfigError
+from supervisor.nodes import (
+    FailureFacts,
+    NodePool,
+    attribute,
+    exclude,
+    excluded_now,
+    first_exited,
+    launcher_named_ranks,
+    outside_collectives,
+)
+
+FOUR = ("n0", "n1", "n2", "n3")
+
+
+def test_the_last_nodes_are_the_spares_and_ranks_sit_in_blocks():
+    pool = NodePool.split(["a", "b", "c", "d"], 1)
+    assert pool.active == ("a", "b", "c") and pool.spares == ("d",)
+    assert [pool.node_of(r, 2) for r in range(6)] == ["a", "a", "b", "b", "c", "c"]
+
+
+@pytest.mark.parametrize(
+    "facts, node, why",
+    [
+        (FailureFacts("exit", injected=(1,), first_exited=(0,)), "n1", "injected"),
+        (FailureFacts("exit", error_ranks=(2, 0), first_exited=(1,)), "n2", "error"),
+        (FailureFacts("hang", finding_ranks=(3,)), "n3", "beats"),
+        (FailureFacts("exit", first_exited=(2,), launcher_named=(0,)), "n2", "process ended"),
+        (FailureFacts("exit", launcher_named=(1,)), "n1", "launcher"),
+    ],
+)
+def test_a_failure_is_laid_on_the_node_of_its_most_telling_fact(facts, node, why):
+    got = attribute(facts, FOUR, 1)
+    assert got.node == node and why in got.why
+
+
+def test_ranks_stuck_waiting_in_a_collective_are_not_the_stalled_ones():
+    places = {
+        0: "worker/beat.py:348 apply",
+        1: "torch/distributed/distributed_c10d.py:4394 all_gather_single",
+        2: "torch/distributed/distributed_c10d.py:4394 all_gather_single",
+    }
+    stalled = outside_collectives(places)
+    assert stalled == (0,)
+    facts = FailureFacts(
+        "no_progress", finding_ranks=(0, 1, 2), stalled_outside_collectives=stalled
+    )
+    assert attribute(facts, ("a", "b", "c"), 1).node == "a"
+    # Without stacks every stalled rank counts: they span the nodes, so no node.
+    assert attribute(FailureFacts("no_progress", finding_ranks=(0, 1, 2)), FOUR, 1).node is None
+
+
+def test_no_node_when_the_facts_span_nodes_or_the_job_has_one():
+    spans = attribute(FailureFacts("exit", injected=(0, 1, 2, 3)), FOUR, 1)
+    assert spans.node is None and "span" in spans.why
+    # Two ranks of one node (2 per node) still name it.
+    assert attribute(FailureFacts("exit", injected=(2, 3)), FOUR, 2).node == "n1"
+    alone = attribute(FailureFacts("hang", finding_ranks=(1,)), ("vm",), 2)
+    assert alone.node is None and "only active node" in alone.why
+    assert attribute(FailureFacts("exit"), FOUR, 1).node is None
+    # A rank beyond the world (a straggler's claim) is no fact.
+    assert attribute(FailureFacts("exit", launcher_named=(9,)), FOUR, 1).node is None
+
+
+def test_the_launchers_first_bad_termination_names_a_rank_by_pid():
+    tail = [
+        "[0] step 8/30 loss 5.1",
+        "===================================================================================",
+        "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+        "=   PID 17890 RUNNING AT n1",
+        "=   EXIT CODE: 9",
+    ]
+    assert launcher_named_ranks(tail, {0: 17880, 1: 17890}) == (1,)
+    assert launcher_named_ranks(tail, {0: 17880}) == ()  # not a pid of ours
+
+
+def test_ranks_seen_gone_at_the_same_moment_are_first_together():
+    assert first_exited({0: 5.0, 1: 4.2, 2: 4.9}) == (1,)
+    assert first_exited({0: 4.2, 1: 4.2, 2: 4.9}) == (0, 1)
+    assert first_exited({}) == ()
+
+
+def test_a_node_is_excluded_at_exclude_after_and_never_with_zero():
+    pool = NodePool(("a", "b", "c"))
+    assert excluded_now({"b": 1}, 2, pool) == []
+    assert excluded_now({"b": 2, "x": 5}, 2, pool) == ["b"]  # x is not active
+    assert excluded_now({"b": 9}, 0, pool) == []
+
+
+def test_a_spare_takes_the_excluded_nodes_place_so_ranks_keep_their_numbers():
+    change = exclude(NodePool(("a", "b", "c"), ("d", "e")), ["b"], shrink=False, min_nodes=1)
+    assert change.action == "swap" and change.swaps == (("b", "d"),)
+    assert change.pool == NodePool(("a", "d", "c"), ("e",), ("b",))
+
+
+def test_without_a_spare_the_job_shrinks_or_stops():
+    pool = NodePool(("a", "b", "c"))
+    shrunk = exclude(pool, ["b"], shrink=True, min_nodes=2)
+    assert shrunk.action == "shrink" and shrunk.pool == NodePool(("a", "c"), (), ("b",))
+    stop = exclude(pool, ["b"], shrink=False, min_nodes=1)
+    assert stop.action == "stop" and "shrink = true" in stop.reason and "spares" in stop.reason
+    below = exclude(NodePool(("a", "c"), (), ("b",)), ["c"], shrink=True, min_nodes=2)
+    assert below.action == "stop" and "min_nodes = 2" in below.reason
+    assert below.pool.excluded == ("b", "c")
+
+
+def test_two_nodes_out_at_once_take_a_spare_each_then_shrink():
+    change = exclude(NodePool(("a", "b", "c"), ("d",)), ["a", "c"], shrink=True, min_nodes=1)
+    assert change.action == "shrink" and change.swaps == (("a", "d"),)
+    assert change.pool.active == ("d", "b")
+
+
+# --- config and command ------------------------------------------------------------------------
+def _cfg(**launch) -> config_mod.Config:
+    raw = {"launch": {"launcher": "mpiexec", **launch}, "worker": {"model": "debug"}}
+    return config_mod.from_dict(raw, "job.toml")
+
+
+def test_emulated_nodes_need_mpiexec_and_a_list_of_names():
+    with pytest.raises(ConfigError, match="launch.emulate_nodes"):
+        config_mod.from_dict({"launch": {"launcher": "local", "emulate_nodes": True}}, "j")
+    with pytest.raises(ConfigError, match="launch.nodes"):
+        _cfg(emulate_nodes=True)
+
+
+@pytest.mark.parametrize(
+    "launch, restart, key",
+    [
+        ({"nodes": ["a", "b"], "spares": 2}, {}, "launch.spares"),
+        ({"nodes": ["a", "b"], "spares": -1}, {}, "launch.spares"),
+        ({"nodes": ["a", "b", "c"], "spares": 1}, {"min_nodes": 3}, "restart.min_nodes"),
+        ({}, {"exclude_after": -1}, "restart.exclude_after"),
+        ({}, {"min_nodes": 0}, "restart.min_nodes"),
+    ],
+)
+def test_node_keys_that_cannot_work_are_config_errors(launch, restart, key):
+    raw = {"launch": {"launcher": "mpiexec", **launch}, "restart": restart}
+    with pytest.raises(ConfigError, match=key):
+        config_mod.from_dict(raw, "job.toml")
+
+
+def test_emulated_nodes_run_under_hydras_fork_launcher_with_the_smaller_worlds_flags(tmp_path):
+    cfg = _cfg(emulate_nodes=True, nodes=["n0", "n1", "n2"], spares=1)
+    plan = L.build_plan(
+        cfg, ["n0", "n2"], "/bin/mpiexec", "hydra", {}, tmp_path, tmp_path / "hostfile",
+        overrides={"batch_size": 3},
+    )  # fmt: skip
+    argv = plan.procs[0].argv
+    assert argv[argv.index("-launcher") + 1] == "fork"
+    assert argv[argv.index("-hosts") + 1] == "n0,n2"
+    assert argv[argv.index("-n") + 1] == "2" and plan.world == 2
+    assert argv[argv.index("--batch-size") + 1] == "3"
