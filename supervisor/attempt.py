@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from supervisor import decisions, launcher, nodes, protocol, stacks
+from supervisor import decisions, launcher, nodes, protocol, relays, stacks
 from supervisor.control import ControlServer
 from supervisor.decisions import AttemptRecord, Finding, Outcome
 from supervisor.fault_hooks import FaultHooks
@@ -227,6 +227,8 @@ class Attempt:
             env[protocol.ENV_CONTROL_ADDR] = self.s.control.address
         if self.standby:
             env[protocol.ENV_STANDBY] = "1"
+        if relays.relay_wanted(cfg.heartbeat.relay, self.s.r.world, cfg.launch.ranks_per_node):
+            env[protocol.ENV_HEARTBEAT_RELAY] = "1"
         plan = self.s.r.plan(env, launcher.free_port() if cfg.launch.launcher == "local" else 0)
         try:
             (self.dir / "command.txt").write_text(plan.text())
@@ -265,9 +267,7 @@ class Attempt:
                     return f"its ranks exited ({decisions.describe_returncode(rc)})"
                 now = time.monotonic()
                 self._check_local_pids(now)
-                finding = decisions.judge_ranks(
-                    table.ranks, table.world, now, table.launched_at, hb, waiting=True
-                )
+                finding = table.judge(now, hb, waiting=True)
                 if finding is not None:
                     return f"{finding.kind}: {finding.reason}"
                 if self.ready_at is None and decisions.standby_ready(table.ranks, table.world):
@@ -439,9 +439,8 @@ class Attempt:
             await asyncio.sleep(period)
             now = time.monotonic()
             self._check_local_pids(now)
-            finding = decisions.judge_ranks(
-                table.ranks, table.world, now, table.launched_at, hb, limits=table.limits
-            )
+            finding = table.judge(now, hb, limits=table.limits)
+            period = decisions.judge_period(table.judged, hb.check_s)  # relays: nodes, not ranks
             if finding is not None:
                 if finding.kind == "rank_exit":
                     self._emit_finding(finding, now)
@@ -462,6 +461,7 @@ class Attempt:
             deadline_mono=round(finding.deadline, 6),
             detected_mono=round(detected, 6),
             latency_s=round(detected - finding.deadline, 6),
+            **({"node": finding.node} if finding.node else {}),
             **extra,
         )
 
@@ -509,12 +509,12 @@ class Attempt:
     def _check_local_pids(self, now: float) -> None:
         """A rank on this host whose process is gone (under mpiexec or srun) is seen at once."""
         host = launcher.this_host()
-        for st in self.table.ranks.values():
-            if st.pid and not st.exited and st.host == host:
+        for st in self.table.on_host(host):
+            if st.pid and not st.exited:
                 try:
                     os.kill(st.pid, 0)
                 except ProcessLookupError:
-                    st.exited, st.exited_at = True, now
+                    self.table.exited(st, now)
                 except PermissionError:
                     continue
 
@@ -542,10 +542,7 @@ class Attempt:
 
     def _on_rank_exit(self, rank: int, rc: int) -> None:
         now = time.monotonic()
-        st = self.table.ranks.get(rank)
-        if st is None:
-            st = self.table.ranks[rank] = decisions.RankState(rank, now, now)
-        st.exited, st.exited_at = True, now
+        self.table.exited(self.table.state(rank, now), now)
 
     def _emit_exit(self, info: Exit, **extra: Any) -> None:
         """The launcher's exit, with what the ranks had said by then."""

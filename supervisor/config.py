@@ -136,6 +136,10 @@ class HeartbeatConfig:
     port: int = 0
     # Host name the ranks connect to; "auto": this host's name (loopback when local).
     advertise: str = "auto"
+    # One relay per node (local rank 0) sends its node's beats as one summary per interval
+    # (supervisor.relays): true, false, or "auto" (on for jobs of 1,024 ranks or more, with more
+    # than one rank per node).
+    relay: bool | Literal["auto"] = "auto"
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     auto_max: AutoMaxConfig = field(default_factory=AutoMaxConfig)
 

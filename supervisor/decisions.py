@@ -59,6 +59,8 @@ class Finding:
     step: int
     # When the worst rank's deadline passed: detection latency is measured from here.
     deadline: float
+    # The node it is laid on, when the facts say so (a node's relay gone silent: supervisor.relays).
+    node: str | None = None
 
 
 def judge_ranks(
@@ -69,6 +71,7 @@ def judge_ranks(
     hb: HeartbeatConfig,
     waiting: bool = False,
     limits: Limits | None = None,
+    known: Mapping[int, RankState] | None = None,
 ) -> Finding | None:
     """A rank gone before `done` first, then liveness (no message for `timeout_s`), then
     progress (the phase's timeout), then ranks that never said hello (the init timeout).
@@ -76,7 +79,8 @@ def judge_ranks(
     `limits`: the limits in force (learned ones included); by default the config's, every
     "auto" at its maximum. `waiting`: the attempt is a standby; its ranks may stay in phase
     `standby` for good. Once told to go, one still in `standby` has the load timeout to move
-    on."""
+    on. `known`: every rank heard from, when `ranks` holds only those to judge (relayed ranks are
+    judged node by node first: supervisor.relays); by default `ranks`."""
     lim = limits if limits is not None else fixed_limits(hb)
     gone: list[RankState] = []
     lost: list[RankState] = []
@@ -100,8 +104,9 @@ def judge_ranks(
             if now - st.last_progress > limit:
                 stalled.append((st, limit))
     missing: list[int] = []
-    if len(ranks) < world and now - launched_at > p["init"]:
-        missing = [r for r in range(world) if r not in ranks]
+    heard = ranks if known is None else known
+    if len(heard) < world and now - launched_at > p["init"]:
+        missing = [r for r in range(world) if r not in heard]
     if gone:
         first = min(gone, key=lambda s: s.exited_at)
         return Finding(

@@ -8,6 +8,9 @@ most a few milliseconds against intervals of a second.
 
 `AttemptTable` turns one attempt's messages into rank states for `decisions.judge_ranks` and
 into the few notes worth an event (hello, first step, checkpoint complete, resumed, error, done).
+A node's relay's `summary` moves the states of all of its ranks at once; a check then looks at
+each relayed node once and at single ranks only where a node may hold a finding
+(`supervisor.relays`), so its cost grows with nodes, not ranks.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from supervisor import decisions, protocol
+from supervisor import decisions, protocol, relays
 from supervisor.config import AUTO, HeartbeatConfig
-from supervisor.decisions import Limits, RankState
+from supervisor.decisions import Finding, Limits, RankState
+from supervisor.relays import RelayState
 
 # Messages queued per connection (each rank has its own): a rank sends a few a second, so 100
 # is seconds of slack, and a flooding peer can make us hold at most 100 frames of
@@ -144,7 +148,8 @@ class Learner:
     beat_gaps: deque = field(default_factory=lambda: deque(maxlen=decisions.WINDOW))
     saves: deque = field(default_factory=lambda: deque(maxlen=SAVES_KEPT))
     warmup_left: int = decisions.WARMUP_STEPS
-    last_beat: dict[int, tuple[float, str]] = field(default_factory=dict)
+    # rank (or ("relay", node): a relay's summaries are its node's beats) -> last beat, phase
+    last_beat: dict[int | tuple[str, str], tuple[float, str]] = field(default_factory=dict)
     save_started: float | None = None
     next_derive: float = 0.0
 
@@ -155,7 +160,7 @@ class Learner:
         auto = AUTO in (hb.timeout_s, hb.progress.train, hb.progress.save)
         return cls(hb, decisions.fixed_limits(hb)) if auto else None
 
-    def beat(self, rank: int, phase: str, now: float) -> None:
+    def beat(self, rank: int | tuple[str, str], phase: str, now: float) -> None:
         last = self.last_beat.get(rank)
         self.last_beat[rank] = (now, phase)
         if last is not None and last[1] == "train" and phase == "train":
@@ -233,10 +238,59 @@ class AttemptTable:
     ckpt_complete: int | None = None
     errors: dict[int, str] = field(default_factory=dict)
     stale: int = 0
+    # Per-node relays by node name; the ranks they speak for; every other rank (judged one by
+    # one); ranks with a pid by host (a check looks at this host's only).
+    relays: dict[str, RelayState] = field(default_factory=dict)
+    relayed: dict[int, RelayState] = field(default_factory=dict)
+    direct: dict[int, RankState] = field(default_factory=dict)
+    by_host: dict[str, dict[int, RankState]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.learner is None:
             self.learner = Learner.wanted(self.hb)
+
+    def judge(
+        self, now: float, hb: HeartbeatConfig, waiting: bool = False, limits: Limits | None = None
+    ) -> Finding | None:
+        """`decisions.judge_ranks` over this attempt's ranks: relayed ones node by node first."""
+        if not self.relays:
+            return decisions.judge_ranks(
+                self.ranks, self.world, now, self.launched_at, hb, waiting, limits
+            )
+        lim = limits if limits is not None else decisions.fixed_limits(hb)
+        found, silent = relays.suspects(self.relays.values(), now, lim, waiting)
+        ranks = self.direct
+        if found:
+            ranks = {**ranks, **{st.rank: st for st in found}}
+        finding = decisions.judge_ranks(
+            ranks, self.world, now, self.launched_at, hb, waiting, limits, known=self.ranks
+        )
+        return relays.silent_relay(finding, silent) if finding is not None else None
+
+    def exited(self, st: RankState, now: float) -> None:
+        """`st`'s process is gone (the launcher or a pid check says so)."""
+        st.exited, st.exited_at = True, now
+        rs = self.relayed.get(st.rank)
+        if rs is not None:
+            rs.exited = True
+
+    def state(self, rank: int, now: float) -> RankState:
+        """`rank`'s state, a new one (seen now) if it was never heard from."""
+        st = self.ranks.get(rank)
+        if st is None:
+            st = self.ranks[rank] = RankState(rank, now, now)
+            if rank not in self.relayed:
+                self.direct[rank] = st
+        return st
+
+    @property
+    def judged(self) -> int:
+        """What one check looks at: every rank, or with relays each node and each other rank."""
+        return len(self.direct) + len(self.relays) if self.relays else self.world
+
+    def on_host(self, host: str) -> list[RankState]:
+        """The ranks that said they run on `host` (with their pid)."""
+        return list(self.by_host.get(host, {}).values())
 
     @property
     def limits(self) -> Limits | None:
@@ -245,14 +299,79 @@ class AttemptTable:
 
     def update(self, msg: dict[str, Any], now: float) -> list[Note]:
         """Fold one verified message into the table; return the notes it produced."""
-        notes = self._update(msg, now)
+        if msg["kind"] == "summary":
+            self._summary(msg, now)
+            notes: list[Note] = []
+        else:
+            notes = self._update(msg, now)
         learner = self.learner
         if learner is not None and msg["attempt"] == self.attempt and msg["rank"] in self.ranks:
             st = self.ranks[msg["rank"]]
             if msg["kind"] == "beat":
                 learner.beat(st.rank, st.phase, now)
+            elif msg["kind"] == "summary":
+                phases = msg["phases"]
+                learner.beat(("relay", msg["node"]), phases if phases.__class__ is str else "", now)
             notes += learner.derive(now)
         return notes
+
+    def _summary(self, msg: dict[str, Any], now: float) -> None:
+        """Fold a relay's summary: its node's ranks seen, and moved where their step or phase
+        did. One pass over the node's ranks when they moved (C-speed comparisons first)."""
+        ranks = msg["ranks"]
+        if (
+            msg["attempt"] != self.attempt
+            or msg["world"] != self.world
+            or min(ranks) < 0
+            or max(ranks) >= self.world
+        ):
+            self.stale += 1
+            return
+        node = msg["node"]
+        rs = self.relays.get(node)
+        if rs is None or rs.ranks != ranks:
+            rs = self._relay(node, msg["rank"], ranks, now)
+        rs.rank, rs.last_seen = msg["rank"], now
+        late = msg["late"]
+        rs.late = {r: now - age for r, age in late} if late else {}
+        steps, phases = msg["steps"], msg["phases"]
+        if steps == rs.steps and phases == rs.phases:
+            return
+        states, old = rs.states, rs.steps
+        one = phases if phases.__class__ is str else None
+        if one is not None and phases == rs.phases and old is not None:
+            moved = [i for i, a, b in zip(range(len(steps)), old, steps, strict=True) if a != b]
+        else:
+            moved = range(len(steps))
+        learner = self.learner
+        for i in moved:
+            st = states[i]
+            phase, step = one or phases[i], steps[i]
+            if phase != st.phase or step != st.step:
+                if st.rank == 0 and learner is not None:
+                    self._move(st, phase, step, now)
+                else:
+                    st.phase, st.step, st.last_progress = phase, step, now
+        rs.steps, rs.phases = steps, phases
+        if one is not None and one != "done" and len(moved) == len(steps):
+            rs.oldest, rs.dirty = {one: now}, False  # all moved just now
+        else:
+            rs.dirty = True
+
+    def _relay(self, node: str, rank: int, ranks: list[int], now: float) -> RelayState:
+        """A relay first heard from, or one that speaks for more ranks now: its states."""
+        states = []
+        for r in ranks:
+            st = self.ranks.get(r)
+            if st is None:
+                st = self.ranks[r] = RankState(rank=r, last_seen=now, last_progress=now)
+            self.direct.pop(r, None)
+            states.append(st)
+        rs = RelayState(node, rank, list(ranks), states, now)
+        for r in ranks:
+            self.relayed[r] = rs
+        self.relays[node] = rs
+        return rs
 
     def _update(self, msg: dict[str, Any], now: float) -> list[Note]:
         """Fold one verified message into the table; return the notes it produced."""
@@ -269,6 +388,12 @@ class AttemptTable:
         if st is None:
             st = RankState(rank=rank, last_seen=now, last_progress=now)
             self.ranks[rank] = st
+            if rank not in self.relayed:
+                self.direct[rank] = st
+        else:
+            rs = self.relayed.get(rank)
+            if rs is not None:
+                rs.dirty = True  # its step or phase may move here, not in a summary
         st.last_seen = now
         if kind == "beat":
             self._move(st, msg["phase"], msg["step"], now)
@@ -286,7 +411,9 @@ class AttemptTable:
             if rank == 0 and old != msg["phase"]:
                 notes.append(Note("phase", {"phase": msg["phase"], "step": msg["step"]}))
         elif kind == "hello":
+            self.by_host.get(st.host, {}).pop(rank, None)
             st.host, st.pid = msg["host"], msg["pid"]
+            self.by_host.setdefault(st.host, {})[rank] = st
             self._move(st, msg["phase"], st.step, now)
             notes.append(
                 Note(
@@ -341,4 +468,4 @@ class AttemptTable:
         return 0 if self.stepped else None
 
     def local_pids(self, host: str) -> list[int]:
-        return [st.pid for st in self.ranks.values() if st.pid and st.host == host]
+        return [st.pid for st in self.on_host(host) if st.pid]

@@ -37,6 +37,10 @@ ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
 ENV_STANDBY = "ES_STANDBY"
 # Optional: where the memory checkpoint tier keeps its node-local directories (default /dev/shm).
 ENV_MEM_ROOT = "ES_MEM_ROOT"
+# Optional: "1" makes local rank 0 of each node (with more than one rank on it) its node's relay:
+# the node's other ranks send to it over a node-local socket, and it forwards one signed `summary`
+# of their beats and steps per interval instead of each rank's beats ([heartbeat] relay).
+ENV_HEARTBEAT_RELAY = "ES_HEARTBEAT_RELAY"
 
 # --- who owns a directory ------------------------------------------------------------------------
 # One job per run dir and per checkpoint dir: its owner holds an flock on this file for its whole
@@ -173,7 +177,7 @@ def stacks_path(attempt_dir: str | os.PathLike, rank: int) -> str:
 VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024
 
-KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done"})
+KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done", "summary"})
 PHASES = ("init", "standby", "load", "train", "save", "done")
 CKPT_STATES = frozenset({"staged", "written", "complete"})
 # Where a `resumed` rank's state came from (its optional `source`; absent without a memory tier).
@@ -200,7 +204,15 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "resumed": {"step": int, "restart_seconds": NUMBER},  # + `source` (str): RESUME_SOURCES
     "error": {"message": str},
     "done": {"step": int},
+    # A node's relay (sent as the relay's own rank): `node` (its name), `ranks` (every rank of
+    # the node heard from, the relay's own included), `steps` (each one's latest step, same
+    # order), `phases` (one str when they all share it, else one per rank), `late` ([rank, age_s]
+    # for each rank not heard from since the relay's previous summary: its last message is
+    # `age_s` old; every other rank was heard from within the last interval).
+    "summary": {"node": str, "ranks": list, "steps": list, "phases": (str, list), "late": list},
 }
+# The most ranks one summary may speak for (a node's ranks; 16 KiB hold ~1,000 of them).
+MAX_RELAY_RANKS = 1024
 
 
 class BadMessage(ValueError):
@@ -279,12 +291,46 @@ def validate(message: dict[str, Any]) -> None:
         raise BadMessage(f"unknown kind {kind!r}")
     if kind == "ckpt" and message["state"] not in CKPT_STATES:
         raise BadMessage(f"unknown checkpoint state {message['state']!r}")
+    if kind == "summary":
+        validate_summary(message)
     if kind == "resumed" and "source" in message:
         source = message["source"]
         if source.__class__ is not str:
             raise BadMessage("field 'source' of the wrong type")
         if source not in RESUME_SOURCES:
             raise BadMessage(f"unknown resume source {source!r}")
+
+
+_INT = frozenset({int})
+_NUMBERS = frozenset({int, float})
+
+
+def validate_summary(message: dict[str, Any]) -> None:
+    """A relay's summary: lists of exact types and equal lengths, each rank once, ages >= 0.
+    Type checks go through `map(type, ...)` (C speed): the supervisor checks one per node per
+    interval, each over the node's ranks."""
+    ranks, steps, phases, late = (message[k] for k in ("ranks", "steps", "phases", "late"))
+    n = len(ranks)
+    if not 0 < n <= MAX_RELAY_RANKS:
+        raise BadMessage(f"a summary of {n} ranks (expected 1..{MAX_RELAY_RANKS})")
+    if not set(map(type, ranks)) <= _INT or len(set(ranks)) != n:
+        raise BadMessage("summary ranks: expected distinct integers")
+    if len(steps) != n or not set(map(type, steps)) <= _INT:
+        raise BadMessage("summary steps: expected one integer per rank")
+    if phases.__class__ is list and (len(phases) != n or not set(map(type, phases)) <= {str}):
+        raise BadMessage("summary phases: expected one string per rank")
+    if late:
+        known = set(ranks)
+        for entry in late:
+            if (
+                entry.__class__ is not list
+                or len(entry) != 2
+                or entry[0].__class__ is not int
+                or entry[1].__class__ not in _NUMBERS
+                or entry[0] not in known
+                or not 0 <= entry[1] < 1e9
+            ):
+                raise BadMessage("summary late: expected [rank, age_s] of its own ranks")
 
 
 def _exact(kind: type | tuple[type, ...]) -> frozenset[type]:

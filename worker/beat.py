@@ -13,6 +13,11 @@ signals itself); `stall` and `slow` must happen inside a step, so they are queue
 `StepFaults.apply`, the training loop's one per-step hook. A standby's `go` and `exit` are handed
 to `wait_standby_command`, where the main thread blocks until one comes (worker.standby).
 
+Relays (worker.relay): with `ES_HEARTBEAT_RELAY=1` and more than one rank on the node, local rank
+0's thread also binds its node's relay socket and sends the supervisor one summary of the node's
+beats per interval instead of its own beats; the node's other ranks send everything to that socket
+instead of the supervisor (their control channel, if any, still goes to the supervisor).
+
 This module must not import torch: the supervisor's tests and benchmarks use it as is.
 """
 
@@ -31,6 +36,7 @@ from typing import Any
 from supervisor import protocol
 from worker import stack_dump
 from worker.errors import UsageError
+from worker.relay import RelayCore, node_name, relay_address
 
 QUEUE_SIZE = 1024
 CLOSE_LINGER_S = 0.5
@@ -38,13 +44,17 @@ CLOSE_LINGER_S = 0.5
 # thread blocked on a lock (it may interrupt the very code that holds it), so the wait is timed.
 STOP_CHECK_S = 0.2
 _STOP = object()
+RELAY_BATCH = 1000  # frames a relay forwards before it looks at its own beat again
+RELAY_CLOSE_S = 0.5  # a closing relay waits this long at most for its node's last `done`s
 
 
 class Beacon:
     """What the training loop tells the supervisor. This base class is the no-op beacon."""
 
     @classmethod
-    def from_env(cls, rank: int, world: int) -> Beacon:
+    def from_env(cls, rank: int, world: int, local_rank: int = 0, local_world: int = 1) -> Beacon:
+        """The beacon `ES_*` asks for. `local_rank`/`local_world`: this rank's place on its node
+        (a relay needs more than one rank there; local rank 0 is the relay)."""
         env = os.environ
         addr = env.get(protocol.ENV_HEARTBEAT_ADDR)
         if not addr:
@@ -62,6 +72,13 @@ class Beacon:
         if env.get(protocol.ENV_EXIT_WITH_PARENT) == "1":
             _die_with_parent()
         control = env.get(protocol.ENV_CONTROL_ADDR) or None
+        if env.get(protocol.ENV_HEARTBEAT_RELAY) == "1" and local_world > 1:
+            node = node_name(env, identity.host)
+            local = relay_address(key, identity.job, identity.attempt, node)
+            if local_rank != 0:  # a member: everything to the node's relay
+                return ZmqBeacon(local, key, identity, interval, control)
+            relay = RelayCore(key, identity, node)
+            return ZmqBeacon(addr, key, identity, interval, control, relay=relay, relay_addr=local)
         return ZmqBeacon(addr, key, identity, interval, control)
 
     def hello(self, phase: str) -> None: ...
@@ -112,8 +129,12 @@ class ZmqBeacon(Beacon):
         identity: protocol.RankIdentity,
         interval_s: float,
         control_addr: str | None = None,
+        relay: RelayCore | None = None,
+        relay_addr: str | None = None,
     ) -> None:
         self._addr = addr
+        self.relay = relay  # this rank is its node's relay (bound at relay_addr)
+        self._relay_addr = relay_addr
         self._control_addr = control_addr
         self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._standby: queue.SimpleQueue[str] = queue.SimpleQueue()  # go / exit
@@ -237,18 +258,27 @@ class ZmqBeacon(Beacon):
         sock.setsockopt(zmq.SNDHWM, QUEUE_SIZE)
         sock.setsockopt(zmq.IMMEDIATE, 0)
         sock.connect(self._addr)
-        # One blocking wait for all three: a queued message (the wake pipe), a command, the next
-        # beat. No polling loop: a waiting standby's thread wakes only to beat.
+        pull = self._open_relay(ctx, zmq) if self.relay is not None else None
+        # One blocking wait for all: a queued message (the wake pipe), a command, the node's
+        # frames (a relay), the next beat. No polling loop: a waiting standby's thread wakes only
+        # to beat.
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         if control is not None:
             poller.register(control, zmq.POLLIN)
+        if pull is not None:
+            poller.register(pull, zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._send(sock, zmq, "beat", time.time(), phase=self._phase, step=self._step)
+                    if self.relay is None:
+                        self._send(
+                            sock, zmq, "beat", time.time(), phase=self._phase, step=self._step
+                        )
+                    else:
+                        self._summarize(sock, zmq, now)
                     next_beat = now + self._interval
                     if self._watch_parent and os.getppid() != self._parent:
                         # Our launcher died without taking us along: do not train on alone.
@@ -257,9 +287,15 @@ class ZmqBeacon(Beacon):
                 ready = dict(poller.poll(wait_ms))
                 if control is not None and control in ready:
                     self._poll_control(control, zmq)
+                if pull is not None and pull in ready:
+                    self._relay_frames(pull, sock, zmq)
                 if self._wake_r in ready and not self._drain(sock, zmq):
+                    if pull is not None:
+                        self._relay_close(pull, sock, zmq)
                     break
         finally:
+            if pull is not None:
+                pull.close(linger=0)
             # Give the last messages (`done` above all) a bounded moment to leave.
             sock.close(linger=int(CLOSE_LINGER_S * 1000))
             if control is not None:
@@ -282,6 +318,62 @@ class ZmqBeacon(Beacon):
                 return False
             kind, t, fields = item
             self._send(sock, zmq, kind, t, **fields)
+
+    # --- a node's relay ---------------------------------------------------------------------
+    def _open_relay(self, ctx: Any, zmq: Any) -> Any:
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 10 * QUEUE_SIZE)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAC_LEN + protocol.MAX_MESSAGE_BYTES)
+        sock.bind(self._relay_addr)
+        path = self._relay_addr.removeprefix("ipc://")
+        if not path.startswith("@"):  # a socket file: this user's only
+            try:
+                os.chmod(path, 0o600)
+            except OSError:
+                pass
+        return sock
+
+    def _summarize(self, sock: Any, zmq: Any, now: float) -> None:
+        """The relay's beat: its own beat folded in, then the node's summary to the supervisor."""
+        assert self.relay is not None
+        self.relay.own("beat", {"phase": self._phase, "step": self._step}, now)
+        frame = self.relay.summary_frame(time.time(), now)
+        if frame is not None:
+            try:
+                sock.send(frame, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._dropped += 1
+
+    def _relay_frames(self, pull: Any, sock: Any, zmq: Any) -> None:
+        """Fold the node's waiting frames; forward, in order, those that are not summarized."""
+        assert self.relay is not None
+        take, now = self.relay.take, time.monotonic()
+        for _ in range(RELAY_BATCH):
+            try:
+                frame = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            out = take(frame, now)
+            if out is not None:
+                try:
+                    sock.send(out, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    self._dropped += 1
+
+    def _relay_close(self, pull: Any, sock: Any, zmq: Any) -> None:
+        """This rank is done: relay a short while longer, until the node's other ranks said
+        `done` (they end together, and their last words go through here), then one last
+        summary."""
+        assert self.relay is not None
+        end = time.monotonic() + RELAY_CLOSE_S
+        while time.monotonic() < end:
+            ranks = self.relay.ranks
+            if all(r.phase == "done" for k, r in ranks.items() if k != self._id.rank):
+                break
+            if pull.poll(int(1000 * max(0.0, end - time.monotonic()))):
+                self._relay_frames(pull, sock, zmq)
+        self._summarize(sock, zmq, time.monotonic())
 
     def _open_control(self, ctx: Any, zmq: Any) -> Any:
         sock = ctx.socket(zmq.DEALER)
@@ -314,6 +406,8 @@ class ZmqBeacon(Beacon):
                 self._commands.put(cmd)
 
     def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:
+        if self.relay is not None:
+            self.relay.own(kind, fields, time.monotonic())
         frame = protocol.encode(self._key, self._id.message(kind, t, **fields))
         try:
             sock.send(frame, flags=zmq.NOBLOCK)

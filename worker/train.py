@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         say_once(info, exc)
         return exc.exit_code
-    beacon = Beacon.from_env(info.rank, info.world)
+    beacon = Beacon.from_env(info.rank, info.world, info.local_rank, info.local_world)
     beacon.hello("init")
     try:
         from worker import loop  # torch: slow, so only once the flags are known to be good

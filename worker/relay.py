@@ -1,0 +1,143 @@
+"""One relay per node: its ranks' beats and steps in one signed summary per interval.
+
+With `ES_HEARTBEAT_RELAY=1` and more than one rank on a node, local rank 0's beat thread doubles
+as its node's relay (worker.beat): it binds a node-local socket (`relay_address`), the node's
+other ranks send it everything they would send the supervisor, and it
+
+- folds their `beat`s (and the `step`s of ranks other than 0, which only move a step) into one
+  record per rank, and sends the supervisor one `summary` per interval, signed like a beat, in
+  place of every rank's own beats: the supervisor's work grows with nodes, not ranks;
+- forwards every other message (hello, phase, rank 0's steps, ckpt, resumed, error, done) as it
+  came, signed by its rank, in the order received: the facts the supervisor turns into events
+  arrive as they did, and never behind a summary that is newer than them.
+
+A summary is whole (every rank of the node heard from, each one's step, the phases: one string
+when they share it), never a delta: a lost summary loses only its own freshness. Compact where it
+pays: ranks heard from since the previous summary are implied fresh; only the others are listed
+(`late`, with the age of their last message), so a single silent rank is still named, with its own
+last-seen time. A relay that stops (its rank killed or stopped) stops its node's summaries: the
+supervisor judges that as the failure of its node and names all of its ranks.
+
+This module must not import torch, nor zmq at import (an unsupervised rank never loads it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor import protocol
+
+# Beats and the coalesced steps of ranks other than 0 are summarized; everything else is forwarded.
+SUMMARIZED = frozenset({"beat", "step"})
+NODE_ENV = ("PMI_HOSTNAME", "SLURMD_NODENAME")  # the launcher's name of this node, if it says
+
+
+def node_name(env: dict[str, str] | os._Environ, hostname: str) -> str:
+    """The node a rank runs on: the launcher's own name for it (Hydra's emulated nodes run on one
+    host under several names), else the host name."""
+    for name in NODE_ENV:
+        if env.get(name):
+            return env[name]
+    return hostname
+
+
+def relay_address(key: bytes, job: str, attempt: int, node: str) -> str:
+    """The node-local address of a node's relay for one attempt. Linux: an abstract socket (no
+    file to leave behind when the relay dies); elsewhere a socket file in the temp dir. The name
+    is a hash keyed by the job's secret: nobody else can guess it to squat on it (and every
+    frame is verified anyway)."""
+    tag = hashlib.sha256(key + f"\0{job}\0{attempt}\0{node}".encode()).hexdigest()[:24]
+    if sys.platform.startswith("linux"):
+        return f"ipc://@es-relay-{tag}"
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'es-relay-{tag}')}"
+
+
+@dataclass(slots=True)
+class _Rank:
+    phase: str
+    step: int
+    heard: float  # monotonic, on the relay's clock
+    fresh: bool  # heard from since the previous summary
+
+
+class RelayCore:
+    """The relay's state, without sockets: frames in (`take`, `own`), summaries out (`summary`).
+    The beat thread owns it; the benchmark drives the same object."""
+
+    def __init__(self, key: bytes, identity: protocol.RankIdentity, node: str) -> None:
+        self.key = key
+        self.id = identity
+        self.node = node
+        self.ranks: dict[int, _Rank] = {}
+        self.dropped = 0  # frames from the node that failed verification (or of another attempt)
+        self.forwarded = 0
+        self.summaries = 0
+
+    def take(self, frame: bytes, now: float) -> bytes | None:
+        """A frame from one of the node's ranks: verify and fold it; return it when it must be
+        forwarded as it is (None: summarized, or dropped)."""
+        try:
+            msg = protocol.decode(self.key, frame, self.id.job)
+        except protocol.BadMessage:
+            self.dropped += 1
+            return None
+        if msg["attempt"] != self.id.attempt or msg["kind"] == "summary":
+            self.dropped += 1
+            return None
+        kind = msg["kind"]
+        self.fold(msg["rank"], kind, msg, now)
+        if kind == "beat" or (kind == "step" and msg["rank"] != 0):
+            return None
+        self.forwarded += 1
+        return frame
+
+    def own(self, kind: str, fields: dict[str, Any], now: float) -> None:
+        """What the relay's own rank says (its beats are summarized; the rest it sends itself)."""
+        self.fold(self.id.rank, kind, fields, now)
+
+    def fold(self, rank: int, kind: str, msg: dict[str, Any], now: float) -> None:
+        r = self.ranks.get(rank)
+        if r is None:
+            r = self.ranks[rank] = _Rank("init", 0, now, True)
+        r.heard, r.fresh = now, True
+        if kind in ("beat", "phase", "hello"):
+            r.phase = msg["phase"]
+        if kind in ("beat", "step", "phase"):
+            r.step = msg["step"]
+        elif kind == "done":
+            r.phase, r.step = "done", msg["step"]
+
+    def summary(self, t: float, now: float) -> dict[str, Any] | None:
+        """The node's summary now (None before any rank was heard from); marks every rank
+        unheard until its next message."""
+        if not self.ranks:
+            return None
+        order = sorted(self.ranks)
+        recs = [self.ranks[r] for r in order]
+        phases = [r.phase for r in recs]
+        late = [
+            [rank, round(now - r.heard, 3)]
+            for rank, r in zip(order, recs, strict=True)
+            if not r.fresh
+        ]
+        for r in recs:
+            r.fresh = False
+        self.summaries += 1
+        return self.id.message(
+            "summary",
+            t,
+            node=self.node,
+            ranks=order,
+            steps=[r.step for r in recs],
+            phases=phases[0] if phases.count(phases[0]) == len(phases) else phases,
+            late=late,
+        )
+
+    def summary_frame(self, t: float, now: float) -> bytes | None:
+        msg = self.summary(t, now)
+        return None if msg is None else protocol.encode(self.key, msg)
