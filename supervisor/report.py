@@ -136,12 +136,52 @@ class Failure:
     # A hang or no progress: where its ranks' stacks went, and a line per rank (state, place).
     stacks_dir: str | None = None
     stacks: list[str] = field(default_factory=list)
+    node: str | None = None  # the node the failure was laid on (attempt_end), None: none
+    then: list[NodeEvent] = field(default_factory=list)  # what it did to the nodes
 
     @property
     def total_s(self) -> float | None:
         if self.downtime_s is None:
             return None
         return self.downtime_s + (self.recompute_s or 0.0)
+
+
+@dataclass
+class NodeEvent:
+    """One change to the job's nodes, in the order the supervisor made it: the `start` (active
+    and spare), a node excluded, a spare swapped in, a shrink, or the job stopped for want of
+    nodes (`give_up` NODES)."""
+
+    kind: str  # start | excluded | swapped | shrink | stop
+    at_s: float  # on the run's timeline
+    attempt: int | None  # the attempt whose failure made it (None: the start)
+    node: str | None = None  # excluded: the node; swapped: the one out
+    into: str | None = None  # swapped: the spare that took its place
+    count: int | None = None  # excluded: failures laid on the node
+    reason: str = ""  # excluded / stop: why
+    nodes: list[str] = field(default_factory=list)  # start / shrink: the active nodes after
+    spares: list[str] = field(default_factory=list)  # start: the spares; stop: those left
+    excluded: list[str] = field(default_factory=list)  # stop: every node out
+    world: tuple[int, int] | None = None  # shrink: ranks before, after
+    mesh: tuple[str, str] | None = None  # shrink: the parallel layout before, after
+    flags: dict[str, Any] = field(default_factory=dict)  # shrink: worker flags overridden
+    changes: list[str] = field(default_factory=list)  # shrink: what changed, for people
+    batch_kept: bool | None = None  # shrink: the global batch stayed the same
+
+    @property
+    def short(self) -> str:
+        """A few words for a table cell or a plot label: `excluded n1`, `n1→n3`, …"""
+        if self.kind == "excluded":
+            return f"excluded {self.node}"
+        if self.kind == "swapped":
+            return f"{self.node}→{self.into}"
+        if self.kind == "shrink":
+            return f"shrink to {_count(len(self.nodes), 'node')}"
+        if self.kind == "stop":
+            return "stopped: too few nodes"
+        return f"{_count(len(self.nodes), 'node')}" + (
+            f" + {len(self.spares)} spare" if self.spares else ""
+        )
 
 
 @dataclass
@@ -233,6 +273,13 @@ class Analysis:
     mode: str  # "sync", "async" or "none" (no checkpoints)
     baseline: Analysis | None = None
     notes: list[str] = field(default_factory=list)  # what the run dir lacks
+    node_events: list[NodeEvent] = field(default_factory=list)  # the start's first
+
+    @property
+    def shows_nodes(self) -> bool:
+        """Whether nodes are worth a column and a section: more than one node, a spare, or
+        anything done to them. A single-node job's report stays as it was."""
+        return any(n.kind != "start" or len(n.nodes) > 1 or n.spares for n in self.node_events)
 
 
 # --- analysis ------------------------------------------------------------------------------------
@@ -246,6 +293,9 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
 
     records = sorted(data.records, key=lambda r: (r.t, r.attempt))
     failures = _failures(ev, records, t0)
+    node_events = node_history(ev, t0)
+    for f in failures:
+        f.then = [n for n in node_events if n.attempt == f.attempt and n.kind != "start"]
     ckpts = _checkpoints(ev, records)
     worker = data.config.get("worker", {}) if isinstance(data.config, dict) else {}
     save_interval = worker.get("save_interval")
@@ -302,6 +352,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         mode=mode,
         baseline=base,
         notes=list(data.notes),
+        node_events=node_events,
     )
 
 
@@ -405,9 +456,79 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
                 relaunch=mode,
                 resumed_source=source if isinstance(source, str) else None,
                 **_stacks_of(finding),
+                node=_laid_on(end),
             )
         )
     return out
+
+
+def _laid_on(end: dict) -> str | None:
+    """The node attempt_end laid the failure on (`node`, else `attributed.node`)."""
+    node = end.get("node")
+    if node is None and isinstance(end.get("attributed"), dict):
+        node = end["attributed"].get("node")
+    return node if isinstance(node, str) else None
+
+
+def node_history(ev: list[dict], t0: float) -> list[NodeEvent]:
+    """The job's node events in order: each `start` (active, spares), then what was done."""
+    return [n for n in (_node_event(e, t0) for e in ev) if n is not None]
+
+
+def _node_event(e: dict, t0: float) -> NodeEvent | None:
+    name, at = e.get("event"), _ts(e) - t0
+    attempt = e.get("attempt") if isinstance(e.get("attempt"), int) else None
+    if name == "start":
+        if not isinstance(e.get("nodes"), list):
+            return None  # a run from before nodes were recorded
+        return NodeEvent("start", at, None, nodes=_names(e.get("nodes")),
+                         spares=_names(e.get("spares")))  # fmt: skip
+    if name == "node_excluded":
+        count = e.get("count") if isinstance(e.get("count"), int) else None
+        return NodeEvent("excluded", at, attempt, node=_str(e.get("node")), count=count,
+                         reason=str(e.get("reason") or ""))  # fmt: skip
+    if name == "node_swapped":
+        return NodeEvent("swapped", at, attempt, node=_str(e.get("out")), into=_str(e.get("into")))
+    if name == "shrink":
+        flags = e.get("flags")
+        kept = e.get("batch_kept")
+        return NodeEvent(
+            "shrink", at, attempt, nodes=_names(e.get("nodes")), world=_pair(e.get("world")),
+            mesh=_pair(e.get("mesh")), flags=dict(flags) if isinstance(flags, dict) else {},
+            changes=_names(e.get("changes")), batch_kept=kept if isinstance(kept, bool) else None,
+        )  # fmt: skip
+    if name == "give_up" and e.get("code_name") == "NODES":
+        pool = e.get("nodes") if isinstance(e.get("nodes"), dict) else {}
+        return NodeEvent("stop", at, attempt, reason=str(e.get("reason") or ""),
+                         nodes=_names(pool.get("active")), spares=_names(pool.get("spares")),
+                         excluded=_names(pool.get("excluded")))  # fmt: skip
+    return None
+
+
+def pool_now(ev: list[dict]) -> tuple[list[str], list[str], dict[str, int | None]] | None:
+    """(active, spares, excluded node -> failures laid on it) after the newest `start`'s node
+    events; None for a run that recorded no nodes."""
+    starts = [i for i, e in enumerate(ev) if e.get("event") == "start"]
+    # A supervisor started again in the same run dir begins again with the config's nodes.
+    history = node_history(ev[starts[-1] if starts else 0 :], 0.0)
+    if not history or history[0].kind != "start":
+        return None
+    active, spares = list(history[0].nodes), list(history[0].spares)
+    excluded: dict[str, int | None] = {}
+    for n in history[1:]:
+        if n.kind == "excluded" and n.node is not None:
+            excluded[n.node] = n.count
+        elif n.kind == "swapped" and n.into is not None:  # the spare takes the node's place
+            spares = [x for x in spares if x != n.into]
+            active = [n.into if x == n.node else x for x in active]
+            if n.into not in active:
+                active.append(n.into)
+        elif n.kind == "shrink" and n.nodes:
+            active = list(n.nodes)
+        elif n.kind == "stop":
+            active, spares = list(n.nodes), list(n.spares)
+            excluded.update({x: excluded.get(x) for x in n.excluded})
+    return [x for x in active if x not in excluded], spares, excluded
 
 
 def _stacks_of(finding: dict | None) -> dict[str, Any]:
@@ -512,6 +633,22 @@ def young_daly(
 
 
 # --- small helpers -------------------------------------------------------------------------------
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _names(v: Any) -> list[str]:
+    return [str(x) for x in v] if isinstance(v, list) else []
+
+
+def _pair(v: Any) -> tuple[Any, Any] | None:
+    return (v[0], v[1]) if isinstance(v, list) and len(v) == 2 else None
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _ts(e: dict | None) -> float:
     v = (e or {}).get("ts")
     return float(v) if isinstance(v, (int, float)) else 0.0

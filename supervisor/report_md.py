@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.report import Analysis, Failure
+from supervisor.report import Analysis, Failure, NodeEvent
 
 
 def _s(v: float | None, digits: int = 2) -> str:
@@ -51,7 +51,74 @@ def resumed_from(f: Failure) -> str:
 def failures_md(a: Analysis) -> list[str]:
     if not a.failures:
         return ["No failures."]
-    return table(FAILURE_HEADER, [failure_row(i + 1, f) for i, f in enumerate(a.failures)])
+    rows = [failure_row(i + 1, f) for i, f in enumerate(a.failures)]
+    if not a.shows_nodes:
+        return table(FAILURE_HEADER, rows)
+    at = FAILURE_HEADER.index("cause") + 1
+    header = [*FAILURE_HEADER[:at], "node", *FAILURE_HEADER[at:], "then"]
+    rows = [
+        [*r[:at], f.node or "–", *r[at:], then_note(f)]
+        for r, f in zip(rows, a.failures, strict=True)
+    ]
+    return table(header, rows)
+
+
+def then_note(f: Failure) -> str:
+    """What the failure did to the nodes: `excluded n1; n1→n3`, or `–`."""
+    return "; ".join(n.short for n in f.then) or "–"
+
+
+def nodes_md(a: Analysis) -> list[str]:
+    """A line per node event: the start's active and spare nodes, each exclusion, swap and
+    shrink, and the stop for want of nodes (empty for a job that never had more than one)."""
+    if not a.shows_nodes:
+        return []
+    out = []
+    for n in a.node_events:
+        out += [f"- {node_line(n)}", *(f"  - {c}" for c in n.changes)]
+    return out
+
+
+def node_line(n: NodeEvent) -> str:
+    """One node event for people, led by when and after which attempt it happened."""
+    when = "start" if n.kind == "start" else f"{_min(n.at_s)} min, after attempt {_i(n.attempt)}"
+    return f"{when}: {_node_what(n)}"
+
+
+def _node_what(n: NodeEvent) -> str:
+    if n.kind == "start":
+        spares = f"; spare {_names(n.spares)}" if n.spares else "; no spares"
+        return f"{len(n.nodes)} active ({_names(n.nodes)}){spares}"
+    if n.kind == "excluded":
+        count = f" ({n.count} failures)" if n.count is not None else ""
+        if n.reason and (n.count is None or str(n.count) in n.reason):
+            count = ""  # the reason says how many
+        return f"excluded **{n.node}**{count}" + (f": {n.reason}" if n.reason else "")
+    if n.kind == "swapped":
+        return f"spare **{n.into}** took {n.node}'s place"
+    if n.kind == "shrink":
+        return _shrink_what(n)
+    return (
+        f"**stopped** (exit 6, NODES): {n.reason or 'too few nodes'}; active {_names(n.nodes)}, "
+        f"spares {_names(n.spares)}, excluded {_names(n.excluded)}"
+    )
+
+
+def _shrink_what(n: NodeEvent) -> str:
+    parts = [f"**shrink** to {len(n.nodes)} node(s) ({_names(n.nodes)})"]
+    if n.world is not None:
+        parts.append(f"world {n.world[0]} → {n.world[1]} ranks")
+    if n.mesh is not None:
+        parts.append(f"mesh {n.mesh[0]} → {n.mesh[1]}")
+    flags = ", ".join(f"{k} = {v}" for k, v in n.flags.items())
+    parts.append(f"flags {flags}" if flags else "no worker flags changed")
+    if n.batch_kept is not None:
+        parts.append("global batch kept" if n.batch_kept else "global batch changed")
+    return "; ".join(parts)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) or "none"
 
 
 def stacks_md(a: Analysis) -> list[str]:
@@ -160,9 +227,17 @@ def render(a: Analysis) -> str:
         "the supervisor's finding (a hang or no progress) or teardown began (an exit); "
         "relaunch: warm (the standby took over) or cold (new processes); "
         "downtime: failure → first productive step after resume; total: "
-        "downtime + recomputing the lost steps.",
+        "downtime + recomputing the lost steps."
+        + (
+            " node: the node the failure was laid on (–: none); then: what it did to the nodes."
+            if a.shows_nodes
+            else ""
+        ),
         "",
     ]
+    nodes = nodes_md(a)
+    if nodes:
+        lines += ["## Nodes", "", *nodes, ""]
     stacks = stacks_md(a)
     if stacks:
         lines += ["## Stacks at each hang or no progress", "", *stacks, ""]
