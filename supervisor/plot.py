@@ -12,6 +12,7 @@ from supervisor.report import Analysis
 RUN_COLOR = "tab:blue"
 BASE_COLOR = "0.55"
 FAIL_COLOR = "tab:red"
+NODE_COLOR = "tab:purple"
 
 
 def _segments(curve: list[tuple[float, int, int]]) -> list[tuple[list[float], list[int]]]:
@@ -65,6 +66,7 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
             va="bottom" if y < 0.55 * top else "top",
             bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": FAIL_COLOR, "alpha": 0.85},
         )
+    _mark_node_events(ax, a)
     ax.set_xlabel("wall-clock (minutes since start)")
     ax.set_ylabel("training step")
     t = a.totals
@@ -106,6 +108,37 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def node_marks(a: Analysis) -> list[tuple[float, str]]:
+    """(minutes, label) per failure's node changes: `excluded n1` / `n1→n3` / `shrink to 2
+    nodes` together, as they happen at once."""
+    marks: dict[tuple[int | None, float], list[str]] = {}
+    for n in a.node_events:
+        if n.kind != "start":
+            key = (n.attempt, round(n.at_s, 1))
+            marks.setdefault(key, []).append(n.short)
+    return [(at / 60, "\n".join(words)) for (_, at), words in marks.items()]
+
+
+def _mark_node_events(ax, a: Analysis) -> None:
+    """A dash-dot line and a label at the top of the axes, left of the line (a failure's label
+    goes to its right), or right of it early in the run (the axes begin at 0)."""
+    early = 0.25 * a.totals.wall_s / 60
+    for i, (x, text) in enumerate(node_marks(a)):
+        ax.axvline(x, color=NODE_COLOR, ls="-.", lw=1.2,
+                   label="node excluded / swapped / shrink" if i == 0 else None)  # fmt: skip
+        ax.text(
+            x,
+            0.98,
+            text,
+            transform=ax.get_xaxis_transform(),
+            ha="left" if x < early else "right",
+            va="top",
+            fontsize=8.5,
+            color=NODE_COLOR,
+            bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": NODE_COLOR, "alpha": 0.85},
+        )
 
 
 def _v(v: float | int | None, digits: int = 0) -> str:

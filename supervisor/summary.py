@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.report import Analysis, Failure
+from supervisor.report import Analysis, Failure, NodeEvent
 
 
 def summary(a: Analysis, written: list[Path]) -> str:
@@ -26,15 +26,20 @@ def summary(a: Analysis, written: list[Path]) -> str:
             f"{_count(t.restarts, 'relaunch', 'es')}, {_count(t.lost_steps, 'step')} lost, "
             f"{t.downtime_s:.1f} s of downtime:"
         )
+        header = ["#", "failure", "detected by", "in", "relaunch", "downtime", "lost", "resumed"]
         rows = [_row(i + 1, f) for i, f in enumerate(a.failures)]
-        lines += _columns(
-            ["#", "failure", "detected by", "in", "relaunch", "downtime", "lost", "resumed"], rows
-        )
+        if a.shows_nodes:  # the node each failure was laid on, after the failure
+            header.insert(2, "node")
+            for r, f in zip(rows, a.failures, strict=True):
+                r.insert(2, f.node or "–")
+        lines += _columns(header, rows)
         lines += [
             f"  #{i + 1} stacks: {'; '.join(f.stacks) or 'none collected'}"
             for i, f in enumerate(a.failures)
             if f.stacks_dir is not None
         ]
+    if a.shows_nodes:
+        lines += [_node_line(n) for n in a.node_events]
     c = a.checkpoints
     if c.saves:
         lines.append(
@@ -66,6 +71,28 @@ def _row(i: int, f: Failure) -> list[str]:
         _n(f.lost_steps),
         _resumed(f),
     ]
+
+
+def _node_line(n: NodeEvent) -> str:
+    """`Nodes: n0, n1, n2 (spare n3)` for the start, then a line per change after a failure."""
+    if n.kind == "start":
+        spares = f" (spare {', '.join(n.spares)})" if n.spares else ""
+        return f"Nodes: {', '.join(n.nodes)}{spares}"
+    what = n.short
+    if n.kind == "excluded" and n.count is not None:
+        what += f" ({_count(n.count, 'failure')} laid on it)"
+    elif n.kind == "swapped":
+        what = f"spare {n.into} in for {n.node}"
+    elif n.kind == "shrink":
+        what += f" ({', '.join(n.nodes)})"
+        if n.world is not None:
+            what += f", world {n.world[0]} → {n.world[1]}"
+        what += "".join(f", {k} = {v}" for k, v in n.flags.items())
+        if n.batch_kept is not None:
+            what += ", global batch kept" if n.batch_kept else ", global batch changed"
+    elif n.kind == "stop" and n.reason:
+        what += f": {n.reason}"
+    return f"  after attempt {_n(n.attempt)}: {what}"
 
 
 def _resumed(f: Failure) -> str:
