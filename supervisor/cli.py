@@ -326,6 +326,7 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
         out.append(f"events:   events.jsonl was recreated {reopened} time(s): earlier events lost")
     left = "?" if max_restarts is None else max(0, max_restarts - restarts)
     out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
+    out += nodes_lines(events)
     newest = newest_step(events, run_dir)
     if newest is not None:
         out.append(f"step:     {newest[0]} (attempt {newest[1]})")
@@ -350,6 +351,24 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     else:
         out.append("last failure: none")
     return out
+
+
+def nodes_lines(events: list[dict]) -> list[str]:
+    """`nodes: active …; spares …; excluded n1 (2 failures)`, from the newest start and the node
+    events after it; nothing for a job that never had more than one node, a spare or one out."""
+    from supervisor.report import pool_now  # not for `run`: it reads no report until the end
+
+    pool = pool_now(events)
+    if pool is None:
+        return []
+    active, spares, excluded = pool
+    if len(active) <= 1 and not spares and not excluded:
+        return []
+    out = [f"{n} ({c} failure{'' if c == 1 else 's'})" if c else n for n, c in excluded.items()]
+    return [
+        f"nodes:    active {', '.join(active) or 'none'}; spares {', '.join(spares) or 'none'}; "
+        f"excluded {', '.join(out) or 'none'}"
+    ]
 
 
 def limits_lines(events: list[dict], resolved: dict) -> list[str]:

@@ -29,6 +29,10 @@ _LEVELS = {
     "bad_messages": "warning",
     "standby_lost": "warning",
     "standby_off": "warning",
+    # A node taken out of the job (a spare in its place, or fewer nodes) is worth a look.
+    "node_excluded": "warning",
+    "node_swapped": "warning",
+    "shrink": "warning",
 }
 _HIDDEN = ("ts", "mono", "level", "timestamp")
 
