@@ -23,6 +23,7 @@ from supervisor.decisions import AttemptRecord, Finding, Outcome
 from supervisor.fault_hooks import FaultHooks
 from supervisor.heartbeat import AttemptTable
 from supervisor.launcher import Exit, LaunchPlan, TeardownResult
+from supervisor.pidwatch import ExitWatch
 from supervisor.resolve import Resolved
 from supervisor.stack_text import summary_lines, where
 from supervisor.stop import StopRequests
@@ -137,6 +138,9 @@ class Attempt:
         self.prepared = ""  # what a standby holds ready, as its rank 0 says it
         self.nodes = list(shared.r.pool.active)  # where its ranks run, in rank order
         self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
+        self.error_at: dict[int, float] = {}  # rank -> when its error message came (monotonic)
+        self.exits = ExitWatch(self._pid_ended)  # this host's ranks, seen the moment they end
+        self._woken = asyncio.Event()  # a rank's process ended: judge now, not at the next tick
 
     def emit(self, event: str, **facts: Any) -> None:
         self.s.emit(event, attempt=self.number, **facts)
@@ -195,13 +199,14 @@ class Attempt:
         if finding is not None and finding.kind == "no_progress":
             places = {r: w for r, w in self.stack_places.items() if r in finding.ranks}
             stalled = nodes.outside_collectives(places)
+        gone = {r: st.exited_at for r, st in t.ranks.items() if st.exited}
+        first_gone = min(gone.values(), default=float("inf"))
         facts = nodes.FailureFacts(
             kind=finding.kind if finding else "exit",
             finding_ranks=finding.ranks if finding else (),
-            error_ranks=tuple(t.errors),
-            first_exited=nodes.first_exited(
-                {r: st.exited_at for r, st in t.ranks.items() if st.exited}
-            ),
+            finding_node=finding.node if finding else None,
+            error_ranks=tuple(r for r, at in self.error_at.items() if at < first_gone),
+            first_exited=nodes.first_exited(gone),
             launcher_named=nodes.launcher_named_ranks(tail, pids),
             injected=self.s.faults.hit(self.number),
             stalled_outside_collectives=stalled,
@@ -313,6 +318,7 @@ class Attempt:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(running.wait(), self.cfg.restart.teardown_grace_s)
         result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        self.exits.close()
         self.emit(
             "standby_exit",
             reason=reason,
@@ -408,6 +414,7 @@ class Attempt:
         error: str | None = None,
         blame: nodes.Attribution | None = None,
     ) -> AttemptResult:
+        self.exits.close()
         t = self.table
         record = AttemptRecord(
             self.number, t.effective_resume_step(), t.max_step, outcome.kind, error
@@ -436,7 +443,9 @@ class Attempt:
         period = decisions.judge_period(table.world, hb.check_s)
         last_refresh = 0.0
         while True:
-            await asyncio.sleep(period)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), period)
+            self._woken.clear()
             now = time.monotonic()
             self._check_local_pids(now)
             finding = table.judge(now, hb, limits=table.limits)
@@ -533,12 +542,22 @@ class Attempt:
             self.emit(note.event, **note.fields)
             if note.event == "first_step" and self.on_stepped is not None:
                 self.on_stepped()
+            elif note.event == "rank_hello" and note.fields["host"] == launcher.this_host():
+                self.exits.add(note.fields["rank"], note.fields["pid"])
+            elif note.event == "rank_error":
+                self.error_at.setdefault(note.fields["rank"], now)
         if msg["kind"] == "phase" and msg["phase"] == "standby" and msg["rank"] == 0:
             prepared = msg.get("prepared")
             if isinstance(prepared, str):
                 self.prepared = prepared[:200]
         if not self.standby:
             self.s.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
+
+    def _pid_ended(self, rank: int, when: float) -> None:
+        st = self.table.ranks.get(rank)
+        if st is not None and not st.exited:
+            self.table.exited(st, when)
+            self._woken.set()
 
     def _on_rank_exit(self, rank: int, rc: int) -> None:
         now = time.monotonic()

@@ -48,6 +48,7 @@ class FailureFacts:
 
     kind: str  # exit | rank_exit | hang | no_progress
     finding_ranks: tuple[int, ...] = ()  # the ranks the watch named
+    finding_node: str | None = None  # the node the watch named (its relay went silent)
     error_ranks: tuple[int, ...] = ()  # ranks that reported an error before any rank was gone
     first_exited: tuple[int, ...] = ()  # the ranks seen gone first (together), on this host
     launcher_named: tuple[int, ...] = ()  # the launcher's first bad termination
@@ -67,14 +68,16 @@ class Attribution:
 
 def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -> Attribution:
     """The node a failure is laid on, from the most telling fact there is: an injected fault's
-    target; a rank that raised while every rank still ran (errors after a rank is gone are its
-    peers noticing: "connection reset"); the ranks whose beats stopped; of ranks making no
-    progress, those not waiting inside a collective (the others wait for them); the first rank
-    whose process ended (seen to the millisecond on this host), else the launcher's report of
-    its first bad termination.
+    target; a node whose heartbeat relay went silent; a rank that raised while every rank still
+    ran (errors after a rank is gone are its peers noticing: "connection reset"); the ranks
+    whose beats stopped; of ranks making no progress, those not waiting inside a collective (the
+    others wait for them); the first rank whose process ended (seen to the millisecond on this
+    host), else the launcher's report of its first bad termination.
 
     A failure whose ranks span several nodes, or that takes down every active node, says
     nothing about any one node (a single-node job never excludes its node this way)."""
+    if facts.finding_node is not None and not facts.injected:
+        return Attribution(facts.finding_node, facts.finding_ranks, "its relay went silent")
     stalled = facts.stalled_outside_collectives or facts.finding_ranks
     candidates: list[tuple[tuple[int, ...], str]] = [
         (facts.injected, "the injected fault's target"),
