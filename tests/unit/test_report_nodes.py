@@ -21,6 +21,7 @@ from tests.support import ev, synthetic_events, synthetic_metrics, write_run
 
 WHY = "the injected fault's target"
 REASON = f"2 failure(s) laid on it (exclude_after = 2): {WHY}"
+STOP = "n1 excluded, no spare node left, and 2 node(s) remain, below [restart] min_nodes = 3"
 SHRINK = {
     "nodes": ["n0", "n2"], "world": [3, 2], "mesh": ["dp_shard=3", "dp_shard=2"],
     "flags": {"batch_size": 3},
@@ -74,7 +75,7 @@ def stop_events() -> list[dict]:
     return evs[:cut] + [
         ev("node_excluded", 70.5, node="n1", reason=REASON, count=2, attempt=1),
         ev("give_up", 70.5, attempt=1, code=6, code_name="NODES", nodes=pool,
-           reason="too few nodes: 2 left, min_nodes = 3"),
+           reason=STOP),
         ev("supervisor_exit", 70.6, code=6, code_name="NODES"),
     ]  # fmt: skip
 
@@ -163,8 +164,8 @@ def test_report_md_says_the_job_stopped_for_want_of_nodes(tmp_path: Path) -> Non
     md = render(a)
     assert "| excluded n1; stopped: too few nodes |" in md
     assert (
-        "- 1.18 min, after attempt 1: **stopped** (exit 6, NODES): too few nodes: 2 left, "
-        "min_nodes = 3; active n0, n2, spares none, excluded n1"
+        f"- 1.18 min, after attempt 1: **stopped** (exit 6, NODES): {STOP}; active n0, n2, "
+        "spares none, excluded n1"
     ) in md
 
 
@@ -215,7 +216,7 @@ def test_the_summary_has_a_node_column_and_a_line_per_node_event(tmp_path: Path)
         "global batch kept"
     ) in text
     text = summary(analysis(tmp_path, stop_events(), "stop"), [])
-    assert "  after attempt 1: stopped: too few nodes: too few nodes: 2 left" in text
+    assert f"  after attempt 1: stopped: too few nodes: {STOP}" in text
 
 
 # --- report.png ----------------------------------------------------------------------------------
