@@ -18,7 +18,7 @@ import sys
 from typing import IO, Any
 
 from supervisor import config as config_mod
-from supervisor import decisions, fault_hooks, hygiene, launcher, memdir, nodes
+from supervisor import decisions, fault_hooks, hygiene, launcher, memdir, node_check, nodes
 from supervisor.attempt import Attempt, AttemptResult, Launcher, Shared
 from supervisor.control import ControlServer, bind_for
 from supervisor.decisions import AttemptRecord, Decision, ExitCode
@@ -30,6 +30,7 @@ from supervisor.standby import StandbyKeeper
 from supervisor.stop import StopRequests
 
 BAD_MESSAGES_EVERY_S = 5.0
+NODE_CHECK_TIMEOUT_S = 60.0  # the pre-launch check of every node, all together
 SWEEP_NAMED = 50  # paths a node_sweep event names (it counts them all)
 
 __all__ = ["Job", "Resolved", "resolve"]  # cli and experiment resolve through this module
@@ -73,7 +74,12 @@ class Job:
         try:
             self._open_memory_tier()
             self._sweep_node("start")
-            code, reason = await self._attempts(first_attempt)
+            stop = await self._check_nodes()
+            if stop is not None:
+                self._give_up(first_attempt, ExitCode.NODES, stop, nodes=self.r.pool.as_dict())
+                code, reason = ExitCode.NODES, stop
+            else:
+                code, reason = await self._attempts(first_attempt)
         finally:
             await self._close(services, code, reason)
         return code
@@ -224,42 +230,73 @@ class Job:
         return Attempt(self._next_number(), self.shared)
 
     def _count_against_node(self, result: AttemptResult) -> str | None:
-        """Count a failure against the node it is laid on; a node at `exclude_after` is out,
-        a spare takes its place or the job shrinks (`nodes.exclude`). Why the job must stop,
-        or None."""
+        """Count a failure against the node it is laid on; a node at `exclude_after` is out.
+        Why the job must stop, or None."""
         self.just_excluded = []
-        node = result.attribution.node if result.attribution else None
-        if node is None:
+        blame = result.attribution
+        if blame is None or blame.node is None:
             return None
-        self.node_failures[node] += 1
+        self.node_failures[blame.node] += 1
         rs = self.cfg.restart
         out = nodes.excluded_now(self.node_failures, rs.exclude_after, self.r.pool)
-        if not out:
-            return None
-        for name in out:
-            self.emit(
-                "node_excluded",
-                node=name,
-                reason=f"{self.node_failures[name]} failure(s) laid on it "
-                f"(exclude_after = {rs.exclude_after}): {result.attribution.why}",
-                count=self.node_failures[name],
-                attempt=result.number,
-            )
-        change = nodes.exclude(self.r.pool, out, rs.shrink, rs.min_nodes)
-        self.just_excluded = out
+        reasons = {
+            name: f"{self.node_failures[name]} failure(s) laid on it "
+            f"(exclude_after = {rs.exclude_after}): {blame.why}"
+            for name in out
+        }
+        return self._exclude(reasons, result.number) if out else None
+
+    def _exclude(self, reasons: dict[str, str], attempt: int | None) -> str | None:
+        """Take the nodes of `reasons` out: a spare takes each place, else the job shrinks
+        (`nodes.exclude`). Why the job must stop, or None."""
+        rs = self.cfg.restart
+        at = {} if attempt is None else {"attempt": attempt}
+        for name, why in reasons.items():
+            count = self.node_failures[name]
+            self.emit("node_excluded", node=name, reason=why, count=count, **at)
+        change = nodes.exclude(self.r.pool, list(reasons), rs.shrink, rs.min_nodes)
+        self.just_excluded = list(reasons)
         for old, new in change.swaps:
-            self.emit("node_swapped", out=old, into=new, attempt=result.number)
+            self.emit("node_swapped", out=old, into=new, **at)
         if change.action == "stop":
             self.r.pool = change.pool
             return change.reason
-        problem = self._shrink(change.pool, result.number) if change.action == "shrink" else None
+        problem = self._shrink(change.pool, attempt) if change.action == "shrink" else None
         self.r.pool = change.pool
         if problem is not None:
             return problem
         self.r.write_hostfile()
         return None
 
-    def _shrink(self, pool: nodes.NodePool, after_attempt: int) -> str | None:
+    async def _check_nodes(self) -> str | None:
+        """Before the first launch of a job of several nodes: one quick process per node
+        (`supervisor.node_check`) through the job's launcher; a node where none could start,
+        or whose directories the ranks could not write, is out before it costs an attempt.
+        Why the job must stop, or None."""
+        la = self.cfg.launch
+        if len(self.r.nodes) < 2 or la.launcher == "local":
+            return None
+        every = list(self.r.pool.active) + list(self.r.pool.spares)
+        env = {**os.environ, **la.env}
+        dirs = node_check.dirs_to_check(self.cfg.worker.flags, env)
+        started = asyncio.get_running_loop().time()
+        lines = await node_check.run_on(self.r, every, dirs, NODE_CHECK_TIMEOUT_S)
+        result = node_check.judge(lines, every)
+        seconds = asyncio.get_running_loop().time() - started
+        self.emit(
+            "node_check",
+            nodes=every,
+            dirs=dirs,
+            reported=result.reported,
+            failed=result.failed,
+            seconds=round(seconds, 3),
+        )
+        if not result.failed:
+            return None
+        reasons = {n: f"pre-launch check: {why}" for n, why in result.failed.items()}
+        return self._exclude(reasons, None)
+
+    def _shrink(self, pool: nodes.NodePool, after_attempt: int | None) -> str | None:
         """The job goes on with `pool`'s fewer nodes: the worker flags that world needs (the
         global batch kept where the sizes divide, `shrink.plan_shrink`), and the fault schedule
         told. Why it cannot, or None."""

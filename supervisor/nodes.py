@@ -154,9 +154,11 @@ def excluded_now(counts: Mapping[str, int], exclude_after: int, pool: NodePool) 
 
 
 def exclude(pool: NodePool, out: Sequence[str], shrink: bool, min_nodes: int) -> NodeChange:
-    """Take `out` (active nodes) out of the job: each place goes to the first spare left; with
-    none, `shrink` goes on with the nodes that remain, down to `min_nodes`; else the job stops."""
-    active, spares = list(pool.active), list(pool.spares)
+    """Take `out` (active nodes, or spares) out of the job: each active place goes to the first
+    spare left; with none, `shrink` goes on with the nodes that remain, down to `min_nodes`;
+    else the job stops."""
+    active = list(pool.active)
+    spares = [n for n in pool.spares if n not in out]  # a spare that failed its check is out too
     swaps: list[tuple[str, str]] = []
     left: list[str] = []
     for node in out:
@@ -168,7 +170,7 @@ def exclude(pool: NodePool, out: Sequence[str], shrink: bool, min_nodes: int) ->
             swaps.append((node, spare))
         else:
             left.append(node)
-    excluded = (*pool.excluded, *(n for n in out if n in pool.active))
+    excluded = (*pool.excluded, *(n for n in out if n in pool.active or n in pool.spares))
     if not left:
         return NodeChange("swap", NodePool(tuple(active), tuple(spares), excluded), tuple(swaps))
     names = ", ".join(left)

@@ -81,7 +81,8 @@ def nodes_md(a: Analysis) -> list[str]:
 
 def node_line(n: NodeEvent) -> str:
     """One node event for people, led by when and after which attempt it happened."""
-    when = "start" if n.kind == "start" else f"{_min(n.at_s)} min, after attempt {_i(n.attempt)}"
+    after = "before the first launch" if n.attempt is None else f"after attempt {n.attempt}"
+    when = "start" if n.kind == "start" else f"{_min(n.at_s)} min, {after}"
     return f"{when}: {_node_what(n)}"
 
 
@@ -90,7 +91,7 @@ def _node_what(n: NodeEvent) -> str:
         spares = f"; spare {_names(n.spares)}" if n.spares else "; no spares"
         return f"{len(n.nodes)} active ({_names(n.nodes)}){spares}"
     if n.kind == "excluded":
-        count = f" ({n.count} failures)" if n.count is not None else ""
+        count = f" ({n.count} failures)" if n.count else ""
         if n.reason and (n.count is None or str(n.count) in n.reason):
             count = ""  # the reason says how many
         return f"excluded **{n.node}**{count}" + (f": {n.reason}" if n.reason else "")

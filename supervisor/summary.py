@@ -79,8 +79,10 @@ def _node_line(n: NodeEvent) -> str:
         spares = f" (spare {', '.join(n.spares)})" if n.spares else ""
         return f"Nodes: {', '.join(n.nodes)}{spares}"
     what = n.short
-    if n.kind == "excluded" and n.count is not None:
+    if n.kind == "excluded" and n.count:
         what += f" ({_count(n.count, 'failure')} laid on it)"
+    elif n.kind == "excluded" and n.reason:
+        what += f" ({n.reason})"
     elif n.kind == "swapped":
         what = f"spare {n.into} in for {n.node}"
     elif n.kind == "shrink":
@@ -92,7 +94,8 @@ def _node_line(n: NodeEvent) -> str:
             what += ", global batch kept" if n.batch_kept else ", global batch changed"
     elif n.kind == "stop" and n.reason:
         what += f": {n.reason}"
-    return f"  after attempt {_n(n.attempt)}: {what}"
+    when = "before the first launch" if n.attempt is None else f"after attempt {n.attempt}"
+    return f"  {when}: {what}"
 
 
 def _resumed(f: Failure) -> str:

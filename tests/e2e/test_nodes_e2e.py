@@ -7,7 +7,8 @@ real mpiexec, real SIGKILLs.
 - 3 nodes, no spare, shrink: n1 excluded, the job finishes on 2 nodes from a resharded
   checkpoint with the same global batch;
 - 2 nodes, min_nodes 2: rank 1 killed from outside twice (no fault schedule: the failure is laid
-  on its node from the processes alone) -> the job ends with exit 6 and says why.
+  on its node from the processes alone) -> the job ends with exit 6 and says why;
+- a node that fails the pre-launch check is out before the first launch, a spare in its place.
 """
 
 from __future__ import annotations
@@ -44,14 +45,18 @@ KILL_NODE_1 = {
 pytestmark = pytest.mark.slow
 
 
-def job_config(tmp_path: Path, launch: dict, restart: dict, faults: list[dict]) -> Path:
+def job_config(
+    tmp_path: Path, launch: dict, restart: dict, faults: list[dict], worker: dict = WORKER
+) -> Path:
     text = toml_table("[job]", {"name": "nodes", "run_dir": str(tmp_path / "run")})
+    launch = dict(launch)
+    env = {"OMP_NUM_THREADS": "1", **launch.pop("env", {})}
     text += toml_table(
         "[launch]",
         {"launcher": "mpiexec", "emulate_nodes": True, "ranks_per_node": 1, **launch},
     )
-    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
-    text += toml_table("[worker]", WORKER)
+    text += toml_table("[launch.env]", env)
+    text += toml_table("[worker]", worker)
     text += toml_table("[restart]", {"backoff_s": [0], "standby": False, **restart})
     text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 4.0})
     for fault in faults:
@@ -155,6 +160,23 @@ def test_below_min_nodes_the_job_ends_with_its_own_exit_code(tmp_path):
     assert give_up["code_name"] == "NODES"
     assert "min_nodes = 2" in give_up["reason"]
     assert "min_nodes = 2" in out and "Traceback" not in out
+
+
+def test_a_node_that_fails_the_pre_launch_check_never_runs_a_rank(tmp_path):
+    launch = {
+        "nodes": ["n0", "n1", "n2", "n3"],
+        "spares": 1,
+        "env": {"ES_INJECT_NODE_CHECK_FAIL": "n2"},
+    }
+    short = {**WORKER, "train_iters": 4}
+    rc, out = run_supervisor(job_config(tmp_path, launch, {}, [], short), JOB_TIMEOUT)
+    assert rc == 0, out
+    evs = events(tmp_path / "run")
+    (check,) = of(evs, "node_check")
+    assert check["reported"] == 4 and list(check["failed"]) == ["n2"]
+    (excluded,) = of(evs, "node_excluded")
+    assert excluded["node"] == "n2" and "pre-launch check" in excluded["reason"]
+    assert [e["nodes"] for e in of(evs, "launch")] == [["n0", "n1", "n3"]]
 
 
 def wait_rank_training(run: Path, attempt: int, rank: int, proc, timeout: float = 120) -> int:

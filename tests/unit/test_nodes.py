@@ -159,3 +159,35 @@ def test_emulated_nodes_run_under_hydras_fork_launcher_with_the_smaller_worlds_f
     assert argv[argv.index("-hosts") + 1] == "n0,n2"
     assert argv[argv.index("-n") + 1] == "2" and plan.world == 2
     assert argv[argv.index("--batch-size") + 1] == "3"
+
+
+# --- the pre-launch check ---------------------------------------------------------------------
+def test_the_pre_launch_check_reads_reports_among_the_launchers_words():
+    from supervisor.node_check import MARK, judge
+
+    lines = [
+        f'[0] {MARK}{{"node": "n0", "problems": []}}[0] ',  # Hydra's next prefix after it
+        f'[2] {MARK}{{"node": "n2", "problems": ["/ckpt: cannot write in /ckpt (Read-only)"]}}',
+        "[mpiexec@vm] some words of the launcher",
+        f"[1] {MARK}not json",
+    ]
+    got = judge(lines, ["n0", "n1", "n2"])
+    assert got.reported == 2
+    assert got.failed == {
+        "n1": "no report: a process could not be started there",
+        "n2": "/ckpt: cannot write in /ckpt (Read-only)",
+    }
+    # Nothing reported at all: the launcher failed, which says nothing about one node.
+    assert judge(["mpiexec: command not found"], ["n0", "n1"]).failed == {}
+
+
+def test_a_directory_is_checked_where_it_would_be_made(tmp_path):
+    from supervisor.node_check import dirs_to_check, writable_problem
+
+    assert writable_problem(str(tmp_path / "not" / "yet")) is None
+    (tmp_path / "file").write_text("")
+    assert "not a directory" in writable_problem(str(tmp_path / "file" / "ckpt"))
+    flags = {"ckpt_dir": "/c", "async_ckpt": True, "mem_ckpt_interval": 1}
+    env = {"TMPDIR": str(tmp_path), "ES_MEM_ROOT": "/m"}
+    assert dirs_to_check(flags, env) == ["/c", str(tmp_path), "/m"]
+    assert dirs_to_check({"ckpt_dir": "/c", "ckpt_stage_dir": "/s"}, env) == ["/c"]
