@@ -316,50 +316,58 @@ class AttemptTable:
         return notes
 
     def _summary(self, msg: dict[str, Any], now: float) -> None:
-        """Fold a relay's summary: its node's ranks seen, and moved where their step or phase
-        did. One pass over the node's ranks when they moved (C-speed comparisons first)."""
-        ranks = msg["ranks"]
-        if (
-            msg["attempt"] != self.attempt
-            or msg["world"] != self.world
-            or min(ranks) < 0
-            or max(ranks) >= self.world
-        ):
+        """Fold a relay's summary: its node's ranks seen; their steps (and phases) where they
+        moved. While only steps move, two C-speed passes over the node's ranks."""
+        if msg["attempt"] != self.attempt or msg["world"] != self.world:
             self.stale += 1
             return
-        node = msg["node"]
+        node, coded = msg["node"], msg["ranks"]
         rs = self.relays.get(node)
-        if rs is None or rs.ranks != ranks:
-            rs = self._relay(node, msg["rank"], ranks, now)
+        if rs is None or rs.coded != coded:
+            first, last = coded[0][0], coded[-1][0] + coded[-1][1] - 1
+            if first < 0 or last >= self.world:
+                self.stale += 1
+                return
+            rs = self._relay(node, msg["rank"], coded, now)
         rs.rank, rs.last_seen = msg["rank"], now
         late = msg["late"]
         rs.late = {r: now - age for r, age in late} if late else {}
-        steps, phases = msg["steps"], msg["phases"]
-        if steps == rs.steps and phases == rs.phases:
+        steps_coded, phases = msg["steps"], msg["phases"]
+        if steps_coded == rs.steps_coded and phases == rs.phases_coded:
             return
-        states, old = rs.states, rs.steps
-        one = phases if phases.__class__ is str else None
-        if one is not None and phases == rs.phases and old is not None:
-            moved = [i for i, a, b in zip(range(len(steps)), old, steps, strict=True) if a != b]
-        else:
-            moved = range(len(steps))
+        steps = protocol.expand(steps_coded)
+        if phases.__class__ is str and phases == rs.phases_coded:
+            # Only steps moved (a node training): each rank's step and when it moved. Most often
+            # every rank moved past the newest step of the last summary: no pass per rank then.
+            old = rs.steps_coded
+            if old and max(v for v, _ in old) < min(v for v, _ in steps_coded):
+                rs.moved = [now] * len(steps)
+            else:
+                rs.moved = [
+                    now if a != b else t for a, b, t in zip(rs.steps, steps, rs.moved, strict=True)
+                ]
+            rs.steps, rs.steps_coded = steps, steps_coded
+            if phases != "done" and not rs.dirty:
+                rs.oldest = {phases: min(rs.moved)}
+            return
+        # Phases moved (rare: start, saves, the end): every rank's state now.
+        rs.sync()
+        names = [phases] * len(steps) if phases.__class__ is str else protocol.expand(phases)
         learner = self.learner
-        for i in moved:
-            st = states[i]
-            phase, step = one or phases[i], steps[i]
+        for st, phase, step in zip(rs.states, names, steps, strict=True):
             if phase != st.phase or step != st.step:
-                if st.rank == 0 and learner is not None:
-                    self._move(st, phase, step, now)
-                else:
-                    st.phase, st.step, st.last_progress = phase, step, now
-        rs.steps, rs.phases = steps, phases
-        if one is not None and one != "done" and len(moved) == len(steps):
-            rs.oldest, rs.dirty = {one: now}, False  # all moved just now
-        else:
-            rs.dirty = True
+                if st.rank == 0:
+                    if learner is not None:
+                        self._move(st, phase, step, now)
+                        continue
+                st.phase, st.step, st.last_progress = phase, step, now
+        rs.steps, rs.steps_coded, rs.phases_coded = steps, steps_coded, phases
+        rs.moved = [st.last_progress for st in rs.states]
+        rs.dirty = True
 
-    def _relay(self, node: str, rank: int, ranks: list[int], now: float) -> RelayState:
-        """A relay first heard from, or one that speaks for more ranks now: its states."""
+    def _relay(self, node: str, rank: int, coded: list[list[int]], now: float) -> RelayState:
+        """A relay first heard from, or one that speaks for other ranks now: its states."""
+        ranks = protocol.expand_ranks(coded)
         states = []
         for r in ranks:
             st = self.ranks.get(r)
@@ -367,7 +375,7 @@ class AttemptTable:
                 st = self.ranks[r] = RankState(rank=r, last_seen=now, last_progress=now)
             self.direct.pop(r, None)
             states.append(st)
-        rs = RelayState(node, rank, list(ranks), states, now)
+        rs = RelayState(node, rank, coded, ranks, states, now)
         for r in ranks:
             self.relayed[r] = rs
         self.relays[node] = rs

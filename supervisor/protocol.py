@@ -204,11 +204,12 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "resumed": {"step": int, "restart_seconds": NUMBER},  # + `source` (str): RESUME_SOURCES
     "error": {"message": str},
     "done": {"step": int},
-    # A node's relay (sent as the relay's own rank): `node` (its name), `ranks` (every rank of
-    # the node heard from, the relay's own included), `steps` (each one's latest step, same
-    # order), `phases` (one str when they all share it, else one per rank), `late` ([rank, age_s]
-    # for each rank not heard from since the relay's previous summary: its last message is
-    # `age_s` old; every other rank was heard from within the last interval).
+    # A node's relay (sent as the relay's own rank), run-length coded (a node's ranks are mostly
+    # consecutive and step together): `node` (its name), `ranks` ([first, count] runs, ascending:
+    # every rank of the node heard from, the relay's own included), `steps` ([step, count] runs
+    # in that rank order: each one's latest step), `phases` (one str when they all share it, else
+    # [phase, count] runs), `late` ([rank, age_s] for each rank not heard from since the relay's
+    # previous summary: its last message is `age_s` old; every other one was heard from since).
     "summary": {"node": str, "ranks": list, "steps": list, "phases": (str, list), "late": list},
 }
 # The most ranks one summary may speak for (a node's ranks; 16 KiB hold ~1,000 of them).
@@ -305,32 +306,84 @@ _INT = frozenset({int})
 _NUMBERS = frozenset({int, float})
 
 
+def runs(values: list[Any]) -> list[list[Any]]:
+    """[value, count] runs of `values` (a relay's summary codes its ranks' steps and phases so)."""
+    out: list[list[Any]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+def expand(coded: list[list[Any]]) -> list[Any]:
+    out: list[Any] = []
+    for value, count in coded:
+        out += [value] * count
+    return out
+
+
+def rank_runs(ranks: list[int]) -> list[list[int]]:
+    """Ascending ranks as [first, count] runs of consecutive ranks."""
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and out[-1][0] + out[-1][1] == r:
+            out[-1][1] += 1
+        else:
+            out.append([r, 1])
+    return out
+
+
+def expand_ranks(coded: list[list[int]]) -> list[int]:
+    out: list[int] = []
+    for first, count in coded:
+        out += range(first, first + count)
+    return out
+
+
+def _coded(coded: Any, kinds: frozenset[type], what: str) -> int:
+    """The number of values [value, count] runs code for; BadMessage when malformed."""
+    n = 0
+    for run in coded:
+        if (
+            run.__class__ is not list
+            or len(run) != 2
+            or run[0].__class__ not in kinds
+            or run[1].__class__ is not int
+            or run[1] < 1
+        ):
+            raise BadMessage(f"summary {what}: expected [value, count] runs")
+        n += run[1]
+    return n
+
+
 def validate_summary(message: dict[str, Any]) -> None:
-    """A relay's summary: lists of exact types and equal lengths, each rank once, ages >= 0.
-    Type checks go through `map(type, ...)` (C speed): the supervisor checks one per node per
-    interval, each over the node's ranks."""
+    """A relay's summary: well-formed runs coding the same number of ranks, ranks ascending
+    (so each once), late ranks among them with ages >= 0."""
     ranks, steps, phases, late = (message[k] for k in ("ranks", "steps", "phases", "late"))
-    n = len(ranks)
+    n = _coded(ranks, _INT, "ranks")
     if not 0 < n <= MAX_RELAY_RANKS:
         raise BadMessage(f"a summary of {n} ranks (expected 1..{MAX_RELAY_RANKS})")
-    if not set(map(type, ranks)) <= _INT or len(set(ranks)) != n:
-        raise BadMessage("summary ranks: expected distinct integers")
-    if len(steps) != n or not set(map(type, steps)) <= _INT:
-        raise BadMessage("summary steps: expected one integer per rank")
-    if phases.__class__ is list and (len(phases) != n or not set(map(type, phases)) <= {str}):
-        raise BadMessage("summary phases: expected one string per rank")
-    if late:
-        known = set(ranks)
-        for entry in late:
-            if (
-                entry.__class__ is not list
-                or len(entry) != 2
-                or entry[0].__class__ is not int
-                or entry[1].__class__ not in _NUMBERS
-                or entry[0] not in known
-                or not 0 <= entry[1] < 1e9
-            ):
-                raise BadMessage("summary late: expected [rank, age_s] of its own ranks")
+    end = -1
+    for first, count in ranks:
+        if first <= end:
+            raise BadMessage("summary ranks: expected ascending runs of distinct ranks")
+        end = first + count - 1
+    if _coded(steps, _INT, "steps") != n:
+        raise BadMessage("summary steps: expected one per rank")
+    if phases.__class__ is list and _coded(phases, frozenset({str}), "phases") != n:
+        raise BadMessage("summary phases: expected one per rank")
+    for entry in late:
+        if (
+            entry.__class__ is not list
+            or len(entry) != 2
+            or entry[0].__class__ is not int
+            or entry[1].__class__ not in _NUMBERS
+            or not 0 <= entry[1] < 1e9
+            or not any(first <= entry[0] < first + count for first, count in ranks)
+        ):
+            raise BadMessage("summary late: expected [rank, age_s] of its own ranks")
 
 
 def _exact(kind: type | tuple[type, ...]) -> frozenset[type]:

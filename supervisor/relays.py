@@ -42,33 +42,52 @@ def relay_wanted(setting: bool | Literal["auto"], world: int, ranks_per_node: in
 
 @dataclass(slots=True, eq=False)
 class RelayState:
-    """One node's relay as its summaries tell it (monotonic times, the supervisor's clock)."""
+    """One node's relay as its summaries tell it (monotonic times, the supervisor's clock).
+
+    While only steps move (the common case: a node training), a summary updates two lists, each
+    rank's step and the time it last moved, in one C-speed pass each; the ranks' `RankState`s
+    take them when someone looks (`sync`: a check that looks at the node, a finding). Rank 0
+    says every step itself (worker.beat): its state follows its own messages only."""
 
     node: str
     rank: int  # the relay's own rank
+    coded: list[list[int]]  # its ranks as its summary codes them ([first, count] runs)
     ranks: list[int]
     states: list[RankState]  # the same ranks' states (the attempt table's own objects)
     last_seen: float  # when its last summary arrived
     late: dict[int, float] = field(default_factory=dict)  # rank -> last seen, if said late
-    steps: list[int] | None = None  # as its last summary said them
-    phases: str | list[str] | None = None
-    # phase -> the oldest last_progress among its ranks in that phase (done ones left out). Kept
-    # when a summary moves ranks; `dirty` when something else did (then recomputed at the next
+    steps_coded: list | None = None  # as its last summary said them
+    phases_coded: str | list | None = None
+    steps: list[int] = field(default_factory=list)  # per rank, in `ranks` order
+    moved: list[float] = field(default_factory=list)  # when each one's step last moved
+    # phase -> the oldest last_progress among its ranks in that phase (done ones left out):
+    # kept when a summary moves ranks; `dirty` when something else did (recomputed at the next
     # check). Last-progress times only grow, so a stale value is early, never late.
     oldest: dict[str, float] = field(default_factory=dict)
     dirty: bool = True
     exited: bool = False  # some rank's process is known to be gone
-    index: dict[int, RankState] = field(init=False)
+    index: dict[int, int] = field(init=False)  # rank -> its place in `ranks`
 
     def __post_init__(self) -> None:
-        self.index = dict(zip(self.ranks, self.states, strict=True))
+        self.index = {r: i for i, r in enumerate(self.ranks)}
+        if not self.steps:
+            self.steps = [st.step for st in self.states]
+            self.moved = [st.last_progress for st in self.states]
 
     def seen(self, st: RankState) -> float:
         return max(st.last_seen, self.late.get(st.rank, self.last_seen))
 
+    def sync(self, i: int | None = None) -> None:
+        """The summaries' steps into the rank states (all, or the `i`th), where newer."""
+        for k in range(len(self.states)) if i is None else (i,):
+            st, moved = self.states[k], self.moved[k]
+            if moved > st.last_progress and st.rank != 0:
+                st.step, st.last_progress = self.steps[k], moved
+
     def refresh(self) -> None:
         if not self.dirty:
             return
+        self.sync()
         oldest: dict[str, float] = {}
         for st in self.states:
             phase = st.phase
@@ -104,10 +123,15 @@ def suspects(
                     whole = True
                     break
         if whole:
+            rs.sync()
             candidates: Iterable[RankState] = rs.states
         elif rs.late:
-            index = rs.index
-            candidates = [index[r] for r in rs.late if r in index]
+            candidates = []
+            for r in rs.late:
+                i = rs.index.get(r)
+                if i is not None:
+                    rs.sync(i)
+                    candidates.append(rs.states[i])
         else:
             continue
         for st in candidates:

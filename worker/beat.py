@@ -259,6 +259,8 @@ class ZmqBeacon(Beacon):
         sock.setsockopt(zmq.IMMEDIATE, 0)
         sock.connect(self._addr)
         pull = self._open_relay(ctx, zmq) if self.relay is not None else None
+        if pull is None:
+            self.relay = None  # none wanted, or its address is taken: this rank beats alone
         # One blocking wait for all: a queued message (the wake pipe), a command, the node's
         # frames (a relay), the next beat. No polling loop: a waiting standby's thread wakes only
         # to beat.
@@ -325,7 +327,11 @@ class ZmqBeacon(Beacon):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 10 * QUEUE_SIZE)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAC_LEN + protocol.MAX_MESSAGE_BYTES)
-        sock.bind(self._relay_addr)
+        try:
+            sock.bind(self._relay_addr)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            return None
         path = self._relay_addr.removeprefix("ipc://")
         if not path.startswith("@"):  # a socket file: this user's only
             try:

@@ -11,12 +11,13 @@ other ranks send it everything they would send the supervisor, and it
   came, signed by its rank, in the order received: the facts the supervisor turns into events
   arrive as they did, and never behind a summary that is newer than them.
 
-A summary is whole (every rank of the node heard from, each one's step, the phases: one string
-when they share it), never a delta: a lost summary loses only its own freshness. Compact where it
-pays: ranks heard from since the previous summary are implied fresh; only the others are listed
-(`late`, with the age of their last message), so a single silent rank is still named, with its own
-last-seen time. A relay that stops (its rank killed or stopped) stops its node's summaries: the
-supervisor judges that as the failure of its node and names all of its ranks.
+A summary is whole (every rank of the node heard from, each one's step and phase), never a delta:
+a lost summary loses only its own freshness. Compact where it pays: ranks, steps and phases are
+run-length coded (a node's ranks are consecutive and step together: a few runs each, whatever the
+node's size), and ranks heard from since the previous summary are implied fresh; only the others
+are listed (`late`, with the age of their last message), so a single silent rank is still named,
+with its own last-seen time. A relay that stops (its rank killed or stopped) stops its node's
+summaries: the supervisor judges that as the failure of its node and names all of its ranks.
 
 This module must not import torch, nor zmq at import (an unsupervised rank never loads it).
 """
@@ -119,11 +120,9 @@ class RelayCore:
             return None
         order = sorted(self.ranks)
         recs = [self.ranks[r] for r in order]
-        phases = [r.phase for r in recs]
+        phases = protocol.runs([r.phase for r in recs])
         late = [
-            [rank, round(now - r.heard, 3)]
-            for rank, r in zip(order, recs, strict=True)
-            if not r.fresh
+            [k, round(now - r.heard, 3)] for k, r in zip(order, recs, strict=True) if not r.fresh
         ]
         for r in recs:
             r.fresh = False
@@ -132,9 +131,9 @@ class RelayCore:
             "summary",
             t,
             node=self.node,
-            ranks=order,
-            steps=[r.step for r in recs],
-            phases=phases[0] if phases.count(phases[0]) == len(phases) else phases,
+            ranks=protocol.rank_runs(order),
+            steps=protocol.runs([r.step for r in recs]),
+            phases=phases[0][0] if len(phases) == 1 else phases,
             late=late,
         )
 

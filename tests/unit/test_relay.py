@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import time
 
@@ -32,30 +33,41 @@ def ident(rank: int, world: int = 8, attempt: int = 0) -> P.RankIdentity:
 
 
 def summary(relay: int, ranks, steps, phases="train", late=(), world=8, node="n0", attempt=0):
+    """A relay's summary of these ranks' steps and phases (plain lists: coded here)."""
+    if not isinstance(phases, str):
+        phases = P.runs(list(phases))
+        phases = phases[0][0] if len(phases) == 1 else phases
     return ident(relay, world, attempt).message(
-        "summary", time.time(), node=node, ranks=list(ranks), steps=list(steps),
-        phases=phases, late=[list(x) for x in late],
+        "summary", time.time(), node=node, ranks=P.rank_runs(list(ranks)),
+        steps=P.runs(list(steps)), phases=phases, late=[list(x) for x in late],
     )  # fmt: skip
 
 
 # --- the summary on the wire --------------------------------------------------------------------
 def test_summary_round_trip_and_schema():
-    msg = summary(0, [0, 1, 2], [5, 5, 4], ["train", "train", "save"], late=[(2, 1.5)])
+    msg = summary(0, [0, 1, 2, 5], [5, 5, 4, 4], ["train", "train", "save", "save"], [(2, 1.5)])
+    assert msg["ranks"] == [[0, 3], [5, 1]] and msg["steps"] == [[5, 2], [4, 2]]
+    assert msg["phases"] == [["train", 2], ["save", 2]]
     assert P.decode(K, P.encode(K, msg), JOB) == msg
+    assert P.expand_ranks(msg["ranks"]) == [0, 1, 2, 5] and P.expand(msg["steps"]) == [5, 5, 4, 4]
     bad = [
         {"ranks": []},
-        {"ranks": [0, 0, 1]},
-        {"ranks": [0, True, 2]},
-        {"steps": [5, 5]},
-        {"steps": [5, 5, 1.5]},
-        {"phases": ["train"]},
-        {"phases": ["train", "train", 3]},
+        {"ranks": [[0, 3], [2, 1]]},  # rank 2 twice
+        {"ranks": [[5, 1], [0, 3]]},  # not ascending
+        {"ranks": [[0, True], [5, 1]]},
+        {"ranks": [[0, 0], [5, 4]]},
+        {"ranks": [[0, 3, 1], [5, 1]]},
+        {"steps": [[5, 3]]},
+        {"steps": [[5, 2], [4.5, 2]]},
+        {"phases": [["train", 3]]},
+        {"phases": [["train", 2], [3, 2]]},
         {"late": [[7, 1.0]]},  # not one of its ranks
         {"late": [[1, -1.0]]},
         {"late": [[1, float("nan")]]},
         {"late": [1]},
-        {"ranks": list(range(P.MAX_RELAY_RANKS + 1))},
+        {"ranks": [[0, P.MAX_RELAY_RANKS + 1]], "steps": [[1, P.MAX_RELAY_RANKS + 1]]},
         {"node": 3},
+        {"steps": "5"},
     ]
     for change in bad:
         m = {**msg, **change}
@@ -102,8 +114,8 @@ def test_relay_core_summarizes_beats_and_forwards_the_rest():
     assert core.take(other, 0.2) is None and core.dropped == 2
     core.own("beat", {"phase": "train", "step": 4}, 0.3)
     s = core.summary(time.time(), 0.5)
-    assert s["ranks"] == [0, 1, 2] and s["steps"] == [4, 3, 4] and s["late"] == []
-    assert s["phases"] == ["train", "train", "init"] and s["node"] == "n0"
+    assert s["ranks"] == [[0, 3]] and s["steps"] == [[4, 1], [3, 1], [4, 1]] and s["late"] == []
+    assert s["phases"] == [["train", 2], ["init", 1]] and s["node"] == "n0"
     P.validate(s)
     # Next interval: only rank 1 beats; ranks 0 and 2 are late, with their ages.
     core.take(frame(1, "beat", phase="train", step=5), 1.2)
@@ -117,7 +129,7 @@ def test_relay_core_summarizes_beats_and_forwards_the_rest():
     assert core.summary(time.time(), 2.0)["phases"] == "train"
     core.take(frame(2, "done", step=9), 2.1)
     s = core.summary(time.time(), 2.2)
-    assert s["phases"] == ["train", "train", "done"] and s["steps"][2] == 9
+    assert s["phases"] == [["train", 2], ["done", 1]] and s["steps"] == [[5, 2], [9, 1]]
 
 
 # --- the supervisor's folding and judging -------------------------------------------------------
@@ -136,7 +148,9 @@ def test_summaries_make_rank_states_and_move_them():
     assert t.direct == {} and t.judged == 2
     assert all(st.step == 10 and st.phase == "train" for st in t.ranks.values())
     t.update(summary(0, range(4), [11, 11, 10, 11]), 101.0)
-    assert [t.ranks[r].last_progress for r in range(4)] == [101.0, 101.0, 100.0, 101.0]
+    t.relays["n0"].sync()  # states take the summaries' steps when looked at
+    assert [t.ranks[r].last_progress for r in range(1, 4)] == [101.0, 100.0, 101.0]
+    assert t.ranks[0].step == 10  # rank 0 says each of its steps itself
     assert t.judge(101.5, HB) is None
     t.update(summary(0, range(4), [11, 11, 10, 11], world=4), 101.0)  # another world: stale
     assert t.stale == 1
@@ -232,6 +246,7 @@ def test_judging_by_node_finds_what_judging_every_rank_finds():
         # Rank by rank: each state with the last-seen time its relay gives it.
         flat = {}
         for rs in t.relays.values():
+            rs.sync()
             for st in rs.states:
                 flat[st.rank] = dataclasses.replace(st, last_seen=rs.seen(st))
         want = judge_ranks(flat, world, judged_at, t.launched_at, hb)
@@ -246,7 +261,8 @@ def test_a_node_of_real_beacons_relays_through_its_local_rank_0(monkeypatch):
         server = HeartbeatServer(K, JOB)
         beacon_env(monkeypatch, server.address, interval=0.1)
         monkeypatch.setenv(P.ENV_HEARTBEAT_RELAY, "1")
-        monkeypatch.setenv("PMI_HOSTNAME", "unit-node")
+        # Abstract socket names are host-wide: another test process must not share this node.
+        monkeypatch.setenv("PMI_HOSTNAME", f"unit-node-{os.getpid()}")
         beacons = [Beacon.from_env(r, 3, r, 3) for r in range(3)]
         assert beacons[0].relay is not None and all(b.relay is None for b in beacons[1:])
         table = AttemptTable(0, 3, time.monotonic())
@@ -266,7 +282,7 @@ def test_a_node_of_real_beacons_relays_through_its_local_rank_0(monkeypatch):
             await asyncio.sleep(0.05)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (
-            "unit-node" in table.relays and all(table.ranks[r].step == 3 for r in range(3))
+            table.relays and all(rs.steps == [3, 3, 3] for rs in table.relays.values())
         ):
             await asyncio.sleep(0.05)
         for b in beacons[::-1]:
