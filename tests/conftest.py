@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,3 +28,12 @@ def baseline_dir(tmp_path: Path) -> Path:
     ]
     metrics = {0: [{**rec(k, 2008.0 + k)} for k in range(1, 51)]}
     return write_run(tmp_path / "base", events, metrics, "[worker]\nsave_interval = 0\n")
+
+
+@pytest.fixture
+def mem_root() -> Path:
+    """A fresh memory-tier root (ES_MEM_ROOT) in /dev/shm, removed after the test."""
+    root = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"es-test-{uuid.uuid4().hex}"
+    root.mkdir(mode=0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

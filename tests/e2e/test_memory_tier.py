@@ -7,12 +7,10 @@ Every resume from memory must compute the uninterrupted run's losses bit for bit
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import stat
 import struct
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +23,6 @@ from worker.ckpt import memory, naming
 pytestmark = pytest.mark.slow
 
 ITERS = 10
-
-
-@pytest.fixture
-def mem_root():
-    root = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"es-test-{uuid.uuid4().hex}"
-    root.mkdir(mode=0o700)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def flags(tmp_path: Path, name: str, *more: str) -> list[str]:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -27,14 +24,6 @@ pytestmark = pytest.mark.slow
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
 TINY |= {"vocab_size": 128, "seq_len": 32, "train_iters": 8, "save_interval": 4}
 SEQ = TINY["seq_len"]
-
-
-@pytest.fixture
-def mem_root():
-    root = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"es-test-{uuid.uuid4().hex}"
-    root.mkdir(mode=0o700)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def run(ranks: int, table: dict, out: Path, *extra: str, env: dict | None = None):
