@@ -114,10 +114,12 @@ def suspects(
     train = p["train"]
     out: list[RankState] = []
     silent: dict[str, RelayState] = {}
+    soonest = now - min(by_phase.values(), default=train)  # no progress older: nothing stalled
     for rs in relays:
-        rs.refresh()
+        if rs.dirty:
+            rs.refresh()
         whole = rs.exited or rs.last_seen < latest
-        if not whole:
+        if not whole and rs.oldest and min(rs.oldest.values()) < soonest:
             for phase, oldest in rs.oldest.items():
                 if now - oldest > by_phase.get(phase, train):
                     whole = True
