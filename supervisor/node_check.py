@@ -5,7 +5,8 @@ Run through the job's own launcher, one process per node (`python -m supervisor.
 DIR...`), each printing one JSON line; a node that prints nothing (its process could not start)
 or reports a problem is excluded before it costs an attempt. If no node reports at all, the
 launcher itself failed: that says nothing about any one node, and the first attempt will show
-the real error. The check imports nothing beyond the standard library (it is to be quick).
+the real error. On the node it imports only the standard library and the protocol module (it is
+to be quick).
 """
 
 from __future__ import annotations
@@ -23,17 +24,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from supervisor import protocol
+
 if TYPE_CHECKING:
     from supervisor.resolve import Resolved
 
 MARK = "es-node-check "  # the prefix of a report line among the launcher's own output
 # Tests and demos: the named nodes fail the check (the way to make one emulated node bad).
 ENV_INJECT_FAIL = "ES_INJECT_NODE_CHECK_FAIL"
-NODE_VARS = ("PMI_HOSTNAME", "SLURMD_NODENAME", "PALS_NODEID")  # the launcher's name for it
-
-
-def node_name(env: dict[str, str] | os._Environ = os.environ) -> str:
-    return next((env[v] for v in NODE_VARS if env.get(v)), socket.gethostname())
 
 
 def writable_problem(directory: str) -> str | None:
@@ -59,7 +57,7 @@ def writable_problem(directory: str) -> str | None:
 def main(argv: Sequence[str]) -> int:
     """`--dirs DIR...`: one report line for this node."""
     dirs = list(argv[1:]) if argv[:1] == ["--dirs"] else list(argv)
-    node = node_name()
+    node = protocol.node_name(os.environ, socket.gethostname())
     problems = [p for d in dirs if (p := writable_problem(d)) is not None]
     if node in os.environ.get(ENV_INJECT_FAIL, "").split(","):
         problems.append(f"injected failure ({ENV_INJECT_FAIL})")

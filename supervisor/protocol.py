@@ -107,6 +107,15 @@ MEM_ROOT_DEFAULT = "/dev/shm"
 MEM_PREFIX = "es-mem-"
 
 
+# The launcher's own name for a rank's node (Hydra's emulated nodes run on one host under
+# several names), else the host name: what relays and the pre-launch node check go by.
+NODE_NAME_VARS = ("PMI_HOSTNAME", "SLURMD_NODENAME")
+
+
+def node_name(env: dict[str, str] | os._Environ, hostname: str) -> str:
+    return next((env[v] for v in NODE_NAME_VARS if env.get(v)), hostname)
+
+
 def mem_root(env: dict[str, str] | os._Environ) -> str:
     """`ES_MEM_ROOT`, else /dev/shm, else (a system without it) the temp dir: the page cache
     then holds the slots, and the tier still works."""

@@ -35,16 +35,7 @@ from supervisor import protocol
 
 # Beats and the coalesced steps of ranks other than 0 are summarized; everything else is forwarded.
 SUMMARIZED = frozenset({"beat", "step"})
-NODE_ENV = ("PMI_HOSTNAME", "SLURMD_NODENAME")  # the launcher's name of this node, if it says
-
-
-def node_name(env: dict[str, str] | os._Environ, hostname: str) -> str:
-    """The node a rank runs on: the launcher's own name for it (Hydra's emulated nodes run on one
-    host under several names), else the host name."""
-    for name in NODE_ENV:
-        if env.get(name):
-            return env[name]
-    return hostname
+node_name = protocol.node_name  # the node's name, as the launcher gives it
 
 
 def relay_address(key: bytes, job: str, attempt: int, node: str) -> str:
