@@ -68,11 +68,12 @@ class Attribution:
 
 def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -> Attribution:
     """The node a failure is laid on, from the most telling fact there is: an injected fault's
-    target; a node whose heartbeat relay went silent; a rank that raised while every rank still
-    ran (errors after a rank is gone are its peers noticing: "connection reset"); the ranks
-    whose beats stopped; of ranks making no progress, those not waiting inside a collective (the
-    others wait for them); the first rank whose process ended (seen to the millisecond on this
-    host), else the launcher's report of its first bad termination.
+    target; a node whose heartbeat relay went silent; the ranks that raised while every rank
+    still ran (errors after a rank is gone are its peers noticing: "connection reset"; the same
+    error on every node is the job's, not a node's); the ranks whose beats stopped; of ranks
+    making no progress, those not waiting inside a collective (the others wait for them); the
+    first rank whose process ended (seen to the millisecond on this host), else the launcher's
+    report of its first bad termination.
 
     A failure whose ranks span several nodes, or that takes down every active node, says
     nothing about any one node (a single-node job never excludes its node this way)."""
@@ -81,7 +82,7 @@ def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -
     stalled = facts.stalled_outside_collectives or facts.finding_ranks
     candidates: list[tuple[tuple[int, ...], str]] = [
         (facts.injected, "the injected fault's target"),
-        (facts.error_ranks[:1], "the first rank that reported an error"),
+        (facts.error_ranks, "the ranks that reported an error"),
         (facts.finding_ranks if facts.kind == "hang" else (), "the ranks whose beats stopped"),
         (stalled if facts.kind == "no_progress" else (), "the ranks that stopped stepping"),
         (facts.first_exited, "the first rank whose process ended"),

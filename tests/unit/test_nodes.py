@@ -32,7 +32,7 @@ def test_the_last_nodes_are_the_spares_and_ranks_sit_in_blocks():
     "facts, node, why",
     [
         (FailureFacts("exit", injected=(1,), first_exited=(0,)), "n1", "injected"),
-        (FailureFacts("exit", error_ranks=(2, 0), first_exited=(1,)), "n2", "error"),
+        (FailureFacts("exit", error_ranks=(2,), first_exited=(1,)), "n2", "error"),
         (FailureFacts("hang", finding_ranks=(3,)), "n3", "beats"),
         (FailureFacts("exit", first_exited=(2,), launcher_named=(0,)), "n2", "process ended"),
         (FailureFacts("exit", launcher_named=(1,)), "n1", "launcher"),
@@ -62,6 +62,10 @@ def test_ranks_stuck_waiting_in_a_collective_are_not_the_stalled_ones():
 def test_no_node_when_the_facts_span_nodes_or_the_job_has_one():
     spans = attribute(FailureFacts("exit", injected=(0, 1, 2, 3)), FOUR, 1)
     assert spans.node is None and "span" in spans.why
+    # The same error raised on every node is the job's (a bug, bad data), not a node's.
+    assert (
+        attribute(FailureFacts("exit", error_ranks=(2, 0), first_exited=(2,)), FOUR, 1).node is None
+    )
     # Two ranks of one node (2 per node) still name it.
     assert attribute(FailureFacts("exit", injected=(2, 3)), FOUR, 2).node == "n1"
     alone = attribute(FailureFacts("hang", finding_ranks=(1,)), ("vm",), 2)
