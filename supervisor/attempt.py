@@ -139,8 +139,7 @@ class Attempt:
         self.nodes = list(shared.r.pool.active)  # where its ranks run, in rank order
         self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
         self.error_at: dict[int, float] = {}  # rank -> when its error message came (monotonic)
-        self.exits = ExitWatch(self._pid_ended)  # this host's ranks, seen the moment they end
-        self._woken = asyncio.Event()  # a rank's process ended: judge now, not at the next tick
+        self.exits = ExitWatch(self._pid_ended)  # when this host's ranks end, to the millisecond
 
     def emit(self, event: str, **facts: Any) -> None:
         self.s.emit(event, attempt=self.number, **facts)
@@ -443,9 +442,7 @@ class Attempt:
         period = decisions.judge_period(table.world, hb.check_s)
         last_refresh = 0.0
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), period)
-            self._woken.clear()
+            await asyncio.sleep(period)
             now = time.monotonic()
             self._check_local_pids(now)
             finding = table.judge(now, hb, limits=table.limits)
@@ -554,10 +551,12 @@ class Attempt:
             self.s.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
 
     def _pid_ended(self, rank: int, when: float) -> None:
+        """When a local rank's process ended, to the millisecond (the next check judges it, as
+        before: the launcher's own exit usually comes first and says more, and a teardown begun
+        while the launcher still cleans up cost Hydra's proxies their own clean-up)."""
         st = self.table.ranks.get(rank)
         if st is not None and not st.exited:
             self.table.exited(st, when)
-            self._woken.set()
 
     def _on_rank_exit(self, rank: int, rc: int) -> None:
         now = time.monotonic()

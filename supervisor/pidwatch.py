@@ -3,7 +3,7 @@
 A rank is a grandchild (under mpiexec or srun), so `waitpid` cannot see it; polling its pid
 every check saw a SIGKILLed rank and the ranks the launcher then killed in the same check, and
 which rank went first is what lays a failure on a node. A pidfd turns readable the moment the
-process exits: the order is kept to the millisecond and the watch is woken at once.
+process exits: the order is kept to the millisecond.
 """
 
 from __future__ import annotations
