@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from supervisor import decisions, launcher, nodes, protocol, relays, stacks
+from supervisor import decisions, hygiene, launcher, nodes, protocol, relays, stacks
 from supervisor.control import ControlServer
 from supervisor.decisions import AttemptRecord, Finding, Outcome
 from supervisor.fault_hooks import FaultHooks
@@ -316,7 +316,7 @@ class Attempt:
                 self.s.control.command(self.number, rank, "exit", t)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(running.wait(), self.cfg.restart.teardown_grace_s)
-        result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        result, _ = await self._end_processes(running)
         self.exits.close()
         self.emit(
             "standby_exit",
@@ -392,19 +392,28 @@ class Attempt:
             start_mono=round(start, 6),
             latency_s=round(start - since, 6),
         )
-        result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        result, segments = await self._end_processes(running)
         self.emit(
             "teardown_done",
             seconds=round(result.seconds, 6),
             terminated=result.terminated,
             killed=result.killed,
             survivors=len(result.survivors),
+            **({"segments_removed": segments} if segments else {}),
         )
         if end.exit is None and end.exit_task.done():
             end.exit = end.exit_task.result()
         if not end.exit_task.done():
             end.exit_task.cancel()
         return result
+
+    async def _end_processes(self, running: Running) -> tuple[TeardownResult, list[str]]:
+        """The launcher's teardown, then the MPICH segments its ranks still mapped (killed
+        before every rank was past MPI_Init, they never unlinked them): removed here, where
+        they arose, once no process holds them."""
+        segments = hygiene.mapped_segments(self._rank_pids())
+        result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        return result, hygiene.remove_unheld(segments) if segments else []
 
     def _result(
         self,

@@ -5,9 +5,11 @@ Killed attempts used to leave, per attempt, MPICH's shared-memory segment in /de
 /tmp (`hydra_hwloc_xmlfile_*`, removed by its proxy unless the proxy is SIGKILLed), and each job
 its async stage dir (`<tmp>/es-ckpt-<job>`). The causes are fixed where they arise: a rank
 unlinks MPICH's names once every rank has mapped them (`worker.dist.mpi_world`), a teardown kills
-the ranks before their launcher (`launcher.kill_order`), and the job removes its stage dir when it
-ends (here). What can still slip through (a rank killed inside MPI_Init, a supervisor killed
-outright, a run from before these fixes) is swept: at a job's start and end, this user's
+the ranks before their launcher (`launcher.kill_order`) and removes the segments its ranks still
+mapped (a rank killed inside MPI_Init: `mapped_segments`, `remove_unheld`), and the job removes
+its stage dir when it ends (here). What can still slip through (a rank SIGKILLed by
+something else inside MPI_Init, a supervisor killed outright, a run from before these fixes) is
+swept: at a job's start and end, this user's
 MPICH segments and Hydra topology files that no live process maps or holds open are removed.
 
 `stage_dir`, `sweepable` and `orphans` decide; `held_paths` looks; `sweep` and
@@ -117,7 +119,45 @@ def _candidates(root: str, prefixes: tuple[str, ...], uid: int, before: float) -
     return found
 
 
+def mapped_segments(pids: Iterable[int], proc_root: str = "/proc") -> set[str]:
+    """The MPICH segments these processes map and have not unlinked yet. Read before a
+    teardown: a rank killed before every rank was past MPI_Init (a hang there, a slow start)
+    never unlinked them, and the sweep leaves files younger than MIN_AGE_S."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"{proc_root}/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) < 6 or parts[5].rstrip("\n").endswith(" (deleted)"):
+                        continue
+                    path = parts[5].rstrip("\n")
+                    if path.startswith(SHM_ROOT + "/") and os.path.basename(path).startswith(
+                        SHM_PREFIXES
+                    ):
+                        found.add(path)
+        except OSError:
+            continue
+    return found
+
+
 # --- acts -----------------------------------------------------------------------------------------
+def remove_unheld(paths: Iterable[str], proc_root: str = "/proc") -> list[str]:
+    """Unlink those of `paths` that no live process maps or holds open any more (after the
+    teardown of the attempt that mapped them); return what was removed."""
+    paths = sorted(p for p in paths if os.path.lexists(p))
+    if not paths:
+        return []
+    removed = []
+    for path in orphans(paths, held_paths(proc_root)):
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
 def sweep(
     roots: Iterable[tuple[str, tuple[str, ...]]] = (
         (SHM_ROOT, SHM_PREFIXES),

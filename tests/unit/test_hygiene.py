@@ -102,3 +102,29 @@ def test_sweep_removes_only_this_users_unheld_files(tmp_path: Path):
 
 
 HOLD = "import sys, time\nf = open(sys.argv[1])\nprint('holding', flush=True)\ntime.sleep(120)\n"
+
+
+def test_a_teardown_removes_the_segments_its_ranks_still_mapped(tmp_path: Path):
+    proc = tmp_path / "proc"
+    (proc / "11").mkdir(parents=True)
+    (proc / "11" / "maps").write_text(
+        "7f0-7f1 rw-s 0 00:1 5 /dev/shm/mpich_shm_9_0\n"
+        "7f1-7f2 rw-s 0 00:1 6 /dev/shm/mpich_vci_9_0 (deleted)\n"  # unlinked by its rank
+        "7f2-7f3 r-xp 0 08:1 7 /usr/lib/libc.so.6\n"
+        "7f3-7f4 rw-s 0 00:1 8 /dev/shm/es-mem-job/rank-0/slot-0.bin\n"  # the memory tier's
+    )
+    assert hygiene.mapped_segments([11, 12], str(proc)) == {"/dev/shm/mpich_shm_9_0"}
+    left, held = tmp_path / "mpich_shm_1_0", tmp_path / "mpich_shm_2_0"
+    for f in (left, held):
+        f.write_bytes(b"x")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(held)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        gone = str(tmp_path / "mpich_shm_3_0")
+        assert hygiene.remove_unheld([str(left), str(held), gone]) == [str(left)]
+        assert held.exists() and not left.exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
