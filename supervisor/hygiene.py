@@ -173,16 +173,7 @@ def sweep(
     another job starting on the node may hold its own only a moment after making them."""
     uid, before = os.getuid(), time.time() - min_age_s
     candidates = [p for root, prefixes in roots for p in _candidates(root, prefixes, uid, before)]
-    if not candidates:
-        return []
-    removed = []
-    for path in orphans(candidates, held_paths(proc_root)):
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(path)
-    return removed
+    return remove_unheld(candidates, proc_root)
 
 
 def remove_stage_dir(path: str) -> str | None:
