@@ -77,16 +77,14 @@ def judge(lines: Iterable[str], nodes: Sequence[str]) -> CheckResult:
     found: dict[str, list[str]] = {}
     decoder = json.JSONDecoder()
     for line in lines:
-        _, mark, body = line.partition(MARK)
-        if not mark:
-            continue
-        try:  # the object alone: a launcher may add its next prefix after it ("}[2] ")
-            report, _ = decoder.raw_decode(body)
-            node, problems = report["node"], report["problems"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(node, str) and isinstance(problems, list):
-            found[node] = [str(p) for p in problems]
+        for body in line.split(MARK)[1:]:  # two ranks' chunks may share a line
+            try:  # the object alone: a launcher may add its next prefix after it ("}[2] ")
+                report, _ = decoder.raw_decode(body)
+                node, problems = report["node"], report["problems"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(node, str) and isinstance(problems, list):
+                found[node] = [str(p) for p in problems]
     if not found:
         return CheckResult({}, 0)
     failed = {}
@@ -142,10 +140,17 @@ async def run_on(
     )
     lines: list[str] = []
 
+    # Hydra prefixes each chunk a process writes, not each line: a report may come in pieces
+    # with another node's between them (seen in a clean-clone run); HydraLines joins them.
+    hydra = launcher.HydraLines(len(nodes)) if plan.launcher == "hydra" else None
+
     async def read() -> None:
         assert proc.stdout is not None
         async for raw in proc.stdout:
-            lines.append(raw.decode(errors="replace").rstrip("\n"))
+            for whole in hydra.feed(raw) if hydra else [raw]:
+                lines.append(whole.decode(errors="replace").rstrip("\n"))
+        for whole in hydra.flush() if hydra else []:
+            lines.append(whole.decode(errors="replace").rstrip("\n"))
 
     try:
         await asyncio.wait_for(read(), timeout)

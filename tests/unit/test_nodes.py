@@ -174,9 +174,10 @@ def test_the_pre_launch_check_reads_reports_among_the_launchers_words():
         f'[2] {MARK}{{"node": "n2", "problems": ["/ckpt: cannot write in /ckpt (Read-only)"]}}',
         "[mpiexec@vm] some words of the launcher",
         f"[1] {MARK}not json",
+        f'[3] {MARK}{{"node": "n3", "problems": []}}[4] {MARK}{{"node": "n4", "problems": []}}',
     ]
-    got = judge(lines, ["n0", "n1", "n2"])
-    assert got.reported == 2
+    got = judge(lines, ["n0", "n1", "n2", "n3", "n4"])
+    assert got.reported == 4
     assert got.failed == {
         "n1": "no report: a process could not be started there",
         "n2": "/ckpt: cannot write in /ckpt (Read-only)",
