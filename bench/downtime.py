@@ -1,9 +1,10 @@
 """Downtime per failure, warm standby against cold relaunch, from the supervisor's own events.
 
-Runs `python -m supervisor run` on the `debug` preset as it is (batch 1, no size overrides; `--size 250m`
-for a 250M-parameter model) on 2 ranks under real mpiexec, once per `--standby` mode, `--mem`
-mode (the memory checkpoint tier: `worker.mem_ckpt_interval=1`, a copy after every step, its
-slots under a fresh ES_MEM_ROOT in /dev/shm) and `--target`, side by side in one invocation.
+Runs `python -m supervisor run` on the `debug` preset as it is (batch 1, no size overrides;
+`--size 250m` for a 250M-parameter model) on 2 ranks under real mpiexec, once per `--standby`
+mode, `--mem` mode (the memory checkpoint tier: `worker.mem_ckpt_interval=1`, a copy after
+every step, its slots under a fresh ES_MEM_ROOT in /dev/shm) and `--target`, side by side in one
+invocation.
 Each run SIGKILLs its ranks (every rank, or rank 1) `--kills` times, each once the attempt has
 made its first step and a checkpoint (a kill before it would resume from the same step again and
 again), then (with the standby on) once the standby is ready, the case the feature is for, and
