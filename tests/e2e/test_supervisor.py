@@ -19,24 +19,12 @@ import pytest
 import zmq
 
 from supervisor import protocol
-from tests.support import REPO, events, toml_value
+from tests.support import REPO, TINY_JOB_WORKER, events, toml_value
 
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 150
 
-TINY = {
-    "model": "debug",
-    "device": "cpu",
-    "dim": 32,
-    "n_layers": 2,
-    "n_heads": 2,
-    "n_kv_heads": 1,
-    "vocab_size": 256,
-    "seq_len": 32,
-    "batch_size": 2,
-    "train_iters": 30,
-    "save_interval": 5,
-}
+TINY = {**TINY_JOB_WORKER, "train_iters": 30, "save_interval": 5}
 
 pytestmark = pytest.mark.slow
 
