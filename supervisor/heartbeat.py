@@ -399,10 +399,7 @@ class AttemptTable:
         st = self.ranks.get(rank)
         notes: list[Note] = []
         if st is None:
-            st = RankState(rank=rank, last_seen=now, last_progress=now)
-            self.ranks[rank] = st
-            if rank not in self.relayed:
-                self.direct[rank] = st
+            st = self.state(rank, now)
         else:
             rs = self.relayed.get(rank)
             if rs is not None:

@@ -38,6 +38,9 @@ class ExitWatch:
         self._fds[rank] = fd
         return True
 
+    def watching(self, rank: int) -> bool:
+        return rank in self._fds
+
     def _ended(self, rank: int) -> None:
         now = time.monotonic()
         self._drop(rank)
