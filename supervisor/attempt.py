@@ -204,7 +204,7 @@ class Attempt:
             kind=finding.kind if finding else "exit",
             finding_ranks=finding.ranks if finding else (),
             finding_node=finding.node if finding else None,
-            error_ranks=tuple(r for r, at in self.error_at.items() if at < first_gone),
+            error_ranks=nodes.own_errors(t.errors, self.error_at, first_gone),
             first_exited=nodes.first_exited(gone),
             launcher_named=nodes.launcher_named_ranks(tail, pids),
             injected=self.s.faults.hit(self.number),
@@ -522,10 +522,11 @@ class Attempt:
         return self.s.control.send(self.number, rank, message)
 
     def _check_local_pids(self, now: float) -> None:
-        """A rank on this host whose process is gone (under mpiexec or srun) is seen at once."""
+        """A rank on this host whose process is gone (under mpiexec or srun) is seen at once;
+        those with a pidfd (`self.exits`) say so themselves, the moment they end."""
         host = launcher.this_host()
         for st in self.table.on_host(host):
-            if st.pid and not st.exited:
+            if st.pid and not st.exited and not self.exits.watching(st.rank):
                 try:
                     os.kill(st.pid, 0)
                 except ProcessLookupError:

@@ -101,6 +101,26 @@ def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -
     return Attribution(None, (), "no fact names a rank")
 
 
+# What a rank says when a peer is gone, not of its own fault (gloo, NCCL, MPI over sockets).
+_PEER_LOST = re.compile(
+    r"connection (reset|closed) by peer|broken pipe|remote process exited|peer .*(closed|died)",
+    re.IGNORECASE,
+)
+
+
+def own_errors(
+    errors: Mapping[int, str], error_at: Mapping[int, float], first_gone: float
+) -> tuple[int, ...]:
+    """The ranks whose error is a fact about themselves: reported before any rank was seen
+    gone, and not a peer's loss in its words (under load the supervisor may read a survivor's
+    "connection reset" before the pidfd of the rank that died first)."""
+    return tuple(
+        r
+        for r, at in error_at.items()
+        if at < first_gone and not _PEER_LOST.search(errors.get(r, ""))
+    )
+
+
 # Hydra's report of the first process that ended badly: "=   PID 17890 RUNNING AT n1".
 _HYDRA_BAD = re.compile(r"PID (\d+) RUNNING AT (\S+)")
 

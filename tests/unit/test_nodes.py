@@ -75,6 +75,19 @@ def test_no_node_when_the_facts_span_nodes_or_the_job_has_one():
     assert attribute(FailureFacts("exit", launcher_named=(9,)), FOUR, 1).node is None
 
 
+def test_a_peers_loss_in_a_survivors_words_is_not_its_own_error():
+    from supervisor.nodes import own_errors
+
+    errors = {
+        0: "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35533: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging",
+        2: "ValueError: loss is nan at step 7",
+        3: "ValueError: late",
+    }
+    at = {0: 1.0, 2: 1.5, 3: 9.0}
+    assert own_errors(errors, at, first_gone=5.0) == (2,)  # 3 came after a rank was gone
+
+
 def test_the_launchers_first_bad_termination_names_a_rank_by_pid():
     tail = [
         "[0] step 8/30 loss 5.1",
