@@ -17,6 +17,7 @@ from supervisor.decisions import (
     describe_returncode,
     early_repeat,
     error_of,
+    is_warning,
     judge_period,
     judge_ranks,
     made_progress,
@@ -161,6 +162,28 @@ def test_error_of_prefers_the_ranks_own_words_then_the_output():
     tail = ["[0] step 3", "[1] ssh: Could not resolve hostname n9: Name or service not known", ""]
     assert error_of({}, tail) == "ssh: Could not resolve hostname n9: Name or service not known"
     assert error_of({}, ["[0] step 3 loss 1.0"]) is None
+
+
+def test_a_warning_is_never_the_error():
+    off = "WARNING: memory tier off: a copy failed (OSError: [Errno 28] No space left on device)"
+    # Issue 25: an attempt ended by an injected kill after rank 0 warned.
+    assert error_of({}, ["[0] step 3", f"[0] {off}", "[0] step 4"]) is None
+    assert error_of({}, ["[0] RuntimeError: boom", f"[0] {off}"]) == "RuntimeError: boom"
+    py = [
+        "[1] /x/torch/utils.py:12: UserWarning: TypedStorage failed to do something",
+        "[1]   warnings.warn('cannot do it')",
+        "[1] [W1203 12:00:00.1 socket.cpp:663] [c10d] The client socket has failed to connect",
+        "[0] WARNING: skipping checkpoint step-35: its shard cannot be read; trying the one before",
+        "[0] warning: checkpoint step=10 failed: disk error",
+    ]
+    assert error_of({}, py) is None
+    # The rank's own error still comes first; an indented line after no warning still counts.
+    assert error_of({0: "RuntimeError: y"}, [off]) == "RuntimeError: y"
+    assert error_of({}, ["Traceback (most recent call last):", "  OSError: cannot open"]) == (
+        "OSError: cannot open"
+    )
+    assert is_warning(off) and not is_warning("ValueError: warning level too high")
+    assert not is_warning("warnings.warn failed")
 
 
 def test_the_same_early_error_twice_stops_with_it():
