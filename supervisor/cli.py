@@ -22,14 +22,64 @@ from supervisor import ownership, preflight, protocol
 from supervisor.decisions import ExitCode
 from worker.ckpt import files as ckpt_files
 
-EXIT_CODES = """exit status:
-  0  done: the worker finished
-  1  internal error
-  2  bad config or usage, missing launcher, or the worker rejected its flags
-  3  restart budget exhausted ([restart] max_restarts)
-  4  no progress: [restart] max_same_resume attempts in a row resumed from the same step
-  5  interrupted: SIGINT/SIGTERM to the supervisor (the ranks were asked to save and stop)
-"""
+# What each exit status means to `run` (and `--help`); every ExitCode has a line (a test holds
+# this), and each command lists the codes it can end with.
+EXIT_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.DONE: "done: the worker finished",
+    ExitCode.ERROR: "internal error (a bug, or an unexpected failure of this host)",
+    ExitCode.USAGE: "bad config or usage, missing launcher, or the worker rejected its flags",
+    ExitCode.BUDGET: "restart budget exhausted ([restart] max_restarts)",
+    ExitCode.NO_PROGRESS: "no progress: [restart] max_same_resume attempts in a row resumed "
+    "from the same step",
+    ExitCode.INTERRUPTED: "interrupted: SIGINT/SIGTERM to the supervisor (the ranks were asked "
+    "to save and stop)",
+    ExitCode.NODES: "too few nodes: nodes excluded, no spare left, and no shrink (or below "
+    "[restart] min_nodes)",
+}
+INTERRUPTED_BY_USER = 130  # Ctrl-C in a command that starts nothing: the shell's 128 + SIGINT
+READ_ONLY = {
+    ExitCode.ERROR: EXIT_MEANINGS[ExitCode.ERROR],
+    ExitCode.USAGE: "not a run directory, or bad usage",
+}
+COMMAND_EXITS: dict[str, dict[int, str]] = {
+    "run": {},  # every code, as EXIT_MEANINGS says
+    "validate": {
+        ExitCode.DONE: "the config is valid (notes may follow)",
+        ExitCode.ERROR: EXIT_MEANINGS[ExitCode.ERROR],
+        ExitCode.USAGE: "bad config or usage, or a missing launcher: one line says which key",
+        INTERRUPTED_BY_USER: "Ctrl-C",
+    },
+    "tail": {
+        ExitCode.DONE: "the events shown (with --follow: until Ctrl-C)",
+        **READ_ONLY,
+    },
+    "status": {ExitCode.DONE: "the status shown", **READ_ONLY, INTERRUPTED_BY_USER: "Ctrl-C"},
+    "report": {
+        ExitCode.DONE: "report written",
+        **READ_ONLY,
+        ExitCode.USAGE: "not a run directory, the report cannot be written, or bad usage",
+        INTERRUPTED_BY_USER: "Ctrl-C",
+    },
+    "experiment": {
+        **EXIT_MEANINGS,
+        ExitCode.DONE: "every phase finished (with --dry-run: every phase is valid)",
+    },
+}
+EXIT_LEADS = {"experiment": "the first phase that did not finish ends the experiment with its code"}
+
+
+def exit_codes_text(command: str | None = None) -> str:
+    """The `exit status:` epilog of `--help`: every code (no command), or the command's own."""
+    codes = COMMAND_EXITS.get(command or "run") or EXIT_MEANINGS
+    lead = EXIT_LEADS.get(command or "")
+    lines = [f"exit status ({lead}):" if lead else "exit status:"]
+    lines += [f"  {int(code):<3} {text}" for code, text in sorted(codes.items())]
+    if command is None:
+        lines += [
+            f"  {INTERRUPTED_BY_USER} Ctrl-C in validate, status or report",
+            "each command's --help lists the codes it can end with",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m supervisor",
         description="Keeps a distributed training job making progress: launches its ranks, "
         "watches exits and heartbeats, tears down and relaunches until done.",
-        epilog=EXIT_CODES,
+        epilog=exit_codes_text(),
         formatter_class=fmt,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -46,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a job until done",
-        epilog=EXIT_CODES,
+        epilog=exit_codes_text("run"),
         formatter_class=fmt,
         description="Launch the job of CONFIG and keep it going until done.",
     )
@@ -66,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser(
         "validate",
-        help="check a config; launch nothing",
-        epilog=EXIT_CODES,
+        help="check a config (a job's or an experiment's); launch nothing",
+        epilog=exit_codes_text("validate"),
         formatter_class=fmt,
         description="Check CONFIG (keys, types, values, launcher); exit 2 on "
         "the first problem, naming the file and the key.",
@@ -76,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(val)
 
     tail = sub.add_parser(
-        "tail", help="show a run's events", description="Render RUN_DIR/events.jsonl for people."
+        "tail",
+        help="show a run's events",
+        epilog=exit_codes_text("tail"),
+        formatter_class=fmt,
+        description="Render RUN_DIR/events.jsonl for people.",
     )
     tail.add_argument("run_dir", metavar="RUN_DIR")
     tail.add_argument("-f", "--follow", action="store_true", help="keep following new events")
@@ -86,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser(
         "status",
         help="where a run stands",
+        epilog=exit_codes_text("status"),
+        formatter_class=fmt,
         description="Attempts, restarts left, current step, newest complete "
         "checkpoint, last failure and why.",
     )
@@ -100,7 +156,9 @@ def _add_set(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. --set worker.train_iters=50 (repeatable)",
+        help="override a config key (repeatable); VALUE is read as TOML, else as a string. "
+        "--set 'faults=[]' drops the [[faults]], e.g. --set 'faults=[]' --set "
+        "worker.train_iters=50 for a short run (a fault past the last step is an error)",
     )
 
 
@@ -123,18 +181,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     except KeyboardInterrupt:
-        return ExitCode.INTERRUPTED
+        return interrupted_code(args.command)
+    except BrokenPipeError:  # `… | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return ExitCode.DONE
     return ExitCode.USAGE
 
 
+def interrupted_code(command: str) -> int:
+    """Ctrl-C: a job's graceful stop is INTERRUPTED; following events ends as asked; a command
+    that starts nothing ends as any shell command does."""
+    if command in ("run", "experiment"):
+        return ExitCode.INTERRUPTED
+    return ExitCode.DONE if command == "tail" else INTERRUPTED_BY_USER
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
+    raw = config_mod.parse_toml_file(args.config)
+    if isinstance(raw.get("experiment"), dict):
+        from supervisor import experiment
+
+        return experiment.cmd_validate(args)
     cfg = config_mod.load(args.config, args.set)
     r = job_mod.resolve(cfg)
     notes = preflight.check(r)
-    print(
-        f"{args.config}: ok ({cfg.launch.launcher} [{r.flavor}], {len(r.nodes)} node(s) x "
-        f"{cfg.launch.ranks_per_node} ranks = {r.world}, worker {cfg.worker.module})"
-    )
+    print(f"{args.config}: ok ({r.summary()})")
     for note in notes:
         print(f"note: {note}")
     return ExitCode.DONE
@@ -146,17 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for note in preflight.check(r):
         print(f"note: {note}", file=sys.stderr)
     if args.dry_run:
-        print(f"# resolved config ({args.config})")
-        print(config_mod.dumps(r.resolved_dict()))
-        env = {
-            "ES_JOB_ID": "<job>",
-            "ES_ATTEMPT": "0",
-            "ES_HEARTBEAT_ADDR": "<addr>",
-            "ES_HEARTBEAT_KEY": "<secret>",
-            "ES_ATTEMPT_DIR": str(r.run_dir / "attempts" / "000"),
-        }
-        print("# launch command (attempt 0)")
-        print(r.plan({**cfg.launch.env, **env}, master_port=0).text(), end="")
+        print(r.dry_run_text(args.config), end="")
         return ExitCode.DONE
     job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
     held = ownership.claim(r.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name)
@@ -199,6 +260,7 @@ def _add_report_commands(sub, fmt) -> None:
     rep = sub.add_parser(
         "report",
         help="what each failure cost",
+        epilog=exit_codes_text("report"),
         formatter_class=fmt,
         description="From RUN_DIR's events and metrics: per failure (detection, lost steps, "
         "restart, downtime), totals and goodput, checkpoint stalls, the Young/Daly interval; "
@@ -211,7 +273,7 @@ def _add_report_commands(sub, fmt) -> None:
     exp = sub.add_parser(
         "experiment",
         help="baseline, sync and async phases under one fault schedule",
-        epilog=EXIT_CODES,
+        epilog=exit_codes_text("experiment"),
         formatter_class=fmt,
         description="The checkpoint-restart study as one command: runs CONFIG's phases "
         "(baseline: no faults, no checkpoints; sync; async: the same [[faults]] and seed) one "
@@ -221,6 +283,12 @@ def _add_report_commands(sub, fmt) -> None:
     exp.add_argument("config", metavar="CONFIG", help="an experiment TOML (configs/experiments/)")
     _add_set(exp)
     exp.add_argument("--phases", help="comma-separated subset, e.g. baseline,sync")
+    exp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every phase, print each one's resolved config and launch command; start "
+        "nothing",
+    )
     exp.add_argument("--quiet", action="store_true", help="no events on the console")
 
 

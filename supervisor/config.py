@@ -7,6 +7,7 @@ with one line and launch nothing. Unknown keys are errors (with a suggestion), n
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from supervisor.config_table import ConfigError, build
+from supervisor.config_table import ConfigError, build, reject_unknown
 
 if TYPE_CHECKING:  # faults/ is imported only for a config that declares [[faults]]
     from faults.spec import FaultSpec
@@ -32,6 +33,21 @@ PHASE_NAMES = ("init", "load", "train", "save")
 # Any other `key = false` is left out, `key = true` becomes `--key`.
 DEFAULT_ON_FLAGS = frozenset({"save_on_exit"})
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+DEFAULT_MODULE = "worker.train"
+# The tables of a job config, in the order the README shows them.
+TABLES = ("job", "launch", "worker", "restart", "heartbeat", "faults")
+# A job name becomes a path component (the run dir's {name}, the memory tier's and the stage
+# dir's names) and part of ES_JOB_ID, so it is a plain name: no separators, nothing to quote.
+NAME_MAX = 64
+NAME_CHARS = 'ASCII letters, digits, ".", "_" and "-"'
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A node name goes into host files (`host:n`, `#` comments), Hydra's comma lists and ssh.
+HOST_MAX = 253
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# What execve and a POSIX shell take as an environment variable name.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_RANKS_PER_NODE = 4096
+MIN_BEAT_S = 0.01  # a faster heartbeat is a busy loop in every rank
 
 
 @dataclass
@@ -167,7 +183,18 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     raw = parse_toml_file(path)
     for item in overrides or []:
         apply_override(raw, item, source)
-    return from_dict(raw, source)
+    try:
+        return from_dict(raw, source)
+    except ConfigError as exc:
+        raise with_faults_hint(exc, overrides) from None
+
+
+def with_faults_hint(exc: ConfigError, overrides: list[str] | None) -> ConfigError:
+    """A `--set` that leaves a fault out of reach (`--set worker.train_iters=50` on the demo)
+    is told how to drop the faults too."""
+    if overrides and exc.key.startswith("faults[") and "never reached" in exc.message:
+        return ConfigError(exc.source, exc.key, f"{exc.message}; or drop them: --set 'faults=[]'")
+    return exc
 
 
 def parse_toml_file(path: str | Path) -> dict[str, Any]:
@@ -219,14 +246,31 @@ def apply_override(raw: dict[str, Any], item: str, source: str = "--set") -> Non
 
 
 def from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
+    """A checked Config. The checks run in the order of dependence, so the first error is the
+    real mistake: a misspelt table or key before the values, the values before the faults that
+    are checked against them (a `save_intervl` typo is named as such, not as a fault that
+    finds no checkpoints)."""
     raw = dict(raw)
+    if isinstance(raw.get("experiment"), dict):
+        raise ConfigError(
+            source,
+            "experiment",
+            "an experiment config: run it with `python -m supervisor experiment CONFIG` "
+            "(`validate` and `experiment --dry-run` check it)",
+        )
+    reject_unknown(raw, TABLES, "", source, list_known=True)
+    nul = nul_problem(raw)
+    if nul:
+        why = "holds a NUL byte (\\u0000), which no path, argument or environment value can carry"
+        raise ConfigError(source, nul, why)
     worker_raw = raw.pop("worker", {})
     faults = raw.pop("faults", [])
     cfg = build(Config, raw, "", source, skip={"worker", "faults", "source"})
     cfg.source = source
     cfg.worker = _worker(worker_raw, source)
-    cfg.faults = _faults(faults, source, cfg)
+    check_worker_keys(cfg)
     check(cfg)
+    cfg.faults = _faults(faults, source, cfg)
     return cfg
 
 
@@ -250,6 +294,52 @@ def _worker(raw: Any, source: str) -> WorkerConfig:
     return WorkerConfig(module=module, flags=raw)
 
 
+def check_worker_keys(cfg: Config) -> None:
+    """Every `[worker]` key is a flag of the worker (a switch given true/false, a value flag a
+    value) and the worker's own parser takes the values (`worker.args` is torch-free). A custom
+    worker module's flags are passed as given."""
+    if cfg.worker.module != DEFAULT_MODULE:
+        return
+    from worker import args as worker_args
+    from worker.errors import UsageError
+
+    kinds = worker_args.flag_kinds(worker_args.build_parser())
+    for key, value in cfg.worker.flags.items():
+        problem = worker_key_problem(key, value, kinds)
+        if problem:
+            raise ConfigError(cfg.source, f"worker.{key}", problem)
+    resolved = {"ckpt_dir": "{run_dir}/ckpt", **cfg.worker.flags}  # resolve's default
+    try:
+        worker_args.parse_args(flags_from_table(resolved))
+    except UsageError as exc:
+        raise worker_error(cfg, exc) from None
+
+
+def worker_error(cfg: Config, exc: Exception) -> ConfigError:
+    """The worker's own one-line refusal as a ConfigError on the `[worker]` key it names."""
+    message = str(exc).removeprefix("python -m worker.train: ").removesuffix(" (see --help)")
+    flag = {k: "--" + k.replace("_", "-") for k in cfg.worker.flags}
+    named = [
+        (message.find(f), k) for k, f in flag.items() if re.search(re.escape(f) + r"\b", message)
+    ]
+    where = f"worker.{min(named)[1]}" if named else "worker"
+    return ConfigError(cfg.source, where, f"{message} (the worker's own check)")
+
+
+def worker_key_problem(key: str, value: object, kinds: dict[str, bool]) -> str | None:
+    """Why `key = value` is no flag of the worker (None: it is); `kinds`: flag -> is a switch."""
+    flag = "--" + key.replace("_", "-")
+    if key not in kinds:
+        close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]} (--{close[0].replace('_', '-')})?" if close else ""
+        return f"the worker has no flag {flag}{hint} (python -m worker.train --help)"
+    if kinds[key] and not isinstance(value, bool):
+        return f"{flag} is a switch: expected true or false"
+    if not kinds[key] and isinstance(value, bool):
+        return f"{flag} takes a value, not {str(value).lower()}"
+    return None
+
+
 def _faults(raw: Any, source: str, cfg: Config) -> list[FaultSpec]:
     """[[faults]] as typed specs, checked against what the config says of the job (its world,
     when the nodes are "auto", is checked again once resolved)."""
@@ -269,16 +359,41 @@ def check(cfg: Config) -> None:
         if not ok:
             raise ConfigError(src, key, message)
 
-    need(bool(cfg.job.name.strip()), "job.name", "expected a non-empty name")
+    problem = name_problem(cfg.job.name)
+    need(problem is None, "job.name", str(problem))
     need(bool(cfg.job.run_dir.strip()), "job.run_dir", "expected a directory path")
     la = cfg.launch
     need(la.ranks_per_node >= 1, "launch.ranks_per_node", "expected an integer >= 1")
+    need(
+        la.ranks_per_node <= MAX_RANKS_PER_NODE,
+        "launch.ranks_per_node",
+        f"expected at most {MAX_RANKS_PER_NODE} (one rank per accelerator or core), "
+        f"got {la.ranks_per_node}",
+    )
     if isinstance(la.nodes, str):
         need(la.nodes == "auto", "launch.nodes", 'expected "auto" or a list of host names')
     else:
         need(len(la.nodes) >= 1, "launch.nodes", "expected at least one host name")
-        need(all(n.strip() for n in la.nodes), "launch.nodes", "expected non-empty host names")
+        for i, node in enumerate(la.nodes):
+            problem = host_problem(node)
+            need(problem is None, f"launch.nodes[{i}]", str(problem))
+        twice = duplicates(la.nodes)
+        need(
+            not twice,
+            "launch.nodes",
+            f"{', '.join(map(repr, twice))} named more than once; name each node once "
+            "(ranks_per_node says how many ranks each runs)",
+        )
         need(not la.hostfile, "launch.hostfile", "give either launch.nodes or launch.hostfile")
+    for name in la.env:
+        need(
+            bool(_ENV_NAME.fullmatch(name)),
+            f"launch.env.{name}",
+            f"{name!r} is not an environment variable name: expected letters, digits and "
+            '"_", not starting with a digit (e.g. OMP_NUM_THREADS)',
+        )
+    for i, arg in enumerate(la.args):
+        need(bool(arg), f"launch.args[{i}]", "expected a launcher argument, got an empty string")
     if la.launcher == "local":
         need(not la.hostfile, "launch.hostfile", "the local launcher runs on this host only")
     need(la.spares >= 0, "launch.spares", "expected an integer >= 0")
@@ -319,7 +434,17 @@ def check(cfg: Config) -> None:
         v = getattr(rs, name)
         need(_finite(v) and v >= 0, f"restart.{name}", "expected seconds >= 0")
     hb = cfg.heartbeat
-    need(_finite(hb.interval_s) and hb.interval_s > 0, "heartbeat.interval_s", "expected > 0")
+    need(
+        _finite(hb.interval_s) and hb.interval_s >= MIN_BEAT_S,
+        "heartbeat.interval_s",
+        _got(f"seconds >= {MIN_BEAT_S:g} (every rank beats this often)", hb.interval_s, False),
+    )
+    for key in ("bind", "advertise"):
+        need(
+            bool(getattr(hb, key).strip()),
+            f"heartbeat.{key}",
+            'expected "auto" or a host name or address, got an empty string',
+        )
     twice = f"at least twice interval_s ({2 * hb.interval_s:g} s)"
     if hb.timeout_s != AUTO:
         need(
@@ -355,6 +480,63 @@ def check(cfg: Config) -> None:
             f"heartbeat.auto_max.{phase}",
             _got(more, v, auto=False),
         )
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a job (None: it can): it becomes a path component and part of
+    ES_JOB_ID, so no separators, no `..`, nothing a shell or a file system treats specially."""
+    shown = name if len(name) <= 40 else name[:40] + "…"
+    if not name:
+        return f"expected a name: 1 to {NAME_MAX} {NAME_CHARS}"
+    if len(name) > NAME_MAX:
+        return f"expected at most {NAME_MAX} characters, got {len(name)} ({shown!r})"
+    if not _NAME.fullmatch(name) or ".." in name:
+        return (
+            f'expected {NAME_CHARS}, starting with a letter or digit and without ".." '
+            f"(it becomes part of paths), got {shown!r}"
+        )
+    return None
+
+
+def host_problem(name: str) -> str | None:
+    """Why `name` cannot be a node's host name (None: it can): it goes into host files,
+    Hydra's comma-separated lists and ssh."""
+    shown = name if len(name) <= 40 else name[:40] + "…"
+    if not _HOST.fullmatch(name) or len(name) > HOST_MAX:
+        return (
+            f'expected a host name (letters, digits, ".", "_" and "-", at most '
+            f"{HOST_MAX}), got {shown!r}"
+        )
+    return None
+
+
+def duplicates(items: list[str]) -> list[str]:
+    """The items given more than once, in the order of their second appearance."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for item in items:
+        if item in seen and item not in out:
+            out.append(item)
+        seen.add(item)
+    return out
+
+
+def nul_problem(value: Any, key: str = "") -> str | None:
+    """The first key (`launch.env.A`, `launch.args[2]`) whose name or string holds a NUL byte,
+    which no path, argument or environment variable can carry; None when none does."""
+    if isinstance(value, str):
+        return key if "\0" in value else None
+    if isinstance(value, dict):
+        items = [(f"{key}.{k}" if key else str(k), k, v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{key}[{i}]", "", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for where, name, v in items:
+        found = where if "\0" in name else nul_problem(v, where)
+        if found:
+            return found
+    return None
 
 
 def _got(expected: str, v: Any, auto: bool = True) -> str:

@@ -22,11 +22,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor import config as config_mod
 from supervisor import ownership, preflight
 from supervisor.decisions import ExitCode
+
+if TYPE_CHECKING:
+    from supervisor.resolve import Resolved
 
 PHASES = ("baseline", "sync", "async")
 EXPERIMENT_KEYS = ("name", "dir", "phases", *PHASES)
@@ -58,9 +61,14 @@ def load(
             known = ", ".join(EXPERIMENT_KEYS)
             where = f"experiment.{key}"
             raise config_mod.ConfigError(source, where, f"unknown key; known: {known}")
-    name = exp.get("name", raw.get("job", {}).get("name", "experiment"))
-    if not isinstance(name, str) or not name.strip():
-        raise config_mod.ConfigError(source, "experiment.name", "expected a non-empty string")
+    job = raw.get("job")
+    name = exp.get("name", job.get("name", "experiment") if isinstance(job, dict) else "experiment")
+    if not isinstance(name, str):
+        raise config_mod.ConfigError(source, "experiment.name", f"expected a name, got {name!r}")
+    # Each phase's job is named `<name>-<phase>`: the name is checked as a job name is.
+    problem = config_mod.name_problem(name + "-baseline")
+    if problem:
+        raise config_mod.ConfigError(source, "experiment.name", problem.replace("-baseline", ""))
     phases = exp.get("phases", list(PHASES))
     if only:
         phases = [p.strip() for p in only.split(",") if p.strip()]
@@ -116,17 +124,51 @@ def phase_config(e: Experiment, phase: str) -> config_mod.Config:
     return config_mod.from_dict(phase_raw(e, phase), f"{e.source} ({phase})")
 
 
+def resolve_phases(e: Experiment) -> tuple[dict[str, Resolved], list[str]]:
+    """Every phase resolved and checked before the first one starts (a phase that cannot start
+    would otherwise end the experiment after the earlier phases ran); the notes, once each."""
+    from supervisor import job as job_mod
+
+    phases: dict[str, Resolved] = {}
+    notes: list[str] = []
+    for phase in e.phases:
+        r = job_mod.resolve(phase_config(e, phase))
+        notes += [n for n in preflight.check(r) if n not in notes]
+        phases[phase] = r
+    return phases, notes
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """`validate` of an experiment config: its [experiment] table and every phase's job."""
+    e = load(args.config, args.set)
+    phases, notes = resolve_phases(e)
+    first = next(iter(phases.values()))
+    print(
+        f"{args.config}: ok (experiment {e.name}: phases {', '.join(e.phases)}; {first.summary()})"
+    )
+    for note in notes:
+        print(f"note: {note}")
+    return ExitCode.DONE
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from supervisor import job as job_mod
 
     e = load(args.config, args.set, args.phases)
+    phases, notes = resolve_phases(e)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.dry_run:
+        print(f"# experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}")
+        for phase, r in phases.items():
+            print(f"\n# === phase {phase}")
+            print(r.dry_run_text(f"{args.config}, phase {phase}"), end="")
+        return ExitCode.DONE
     e.dir.mkdir(parents=True, exist_ok=True)
     print(f"experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}", flush=True)
     codes: dict[str, int] = {}
-    for phase in e.phases:
-        cfg = phase_config(e, phase)
-        r = job_mod.resolve(cfg)
-        preflight.check(r)
+    for phase, r in phases.items():
+        cfg = r.cfg
         print(f"=== phase {phase}: {r.run_dir}", flush=True)
         job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
         ckpt_dir = cfg.worker.flags.get("ckpt_dir")

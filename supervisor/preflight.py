@@ -7,8 +7,10 @@ instead of spending the restart budget on relaunches that cannot work.
 
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor import launcher, memdir, protocol, worker_flags
@@ -22,8 +24,10 @@ RESOLVE_WORKERS = 32
 
 def check(r: Resolved) -> list[str]:
     """Raise ConfigError for the first problem; return notes on what could not be checked."""
-    notes = []
+    notes = list(r.notes)
     check_hosts(r)
+    check_dirs(r)
+    check_bind(r)
     check_memory_root(r)
     note = worker_flags.check(r.cfg, r.world)
     if note:
@@ -45,6 +49,76 @@ def check_hosts(r: Resolved) -> None:
                     "launch.nodes",
                     f"host {node!r} does not resolve ({error}); fix the name or leave the node out",
                 )
+
+
+def check_dirs(r: Resolved) -> None:
+    """The run dir and checkpoint dir can be made, and, when every node is this host, so can the
+    stage dir, and the working directory, the ranks' Python and the data exist: each would fail
+    every attempt the same way (or `run` before the first)."""
+    cfg, flags = r.cfg, r.cfg.worker.flags
+    wanted = [("job.run_dir", r.run_dir)]
+    if isinstance(flags.get("ckpt_dir"), str):
+        wanted.append(("worker.ckpt_dir", Path(flags["ckpt_dir"])))
+    here = cfg.launch.launcher == "local" or all(launcher.is_this_host(n) for n in r.nodes)
+    if here and isinstance(flags.get("ckpt_stage_dir"), str):
+        wanted.append(("worker.ckpt_stage_dir", Path(flags["ckpt_stage_dir"])))
+    for key, path in wanted:
+        problem = dir_problem(path)
+        if problem:
+            raise ConfigError(cfg.source, key, f"{path}: {problem}")
+    if not here:
+        return  # paths on other nodes are theirs to have
+    la = cfg.launch
+    if la.cwd and not Path(la.cwd).is_dir():
+        what = "not a directory" if Path(la.cwd).exists() else "no such directory"
+        raise ConfigError(cfg.source, "launch.cwd", f"{la.cwd}: {what}")
+    if la.python and not (Path(la.python).is_file() and os.access(la.python, os.X_OK)):
+        raise ConfigError(cfg.source, "launch.python", f"{la.python}: no such executable file")
+    data = flags.get("data_path")
+    if isinstance(data, str) and not Path(la.cwd or ".", data).is_file():
+        raise ConfigError(cfg.source, "worker.data_path", f"{data}: no such file")
+
+
+def dir_problem(path: Path) -> str | None:
+    """Why a directory cannot be at `path` (None: one is there, or can be made): a file in the
+    way, or the nearest existing directory not writable."""
+    found = path
+    while not found.exists():
+        if found.parent == found:
+            return None
+        found = found.parent
+    if not found.is_dir():
+        return "is a file, not a directory" if found == path else f"{found} is not a directory"
+    if not os.access(found, os.W_OK | os.X_OK):
+        return f"{found} is not writable"
+    return None
+
+
+def check_bind(r: Resolved) -> None:
+    """[heartbeat] bind and port can be bound on this host: a name that is no interface or
+    address, or a port in use, would otherwise end `run` with ZeroMQ's traceback."""
+    hb = r.cfg.heartbeat
+    if hb.bind == "auto" and not hb.port:
+        return
+    import zmq
+
+    bind = hb.bind if hb.bind != "auto" else "127.0.0.1"
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        if hb.port:
+            sock.bind(f"tcp://{bind}:{hb.port}")
+        else:
+            sock.bind_to_random_port(f"tcp://{bind}")
+    except zmq.ZMQError as exc:
+        key = "heartbeat.port" if hb.port and exc.errno == zmq.EADDRINUSE else "heartbeat.bind"
+        raise ConfigError(
+            r.cfg.source,
+            key,
+            f'cannot listen on {bind}:{hb.port or "*"} ({exc.strerror}); expected "auto", '
+            '"*", an address or interface of this host, and a free port (0: any)',
+        ) from None
+    finally:
+        sock.close(0)
 
 
 def check_memory_root(r: Resolved) -> None:

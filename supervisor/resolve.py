@@ -31,6 +31,9 @@ class Resolved:
     flavor: str
     pool: NodePool = field(init=False)
     worker_overrides: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(
+        default_factory=list
+    )  # what resolving chose that the user may not expect
 
     def __post_init__(self) -> None:
         self.pool = NodePool.split(self.nodes, self.cfg.launch.spares)
@@ -63,6 +66,29 @@ class Resolved:
             self.worker_overrides,
         )
 
+    def dry_run_text(self, label: str) -> str:
+        """What `--dry-run` prints: the resolved config and the first attempt's launch command
+        (the job's secrets and its address as placeholders)."""
+        env = {
+            "ES_JOB_ID": "<job>",
+            "ES_ATTEMPT": "0",
+            "ES_HEARTBEAT_ADDR": "<addr>",
+            "ES_HEARTBEAT_KEY": "<secret>",
+            "ES_ATTEMPT_DIR": str(self.run_dir / "attempts" / "000"),
+        }
+        return (
+            f"# resolved config ({label})\n{config_mod.dumps(self.resolved_dict())}\n"
+            f"# launch command (attempt 0)\n{self.plan({**self.cfg.launch.env, **env}).text()}"
+        )
+
+    def summary(self) -> str:
+        """`mpiexec [hydra], 1 node(s) x 2 ranks = 2, worker worker.train` (validate's ok)."""
+        la = self.cfg.launch
+        return (
+            f"{la.launcher} [{self.flavor}], {len(self.nodes)} node(s) x {la.ranks_per_node} "
+            f"ranks = {self.world}, worker {self.cfg.worker.module}"
+        )
+
     def resolved_dict(self) -> dict[str, Any]:
         d = config_mod.to_dict(self.cfg)
         d["job"]["run_dir"] = str(self.run_dir)
@@ -83,6 +109,7 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
         if isinstance(value, str):
             flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)
     nodes = launcher.resolve_nodes(cfg.launch, environ, cfg.source)
+    note = nodes_note(cfg.launch, environ, nodes)
     executable = launcher.find_executable(cfg)
     flavor = "local"
     if cfg.launch.launcher == "srun":
@@ -120,4 +147,20 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
         from faults.spec import check_world, shape_of
 
         check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes) - cfg.launch.spares))
-    return Resolved(cfg, run_dir, nodes, executable, flavor)
+    return Resolved(cfg, run_dir, nodes, executable, flavor, notes=[note] if note else [])
+
+
+def nodes_note(
+    la: config_mod.LaunchConfig, environ: dict[str, str], nodes: list[str]
+) -> str | None:
+    """A note when `nodes = "auto"` found no batch job's node list and fell back to this host:
+    a multi-node config validated on a login node or laptop would else say ok for one node."""
+    if la.launcher == "local" or la.hostfile or isinstance(la.nodes, list):
+        return None
+    if environ.get("PBS_NODEFILE") or environ.get("SLURM_JOB_NODELIST"):
+        return None
+    return (
+        f'launch.nodes = "auto" found neither PBS_NODEFILE nor SLURM_JOB_NODELIST: the job runs '
+        f"on this host only ({', '.join(nodes)}); in a batch job it takes the job's nodes, "
+        "elsewhere give launch.nodes a list of hosts"
+    )
