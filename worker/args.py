@@ -58,6 +58,20 @@ class TrainArgs:
     inject_kill_in_mem_copy_at_step: int | None
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, where it has one to show (a switch that is off
+    and a value that is unset say so in their help instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False  # not 0: it is a value
+        if "%(default)" in text or "default:" in text or unset:
+            return text
+        if action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """Turns argparse's exit into a UsageError, so only rank 0 prints it, on one line."""
 
@@ -66,16 +80,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m worker.train", description=__doc__)
+    p = _Parser(
+        prog="python -m worker.train",
+        description="One rank of a training job. The supervisor starts it with the config's "
+        "[worker] table as these flags (ezpz fsdp_tp's names where they overlap).",
+        formatter_class=_DefaultsFormatter,
+    )
     m = p.add_argument_group("model")
     m.add_argument("--model", default="debug", help=f"preset: {', '.join(PRESETS)}")
     for name in ("dim", "n-layers", "n-heads", "n-kv-heads", "ffn-dim", "vocab-size", "seq-len"):
-        m.add_argument(f"--{name}", type=int, default=None, help="overrides the preset")
+        m.add_argument(f"--{name}", type=int, default=None, help="default: the preset's")
     m.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
-    par.add_argument("--device", choices=("auto", "cpu", "cuda", "xpu"), default="auto")
+    par.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda", "xpu"),
+        default="auto",
+        help="where the model runs (auto: an accelerator when there is one, else the CPU)",
+    )
     par.add_argument(
         "--meta-init",
         choices=("auto", "on", "off"),
@@ -87,26 +111,62 @@ def build_parser() -> argparse.ArgumentParser:
         "--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds"
     )
     t = p.add_argument_group("training")
-    t.add_argument("--train-iters", type=int, default=100)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--min-lr-ratio", type=float, default=0.1)
-    t.add_argument("--warmup-iters", type=int, default=None, help="default: 10%% of train-iters")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--data-path", default=None, help="flat binary file of token ids")
-    t.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
+    t.add_argument("--train-iters", type=int, default=100, help="the step the job ends at")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    t.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="the cosine schedule ends at lr x this",
+    )
+    t.add_argument(
+        "--warmup-iters", type=int, default=None, help="linear warm-up steps (default: 10%% of "
+        "--train-iters)"
+    )  # fmt: skip
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    t.add_argument("--seed", type=int, default=0, help="model init and synthetic data")
+    t.add_argument(
+        "--data-path",
+        default=None,
+        help="flat binary file of token ids (default: synthetic tokens from --seed)",
+    )
+    t.add_argument(
+        "--data-dtype",
+        choices=("uint16", "uint32"),
+        default="uint16",
+        help="the token ids' type in --data-path",
+    )
     t.add_argument("--outdir", default="outputs", help="metrics when ES_ATTEMPT_DIR is unset")
     t.add_argument("--log-every", type=int, default=1, help="human line every N steps (rank 0)")
-    t.add_argument("--metrics-all-ranks", action="store_true")
+    t.add_argument(
+        "--metrics-all-ranks",
+        action="store_true",
+        help="every rank writes metrics-<rank>.jsonl (default: rank 0 only)",
+    )
     c = p.add_argument_group("checkpoints")
-    c.add_argument("--ckpt-dir", default=None)
-    c.add_argument("--save-interval", type=int, default=0, help="0: no periodic saves")
+    c.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="where checkpoints go and are resumed from; without it nothing is saved or "
+        "resumed (the supervisor gives RUN_DIR/ckpt)",
+    )
+    c.add_argument(
+        "--save-interval", type=int, default=0, help="a checkpoint every N steps (0: none)"
+    )
     c.add_argument(
         "--no-resume", action="store_true", help="start fresh even if a checkpoint exists"
     )
-    c.add_argument("--ckpt-keep", type=int, default=3)
-    c.add_argument("--ckpt-verify", choices=("size", "crc"), default="size")
+    c.add_argument(
+        "--ckpt-keep", type=int, default=3, help="complete checkpoints kept; older ones removed"
+    )
+    c.add_argument(
+        "--ckpt-verify",
+        choices=("size", "crc"),
+        default="size",
+        help="what a resume checks of each file of a checkpoint before loading it: its size, "
+        "or its size and CRC32",
+    )
     c.add_argument(
         "--save-on-exit",
         action=argparse.BooleanOptionalAction,
@@ -133,9 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
         "nodes resumes from it when it is newer than the newest durable checkpoint (0: off)",
     )
     i = p.add_argument_group("fault injection (tests)")
-    i.add_argument("--inject-rank", type=int, default=0)
-    i.add_argument("--inject-raise-at-step", type=int, default=None)
-    i.add_argument("--inject-stall-at-step", type=int, default=None)
+    i.add_argument(
+        "--inject-rank", type=int, default=0, help="the rank the --inject-* faults happen on"
+    )
+    i.add_argument(
+        "--inject-raise-at-step", type=int, default=None, help="raise an error in this step"
+    )
+    i.add_argument(
+        "--inject-stall-at-step",
+        type=int,
+        default=None,
+        help="block inside this step for good (the beat thread goes on)",
+    )
     i.add_argument(
         "--inject-kill-in-save-at-step",
         type=int,

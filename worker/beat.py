@@ -1,4 +1,4 @@
-"""Heartbeats from a rank to the supervisor (DESIGN.md: ranks -> supervisor).
+"""Heartbeats from a rank to the supervisor (docs/architecture.md, messages).
 
 The training loop calls a `Beacon`; every call returns at once. A background thread owns the
 ZeroMQ PUSH socket (sockets are not thread-safe), drains a bounded queue, sends with NOBLOCK and

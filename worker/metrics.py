@@ -20,7 +20,7 @@ def metrics_dir(args: TrainArgs) -> Path:
 
 class MetricsLog:
     """Appends one record per step; extra values (checkpoint and restart timings) are held until
-    the next step's record, as DESIGN.md's metrics contract says."""
+    the next step's record, as docs/reports.md's metrics table says."""
 
     def __init__(self, path: Path | None):
         self._file = path.open("a", buffering=1) if path is not None else None

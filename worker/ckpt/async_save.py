@@ -1,6 +1,6 @@
 """Asynchronous checkpoints: stage to host memory, write locally, fan out, mark when ready.
 
-Who does what (DESIGN.md, checkpoint layout, Async):
+Who does what (docs/checkpoints.md, asynchronous saves):
 - main thread: `save` captures what is not a tensor (step, RNG, scheduler, data position) and
   hands the state to the save thread; `wait_staged`, called before the next optimizer step,
   blocks until the staging copy is done (parameters and moments change only in that step, so

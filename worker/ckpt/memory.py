@@ -1,6 +1,6 @@
 """The memory tier: every `--mem-ckpt-interval` steps each rank copies its own shard of the whole
 training state into node-local shared memory, which outlives the rank; a relaunch on the same
-nodes resumes from it when every rank holds the same newer step (DESIGN.md, checkpoint tiers).
+nodes resumes from it when every rank holds the same newer step (docs/checkpoints.md).
 
 Layout, one directory per job on each node (0700; files 0600):
 ```
@@ -212,7 +212,7 @@ class Agreement:
 
     @property
     def use_memory(self) -> bool:
-        """Memory only when it is newer than the durable tier (DESIGN.md)."""
+        """Memory only when it is newer than the durable tier (docs/checkpoints.md)."""
         return self.step is not None and (self.durable is None or self.step > self.durable)
 
 
