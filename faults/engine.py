@@ -143,7 +143,7 @@ class FaultEngine:
                 self.complete.add(step)
                 self.damaged.discard(step)  # saved anew after a resume
                 self.inflight.discard(step)
-            elif state != "complete":
+            elif state in ("staged", "written"):  # not `memory`: no durable save in flight
                 self.inflight.add(step)
         # Rank 0's steps, phases and checkpoints move step and save triggers: judge at once.
         # (Not every rank's message: with thousands of ranks that would be quadratic; the

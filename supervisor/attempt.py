@@ -425,8 +425,9 @@ class Attempt:
         self.exits.close()
         t = self.table
         record = AttemptRecord(
-            self.number, t.effective_resume_step(), t.max_step, outcome.kind, error
+            self.number, t.effective_resume_step(), t.max_step, outcome.kind, error, t.saved_step
         )
+        mem = t.mem_complete
         detected_by = finding.kind if finding else ("stop" if outcome.kind == "stopped" else "exit")
         self.emit(
             "attempt_end",
@@ -437,6 +438,7 @@ class Attempt:
             **({"resume_source": t.resume_source} if t.resume_source else {}),
             max_step=record.max_step,
             ckpt_complete=t.ckpt_complete,
+            **({"mem_complete": mem} if mem is not None else {}),
             stale_messages=t.stale,
             error=error,
             **({"node": blame.node, "attributed": blame.as_dict()} if blame else {}),

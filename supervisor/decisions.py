@@ -25,8 +25,8 @@ class ExitCode(enum.IntEnum):
     ERROR = 1  # a bug or an unexpected environment failure
     USAGE = 2  # bad config, bad flags, missing launcher, or the worker rejected its input
     BUDGET = 3  # restart budget exhausted
-    NO_PROGRESS = 4  # the same resume step too many attempts in a row
-    INTERRUPTED = 5  # stopped by SIGINT/SIGTERM (after a graceful stop of the ranks)
+    NO_PROGRESS = 4  # too many attempts in a row completed no newer checkpoint
+    INTERRUPTED = 5  # stopped by SIGINT/SIGTERM/SIGHUP (after a graceful stop of the ranks)
     NODES = 6  # too few good nodes left: excluded, no spare, and no shrink (or below min_nodes)
 
 
@@ -380,6 +380,8 @@ class AttemptRecord:
     max_step: int | None
     outcome: str = "failure"
     error: str | None = None  # what the ranks or the launcher said last (`error_of`)
+    # The newest checkpoint it completed: durable, or a memory-tier copy every rank holds.
+    saved_step: int | None = None
 
 
 def made_progress(rec: AttemptRecord, min_steps: int) -> bool:
@@ -403,15 +405,20 @@ def backoff_delay(unproductive: int, schedule: Sequence[float]) -> float:
     return float(schedule[min(max(unproductive, 0), len(schedule) - 1)])
 
 
-def stuck_resume(history: Sequence[AttemptRecord], times: int) -> int | None:
-    """The step the last `times` attempts all resumed from, if they did; else None."""
-    if len(history) < times:
+def saved_progress(rec: AttemptRecord) -> bool:
+    """The attempt completed a checkpoint (durable, or a memory copy every rank holds) newer
+    than the one it resumed from: the next attempt resumes further on."""
+    return rec.saved_step is not None and rec.saved_step > (rec.resume_step or 0)
+
+
+def stuck_resume(history: Sequence[AttemptRecord], times: int) -> list[int] | None:
+    """The resume steps of the last `times` attempts when each of them resumed (stepped) and
+    none completed a checkpoint newer than its resume step (`saved_progress`); else None.
+    Steps made and lost again are no progress: a relaunch would resume where they did."""
+    last = history[-times:]
+    if len(last) < times or any(r.resume_step is None or saved_progress(r) for r in last):
         return None
-    steps = {rec.resume_step for rec in history[-times:]}
-    if len(steps) == 1:
-        (step,) = steps
-        return step
-    return None
+    return [r.resume_step for r in last if r.resume_step is not None]
 
 
 def error_of(rank_errors: Mapping[int, str], tail: Sequence[str]) -> str | None:
@@ -516,13 +523,21 @@ def decide(
             f"2 attempts in a row failed before their first step with: {repeated}",
             facts={"error": repeated},
         )
-    step = stuck_resume(history, cfg.max_same_resume)
-    if step is not None:
+    steps = stuck_resume(history, cfg.max_same_resume)
+    if steps is not None:
+        n = cfg.max_same_resume
+        if len(set(steps)) == 1:
+            said = f"resumed from step {steps[0]} and completed no newer checkpoint"
+        else:
+            said = (
+                "completed no checkpoint newer than the one each resumed from (steps "
+                f"{', '.join(map(str, steps))})"
+            )
         return Decision(
             "stop",
             ExitCode.NO_PROGRESS,
-            f"no progress: {cfg.max_same_resume} attempts in a row resumed from step {step}",
-            facts={"resume_step": step},
+            f"no progress: {n} attempts in a row {said}",
+            facts={"resume_step": steps[-1]},
         )
     if restarts_done >= cfg.max_restarts:
         return Decision(

@@ -241,6 +241,7 @@ class AttemptTable:
     restart_seconds: float | None = None
     done_ranks: set[int] = field(default_factory=set)
     ckpt_complete: int | None = None
+    mem_steps: dict[int, int] = field(default_factory=dict)  # rank -> newest memory copy said
     errors: dict[int, str] = field(default_factory=dict)
     stale: int = 0
     # Per-node relays by node name; the ranks they speak for; every other rank (judged one by
@@ -437,6 +438,8 @@ class AttemptTable:
             ):
                 self.ckpt_complete = msg["step"]
                 notes.append(Note("ckpt_complete", {"step": msg["step"], "rank": rank}))
+            elif msg["state"] == "memory" and msg["step"] > self.mem_steps.get(rank, -1):
+                self.mem_steps[rank] = msg["step"]
         elif kind == "resumed":
             if self.resume_step is None:
                 self.resume_step = msg["step"]
@@ -470,6 +473,20 @@ class AttemptTable:
     @property
     def stepped(self) -> bool:
         return self.first_step is not None
+
+    @property
+    def mem_complete(self) -> int | None:
+        """The newest memory-tier copy every rank said it holds (None: not every rank said one).
+        The ranks copy the same steps in step, so each holds this step or a newer one."""
+        if len(self.mem_steps) < self.world:
+            return None
+        return min(self.mem_steps.values())
+
+    @property
+    def saved_step(self) -> int | None:
+        """The newest checkpoint this attempt completed: durable, or in memory on every rank."""
+        done = [s for s in (self.ckpt_complete, self.mem_complete) if s is not None]
+        return max(done) if done else None
 
     def effective_resume_step(self) -> int | None:
         """Where this attempt started: its `resumed` step, 0 if it stepped without one."""

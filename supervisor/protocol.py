@@ -188,7 +188,9 @@ MAX_MESSAGE_BYTES = 16 * 1024
 
 KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done", "summary"})
 PHASES = ("init", "standby", "load", "train", "save", "done")
-CKPT_STATES = frozenset({"staged", "written", "complete"})
+# `memory`: this rank's copy of that step into the memory tier is sealed (every rank says it;
+# at most one a heartbeat interval each: worker.beat). The others are rank 0's durable saves.
+CKPT_STATES = frozenset({"staged", "written", "complete", "memory"})
 # Where a `resumed` rank's state came from (its optional `source`; absent without a memory tier).
 RESUME_SOURCES = frozenset({"memory", "durable"})
 

@@ -148,6 +148,7 @@ class ZmqBeacon(Beacon):
         self._step = 0
         self._dropped = 0
         self._last_step_sent = -float("inf")
+        self._last_mem_sent = -float("inf")
         self._closed = False
         self._parent = os.getppid()
         self._watch_parent = os.environ.get(protocol.ENV_EXIT_WITH_PARENT) == "1"
@@ -182,6 +183,13 @@ class ZmqBeacon(Beacon):
         self._put("step", step=int(step), loss=float(loss), dt=float(dt))
 
     def ckpt(self, step: int, state: str) -> None:
+        if state == "memory":
+            # Every rank says its memory copies (the supervisor counts a copy every rank holds
+            # as progress), at most one an interval: copies may come every step.
+            now = time.monotonic()
+            if now - self._last_mem_sent < self._interval:
+                return
+            self._last_mem_sent = now
         self._put("ckpt", step=int(step), state=state)
 
     def resumed(self, step: int, restart_seconds: float, source: str = "durable") -> None:

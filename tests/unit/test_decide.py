@@ -22,6 +22,7 @@ from supervisor.decisions import (
     judge_ranks,
     made_progress,
     restarts_left,
+    saved_progress,
     standby_ready,
     standby_retry_delay,
     standby_unusable,
@@ -106,8 +107,8 @@ def test_describe_returncode():
     assert describe_returncode(1) == "exit 1"
 
 
-def rec(attempt, resume, reached):
-    return AttemptRecord(attempt, resume, reached)
+def rec(attempt, resume, reached, saved=None):
+    return AttemptRecord(attempt, resume, reached, saved_step=saved)
 
 
 def test_progress_and_backoff():
@@ -121,10 +122,39 @@ def test_progress_and_backoff():
 
 
 def test_stuck_resume():
-    assert stuck_resume([rec(0, 10, 12), rec(1, 10, 13), rec(2, 10, 11)], 3) == 10
-    assert stuck_resume([rec(0, 5, 12), rec(1, 10, 13), rec(2, 10, 11)], 3) is None
+    assert stuck_resume([rec(0, 10, 12), rec(1, 10, 13), rec(2, 10, 11)], 3) == [10, 10, 10]
+    assert stuck_resume([rec(0, 5, 12, 10), rec(1, 10, 13), rec(2, 10, 11)], 3) is None
     assert stuck_resume([rec(0, 10, 12), rec(1, 10, 13)], 3) is None
     assert stuck_resume([rec(0, None, None)] * 3, 3) is None
+    # A checkpoint of the resume step itself, or an older one, is no progress; nor is a fall
+    # back to an older checkpoint (a damaged one skipped).
+    assert stuck_resume([rec(0, 10, 12, 10), rec(1, 10, 13, 5), rec(2, 5, 9)], 3) == [10, 10, 5]
+
+
+def test_progress_is_a_completed_checkpoint_newer_than_the_resume_step():
+    """Issue 25: kills at steps 4, 7 and 14, a save every 10: three attempts resume from step 0,
+    but the third completed the checkpoint of step 10; the next resumes there."""
+    history = [rec(0, 0, 4), rec(1, 0, 7), rec(2, 0, 14, 10)]
+    assert [saved_progress(r) for r in history] == [False, False, True]
+    d = decide(FAIL, history, 2, CFG_LARGE_BUDGET)
+    assert d.action == "relaunch"
+    # A memory-tier copy counts the same (the record holds the newest of both tiers).
+    assert decide(FAIL, [rec(0, 0, 4, 3), rec(1, 3, 7, 6), rec(2, 6, 9, 8)], 2,
+                  CFG_LARGE_BUDGET).action == "relaunch"  # fmt: skip
+    # max_same_resume attempts in a row without one: the job stops.
+    d = decide(FAIL, [*history, rec(3, 10, 14), rec(4, 10, 12), rec(5, 10, 11)], 5,
+               CFG_LARGE_BUDGET)  # fmt: skip
+    assert d.exit_code == ExitCode.NO_PROGRESS and d.facts == {"resume_step": 10}
+    assert d.reason == (
+        "no progress: 3 attempts in a row resumed from step 10 and completed no newer checkpoint"
+    )
+    d = decide(FAIL, [rec(0, 10, 12, 10), rec(1, 10, 13, 5), rec(2, 5, 9)], 2, CFG_LARGE_BUDGET)
+    assert d.exit_code == ExitCode.NO_PROGRESS and d.facts == {"resume_step": 5}
+    assert d.reason.endswith("completed no checkpoint newer than the one each resumed from "
+                             "(steps 10, 10, 5)")  # fmt: skip
+
+
+CFG_LARGE_BUDGET = RestartConfig(max_restarts=10, max_same_resume=3)
 
 
 CFG = RestartConfig(max_restarts=3, backoff_s=[0, 2, 10], max_same_resume=3)

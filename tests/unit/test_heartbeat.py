@@ -50,6 +50,8 @@ def test_beacon_to_server_in_order_with_beats(monkeypatch):
         b.resumed(10, 2.5)
         b.phase("train", 10)
         b.step(11, 3.25, 0.05)
+        b.ckpt(12, "memory")
+        b.ckpt(13, "memory")  # within the interval of the one before: not sent
         b.ckpt(15, "complete")
         b.error("boom")
         b.done(20)
@@ -66,7 +68,9 @@ def test_beacon_to_server_in_order_with_beats(monkeypatch):
 
     got = asyncio.run(main())
     kinds = [m["kind"] for m in got if m["kind"] != "beat"]
-    assert kinds == ["hello", "phase", "resumed", "phase", "step", "ckpt", "error", "done"]
+    assert kinds == ["hello", "phase", "resumed", "phase", "step", "ckpt", "ckpt", "error", "done"]
+    ckpts = [(m["step"], m["state"]) for m in got if m["kind"] == "ckpt"]
+    assert ckpts == [(12, "memory"), (15, "complete")]
     step = next(m for m in got if m["kind"] == "step")
     assert step["rank"] == 1 and step["world"] == 2 and step["pid"] == os.getpid()
     assert step["loss"] == 3.25 and step["job"] == JOB
@@ -160,6 +164,25 @@ def test_a_resume_says_where_it_came_from_when_the_ranks_say():
     (note,) = t.update(m("resumed", 1.0, step=10, restart_seconds=0.4), 1.0)
     assert note.fields == {"step": 10, "restart_seconds": 0.4, "rank": 0}
     assert (t.resume_step, t.resume_source) == (10, None)
+
+
+def test_a_memory_copy_counts_once_every_rank_holds_it():
+    """Issue 25: a memory-tier copy is progress, as a durable checkpoint is; the newest step
+    every rank said it holds (each rank says its own copies)."""
+    t = AttemptTable(attempt=1, world=2, launched_at=0.0)
+    r0, r1 = (P.RankIdentity(JOB, 1, r, 2, "h", 7 + r).message for r in (0, 1))
+    assert t.update(r0("ckpt", 1.0, step=4, state="memory"), 1.0) == []  # no event per copy
+    assert (t.mem_complete, t.saved_step) == (None, None)  # rank 1 has said none yet
+    t.update(r1("ckpt", 1.0, step=3, state="memory"), 1.0)
+    assert (t.mem_complete, t.saved_step) == (3, 3)
+    t.update(r1("ckpt", 1.0, step=2, state="memory"), 1.0)  # late and older: ignored
+    t.update(r1("ckpt", 1.0, step=6, state="memory"), 1.0)
+    assert t.mem_complete == 4 and t.ckpt_complete is None
+    t.update(r0("ckpt", 1.0, step=5, state="complete"), 2.0)
+    assert (t.ckpt_complete, t.saved_step) == (5, 5)
+    t.update(r0("ckpt", 1.0, step=8, state="memory"), 1.0)
+    assert (t.mem_complete, t.saved_step) == (6, 6)
+    P.validate(r0("ckpt", 1.0, step=8, state="memory"))  # a state the protocol knows
 
 
 def test_an_allow_list_keeps_other_hosts_from_connecting():

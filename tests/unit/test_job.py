@@ -214,6 +214,52 @@ def test_the_same_resume_step_again_and_again_is_no_progress(tmp_path):
     assert named(evs, "give_up")[0]["resume_step"] == 5
 
 
+def saved(step: int, state: str = "complete") -> tuple[str, dict]:
+    return ("ckpt", {"step": step, "state": state})
+
+
+def test_an_attempt_that_completed_a_newer_checkpoint_made_progress(tmp_path):
+    """Issue 25: killed at steps 4, 7 and 14 with a save every 10, three attempts in a row
+    resume from step 0; the third completed step 10's checkpoint, so the job goes on."""
+    fake = FakeLauncher(
+        Script(rc=-9, says=hello_steps(*range(1, 5))),
+        Script(rc=-9, says=hello_steps(*range(1, 8))),
+        Script(rc=-9, says=[*hello_steps(*range(1, 15)), saved(10)]),
+        Script(rc=0, says=hello_steps(*range(11, 17), resumed=10, done=True)),
+    )
+    code, evs = run(make_job(tmp_path, fake, max_same_resume=3))
+    assert code == ExitCode.DONE and len(fake.started) == 4
+    ends = named(evs, "attempt_end")
+    assert [(e["resume_step"], e["ckpt_complete"]) for e in ends] == [
+        (0, None), (0, None), (0, 10), (10, None)
+    ]  # fmt: skip
+    assert not named(evs, "give_up") and all("mem_complete" not in e for e in ends)
+
+
+def test_a_memory_copy_is_progress_too(tmp_path):
+    """No durable checkpoint at all, a memory copy in each attempt: the job goes on; the
+    same attempts without the copies stop it (max_same_resume = 2)."""
+    fake = FakeLauncher(
+        Script(rc=-9, says=[*hello_steps(1, 2, 3, 4), saved(3, "memory")]),
+        Script(rc=-9, says=[*hello_steps(4, 5, 6, resumed=3), saved(6, "memory")]),
+        Script(rc=0, says=hello_steps(7, 8, resumed=6, done=True)),
+    )
+    code, evs = run(make_job(tmp_path, fake, max_same_resume=2, max_restarts=5))
+    assert code == ExitCode.DONE
+    ends = named(evs, "attempt_end")
+    assert [e.get("mem_complete") for e in ends] == [3, 6, None]
+    assert [e["ckpt_complete"] for e in ends] == [None, None, None]
+    fake = FakeLauncher(
+        Script(rc=-9, says=hello_steps(1, 2, 3, 4)),
+        Script(rc=-9, says=hello_steps(1, 2, 3)),
+    )
+    code, evs = run(make_job(tmp_path / "b", fake, max_same_resume=2, max_restarts=5))
+    assert code == ExitCode.NO_PROGRESS and len(fake.started) == 2
+    assert named(evs, "give_up")[0]["reason"] == (
+        "no progress: 2 attempts in a row resumed from step 0 and completed no newer checkpoint"
+    )
+
+
 def test_attempts_that_never_exit_are_judged_and_torn_down(tmp_path):
     # The first never says hello (init timeout), the second goes silent after it (a hang).
     silent, hung = Script(rc=None), Script(rc=None, says=hello_steps(1))

@@ -173,6 +173,7 @@ class SyncManager(CheckpointManager):
             stall = self.memory_handover + copied.wait_seconds
             self.metrics.add_to_next("train/mem_ckpt_stall_seconds", stall)
             self.metrics.add_to_next("train/mem_ckpt_copy_seconds", copied.copy_seconds)
+            self.beacon.ckpt(copied.step, "memory")  # sealed: a relaunch may resume from it
         if not self.memory.enabled and self.memory.off_reason:  # said once
             self.say(f"WARNING: memory tier off: {self.memory.off_reason}", flush=True)
             self.memory.off_reason = ""
