@@ -305,18 +305,23 @@ class Attempt:
         return None
 
     async def end_standby(self, reason: str) -> TeardownResult | None:
-        """`exit` to every rank, a short wait for them to go, then the teardown of whatever is
-        left (a standby holds nothing worth saving)."""
+        """A ready standby: `exit` to every rank, a short wait for them to go, then the teardown
+        of whatever is left. One still starting is torn down at once, without a grace: its
+        ranks could take neither the command nor SIGTERM before they were done starting
+        (seconds, and a job that has decided to end would wait for them), and a standby holds
+        nothing worth saving."""
         running = self.running
         if running is None:
             return None
-        if self.s.control is not None:
+        grace = 0.0
+        if self.ready_at is not None and self.s.control is not None:
+            grace = self.cfg.restart.teardown_grace_s
             t = time.time()
             for rank in range(self.table.world):
                 self.s.control.command(self.number, rank, "exit", t)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(running.wait(), self.cfg.restart.teardown_grace_s)
-        result, _ = await self._end_processes(running)
+                await asyncio.wait_for(running.wait(), grace)
+        result, _ = await self._end_processes(running, grace)
         self.exits.close()
         self.emit(
             "standby_exit",
@@ -407,12 +412,16 @@ class Attempt:
             end.exit_task.cancel()
         return result
 
-    async def _end_processes(self, running: Running) -> tuple[TeardownResult, list[str]]:
-        """The launcher's teardown, then the MPICH segments its ranks still mapped (killed
-        before every rank was past MPI_Init, they never unlinked them): removed here, where
-        they arose, once no process holds them."""
+    async def _end_processes(
+        self, running: Running, grace: float | None = None
+    ) -> tuple[TeardownResult, list[str]]:
+        """The launcher's teardown (`grace`: the config's by default), then the MPICH segments
+        its ranks still mapped (killed before every rank was past MPI_Init, they never unlinked
+        them): removed here, where they arose, once no process holds them."""
         segments = hygiene.mapped_segments(self._rank_pids())
-        result = await running.teardown(self.cfg.restart.teardown_grace_s, self._rank_pids())
+        if grace is None:
+            grace = self.cfg.restart.teardown_grace_s
+        result = await running.teardown(grace, self._rank_pids())
         return result, hygiene.remove_unheld(segments) if segments else []
 
     def _result(
