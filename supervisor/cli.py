@@ -13,12 +13,13 @@ import signal
 import sys
 import time
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import config as config_mod
 from supervisor import events as events_mod
 from supervisor import job as job_mod
-from supervisor import ownership, preflight, protocol
+from supervisor import console, ownership, preflight, protocol
 from supervisor.decisions import ExitCode
 from worker.ckpt import files as ckpt_files
 
@@ -135,7 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("run_dir", metavar="RUN_DIR")
     tail.add_argument("-f", "--follow", action="store_true", help="keep following new events")
     tail.add_argument("--json", action="store_true", help="print the raw JSON lines")
-    tail.add_argument("-n", "--lines", type=int, default=0, help="only the last N events")
+    tail.add_argument(
+        "-n", "--lines", type=_non_negative, default=0, help="only the last N events shown"
+    )
+    tail.add_argument(
+        "--all",
+        action="store_true",
+        help=f"show every event, {' and '.join(TAIL_HIDDEN)} too (hidden by default: a line "
+        "per rank and phase change or checkpoint)",
+    )
+    tail.add_argument(
+        "--event",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only events of this kind, e.g. --event fault --event attempt_end (repeatable, "
+        "or comma-separated)",
+    )
 
     st = sub.add_parser(
         "status",
@@ -148,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", metavar="RUN_DIR")
     _add_report_commands(sub, fmt)  # report / experiment: supervisor.report_cli
     return p
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of events, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 (all) or more, got {value}")
+    return value
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -219,6 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(r.dry_run_text(args.config), end="")
         return ExitCode.DONE
+    console.guard()  # a closed terminal (SIGHUP, then EIO) must not end the job's graceful stop
     job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
     held = ownership.claim(r.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name)
     try:
@@ -232,7 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"the job ended with exit {code}",
             file=sys.stderr,
         )
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(
             sig, signal.SIG_IGN
         )  # the job is over: a late signal must not change the code
@@ -293,6 +321,45 @@ def _add_report_commands(sub, fmt) -> None:
 
 
 # --- tail / status --------------------------------------------------------------------------------
+TAIL_HIDDEN = ("phase", "ckpt_complete")  # many a step: `tail --all` or `--event` shows them
+
+
+@dataclass
+class TailView:
+    """Which events `tail` shows and how: every kind but TAIL_HIDDEN (all with --all), or only
+    the kinds asked for; times as seconds since the newest `start` seen."""
+
+    show_all: bool = False
+    names: frozenset[str] = frozenset()
+    t0: float | None = None
+    hidden: int = 0
+    kinds: set[str] = field(default_factory=set)  # every kind seen (for a name that matched none)
+
+    def take(self, event: dict) -> bool:
+        """Note the event (the start it counts from, its kind); whether it is shown."""
+        kind = str(event.get("event"))
+        self.kinds.add(kind)
+        if kind == "start" and isinstance(event.get("ts"), (int, float)):
+            self.t0 = event["ts"]
+        if self.names:
+            return kind in self.names
+        if kind in TAIL_HIDDEN and not self.show_all:
+            self.hidden += 1
+            return False
+        return True
+
+    def notes(self, skipped: str | None) -> list[str]:
+        """What the lines shown leave out: hidden kinds, skipped lines, names that matched none."""
+        out = [skipped] if skipped else []
+        if self.hidden:
+            out.append(f"{self.hidden} {'/'.join(TAIL_HIDDEN)} events hidden (--all shows them)")
+        missing = sorted(self.names - self.kinds)
+        if missing:
+            known = ", ".join(sorted(self.kinds)) or "none"
+            out.append(f"no {', '.join(missing)} events in this run; its events: {known}")
+        return out
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     path, missing = _events_path(args.run_dir)
     if missing:
@@ -301,17 +368,21 @@ def cmd_tail(args: argparse.Namespace) -> int:
             return ExitCode.DONE
         while not path.is_file():  # a running job writes a new one with its next event
             time.sleep(0.25)
+    names = frozenset(n.strip() for item in args.event for n in item.split(",") if n.strip())
+    view = TailView(show_all=args.all, names=names)
+    read = events_mod.EventsRead()
     data = path.read_bytes()
     # Only whole lines: a last line without its newline is still being written.
     offset = data.rfind(b"\n") + 1
-    lines = data[:offset].decode(errors="replace").splitlines()
-    if args.lines:
-        lines = lines[-args.lines :]
-    for line in lines:
-        _print_event_line(line, args.json)
+    lines = data[:offset].split(b"\n")
+    shown = [text for line in lines if (text := _tail_line(line, view, read, args.json))]
+    for text in shown[-args.lines :] if args.lines else shown:
+        print(text)
+    sys.stdout.flush()
+    for note in view.notes(read.note()):
+        print(f"note: {note}", file=sys.stderr)
     if not args.follow:
         return ExitCode.DONE
-    sys.stdout.flush()
     pending = b""
     while True:
         with open(path, "rb") as f:
@@ -321,25 +392,27 @@ def cmd_tail(args: argparse.Namespace) -> int:
         pending += chunk
         *complete, pending = pending.split(b"\n")
         for line in complete:
-            _print_event_line(line.decode(errors="replace"), args.json)
+            before = read.skipped_count
+            text = _tail_line(line, view, read, args.json)
+            if text:
+                print(text)
+            elif read.skipped_count > before:
+                print(f"note: skipped a line ({next(reversed(read.skipped))})", file=sys.stderr)
         sys.stdout.flush()
         time.sleep(0.25)
 
 
-def _print_event_line(line: str, raw: bool) -> None:
-    if not line.strip():
-        return
-    if raw:
-        print(line)
-        return
-    import json
-
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return
-    if isinstance(event, dict):
-        print(events_mod.render(event))
+def _tail_line(line: bytes, view: TailView, read: events_mod.EventsRead, raw: bool) -> str:
+    """The line `tail` prints for one line of events.jsonl ("" for none); a line that is no
+    event is counted in `read`."""
+    event, why = events_mod.parse_line(line)
+    if event is None:
+        if why:
+            read.skip(why)
+        return ""
+    if not view.take(event):
+        return ""
+    return line.decode().strip() if raw else events_mod.render(event, t0=view.t0)
 
 
 def _events_path(run_dir: str) -> tuple[Path, str | None]:
@@ -352,13 +425,16 @@ def _events_path(run_dir: str) -> tuple[Path, str | None]:
 def cmd_status(args: argparse.Namespace) -> int:
     path, missing = _events_path(args.run_dir)
     run_dir = Path(args.run_dir)
-    events = list(events_mod.read_events(path))
-    if missing:
-        print(f"note: {missing}")
+    read = events_mod.load_events(path)
+    events = read.events
+    for note in (missing, read.note()):
+        if note:
+            print(f"note: {note}")
     try:
         resolved = tomllib.loads((run_dir / "config.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
         resolved = {}
+    resolved = {k: v for k, v in resolved.items() if isinstance(v, dict)}  # tables only
     for line in status_lines(events, resolved, run_dir):
         print(line)
     return ExitCode.DONE
@@ -371,6 +447,7 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     launches = [e for e in events if e.get("event") in ("launch", "standby_go")]
     ends = [e for e in events if e.get("event") == "supervisor_exit"]
     max_restarts = resolved.get("restart", {}).get("max_restarts")
+    max_restarts = max_restarts if isinstance(max_restarts, int) else None
     restarts = sum(1 for e in events if e.get("event") == "relaunch")
     last_start = starts[-1] if starts else {}
     name = resolved.get("job", {}).get("name", "?")
@@ -395,10 +472,10 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     left = "?" if max_restarts is None else max(0, max_restarts - restarts)
     out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
     out += nodes_lines(events)
-    newest = newest_step(events, run_dir)
-    if newest is not None:
-        out.append(f"step:     {newest[0]} (attempt {newest[1]})")
-    ckpt = _newest_checkpoint(resolved, events)
+    ckpt_step, ckpt = _newest_checkpoint(resolved, events)
+    step = step_line(steps_seen(events, run_dir), ckpt_step)
+    if step:
+        out.append(f"step:     {step}")
     out.append(f"checkpoint: {ckpt}")
     out += limits_lines(events, resolved)
     # A graceful stop (the user's SIGINT/SIGTERM) is no failure.
@@ -444,6 +521,7 @@ def limits_lines(events: list[dict], resolved: dict) -> list[str]:
     still at their maximum. Nothing when the config has none."""
     hb = resolved.get("heartbeat", {})
     progress, cap = hb.get("progress", {}), hb.get("auto_max", {})
+    progress = progress if isinstance(progress, dict) else {}
     defaults = config_mod.AutoMaxConfig()
     asked = [("timeout_s", hb.get("timeout_s"))] + [(p, progress.get(p)) for p in ("train", "save")]
     names = [name for name, value in asked if value == config_mod.AUTO]
@@ -460,8 +538,9 @@ def limits_lines(events: list[dict], resolved: dict) -> list[str]:
     for name in names:
         e = learned.get(name)
         if e is None:
-            most = cap.get(name, getattr(defaults, name))
-            out.append(f"{name} {most:g} s (auto: its maximum until learned)")
+            most = cap.get(name, getattr(defaults, name)) if isinstance(cap, dict) else None
+            shown = f"{most:g}" if isinstance(most, (int, float)) else "?"
+            out.append(f"{name} {shown} s (auto: its maximum until learned)")
             continue
         basis = ", ".join(
             f"{k} {e[k]:g}" for k in ("p99_step_s", "p99_beat_gap_s", "longest_save_s", "samples")
@@ -493,25 +572,41 @@ def stacks_lines(events: list[dict], attempt: object) -> list[str]:
     return out
 
 
-def newest_step(events: list[dict], run_dir: Path) -> tuple[int, int] | None:
-    """(step, attempt) of the newest step the run reached. Progress events come a few seconds
-    apart, so the newest attempt's rank-0 metrics (one record a step) have the last word."""
-    best: tuple[int, int] | None = None
+def steps_seen(events: list[dict], run_dir: Path) -> dict[int, int]:
+    """The newest step each attempt is known to have reached: from any event that names a step
+    (`attempt_end`'s max_step too) and the last record of each of its metrics files (one a
+    step: progress events come seconds apart, and a standby's newer attempt has none yet)."""
+    seen: dict[int, int] = {}
+
+    def saw(attempt: object, step: object) -> None:
+        if isinstance(attempt, int) and isinstance(step, int) and not isinstance(step, bool):
+            seen[attempt] = max(step, seen.get(attempt, step))
+
     for e in events:
-        step = e.get("max_step") if e.get("event") == "attempt_end" else e.get("step")
-        if e.get("event") in ("progress", "first_step", "done", "attempt_end") and isinstance(
-            step, int
-        ):
-            if best is None or step >= best[0]:
-                best = (step, e.get("attempt", 0))
-    numbers = [int(p.name) for p in (run_dir / "attempts").glob("*") if p.name.isdigit()]
-    if numbers:
-        newest = max(numbers)
-        last = _last_metrics_record(run_dir / "attempts" / f"{newest:03d}" / "metrics-0.jsonl")
-        step = last.get("step")
-        if isinstance(step, int) and (best is None or step >= best[0]):
-            best = (step, newest)
-    return best
+        saw(e.get("attempt"), e.get("step"))
+        if e.get("event") == "attempt_end":
+            saw(e.get("attempt"), e.get("max_step"))
+    for path in (run_dir / "attempts").glob("*/metrics-*.jsonl"):
+        if path.parent.name.isdigit():
+            saw(int(path.parent.name), _last_metrics_record(path).get("step"))
+    return seen
+
+
+def step_line(seen: dict[int, int], ckpt_step: int | None) -> str | None:
+    """`85 (attempt 3)`: the newest attempt that stepped and its newest step, never older than
+    the newest complete checkpoint (the ranks resume from it), and what an earlier attempt
+    reached beyond it (the steps a failure lost)."""
+    if not seen:
+        return None if ckpt_step is None else f"{ckpt_step} (the newest checkpoint)"
+    attempt = max(seen)
+    step = seen[attempt]
+    if ckpt_step is not None and ckpt_step > step:
+        return f"{ckpt_step} (the newest checkpoint; attempt {attempt} reached {step})"
+    further = max(seen.values())
+    if further > step:
+        earlier = max(a for a, s in seen.items() if s == further)
+        return f"{step} (attempt {attempt}; attempt {earlier} had reached {further})"
+    return f"{step} (attempt {attempt})"
 
 
 def _last_metrics_record(path: Path) -> dict:
@@ -526,14 +621,17 @@ def _last_metrics_record(path: Path) -> dict:
     return next(events_mod.json_objects(reversed(lines)), {})
 
 
-def _newest_checkpoint(resolved: dict, events: list[dict]) -> str:
+def _newest_checkpoint(resolved: dict, events: list[dict]) -> tuple[int | None, str]:
+    """(step, how status shows it) of the newest complete checkpoint: from the checkpoint dir,
+    else the `ckpt_complete` events."""
     ckpt_dir = resolved.get("worker", {}).get("ckpt_dir")
-    if ckpt_dir and Path(ckpt_dir).is_dir():
+    if isinstance(ckpt_dir, str) and ckpt_dir and Path(ckpt_dir).is_dir():
         found = ckpt_files.resume_candidates(ckpt_files.scan(Path(ckpt_dir)))
         if found:
-            return f"step {found[0].step} ({ckpt_dir}/{found[0].path.name})"
+            return found[0].step, f"step {found[0].step} ({ckpt_dir}/{found[0].path.name})"
     marks = [e["step"] for e in events if e.get("event") == "ckpt_complete" and "step" in e]
-    return f"step {max(marks)} (from events)" if marks else "none"
+    marks = [m for m in marks if isinstance(m, int)]
+    return (max(marks), f"step {max(marks)} (from events)") if marks else (None, "none")
 
 
 def _alive(pid: object) -> bool:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -131,17 +133,21 @@ def _json_line(event: dict[str, Any]) -> bytes:
 class _Console:
     def __init__(self, colors: bool) -> None:
         self._renderer = structlog.dev.ConsoleRenderer(colors=colors, pad_event_to=16)
+        self._t0: float | None = None  # the job's `start`, for seconds since it
 
     def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
-        return render(event, self._renderer)
+        if event.get("event") == "start" and _is_number(event.get("ts")):
+            self._t0 = event["ts"]
+        return render(event, self._renderer, self._t0)
 
 
-def render(event: dict[str, Any], renderer: Any = None) -> str:
-    """One event as a line for people: time, level, event name, its facts. A hang's or no
-    progress's `stacks` (a line per rank: its state, where its main thread is) follow on lines
-    of their own."""
+def render(event: dict[str, Any], renderer: Any = None, t0: float | None = None) -> str:
+    """One event as a line for people: wall-clock time (and seconds since `t0`, the job's
+    start), level, event name, its facts with their times readable. A hang's or no progress's
+    `stacks` (a line per rank: its state, where its main thread is) follow on lines of their
+    own."""
     renderer = renderer or structlog.dev.ConsoleRenderer(colors=False, pad_event_to=16)
-    shown = {k: v for k, v in event.items() if k not in _HIDDEN}
+    shown = readable({k: v for k, v in event.items() if k not in _HIDDEN}, event)
     below = shown.pop("stacks", None)
     if not (isinstance(below, list) and all(isinstance(x, str) for x in below)):
         if below is not None:
@@ -150,10 +156,39 @@ def render(event: dict[str, Any], renderer: Any = None) -> str:
     if shown.get("stacks_missing") == []:
         del shown["stacks_missing"]
     ts = event.get("ts")
-    if isinstance(ts, (int, float)):
-        shown["timestamp"] = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 10)}"
+    if _is_number(ts):
+        since = f" +{ts - t0:.3f}s".ljust(12) if _is_number(t0) and ts >= t0 else ""
+        shown["timestamp"] = clock(ts) + since
     shown["level"] = level_of(event)
     return renderer(None, shown["level"], shown) + "".join(f"\n    {x}" for x in below)
+
+
+def clock(ts: float) -> str:
+    """Unix seconds as local wall-clock `HH:MM:SS.mmm`."""
+    ms = int(round(ts % 1 * 1000))
+    whole = int(ts) + (1 if ms == 1000 else 0)
+    return time.strftime("%H:%M:%S", time.localtime(whole)) + f".{ms % 1000:03d}"
+
+
+def readable(facts: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    """`facts` with raw clock readings as wall-clock `HH:MM:SS.mmm`: epoch seconds (`t`,
+    `mtime`) as they are, this host's monotonic stamps (`*_mono`) through the event's own
+    (ts, mono) pair. Nested tables too (a fault's `marker`)."""
+    ts, mono = event.get("ts"), event.get("mono")
+    out: dict[str, Any] = {}
+    for key, value in facts.items():
+        if isinstance(value, dict):
+            value = readable(value, event)
+        elif _is_number(value) and key in ("t", "mtime"):
+            value = clock(value)
+        elif _is_number(value) and key.endswith("_mono") and _is_number(ts) and _is_number(mono):
+            value = clock(ts - mono + value)
+        out[key] = value
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class EventLog:
@@ -204,22 +239,117 @@ def run_dir_events(run_dir: str | Path) -> tuple[Path, str | None]:
     )
 
 
-def read_events(path: Path) -> Iterator[dict[str, Any]]:
-    """Events of a run; a torn or malformed line (a crash mid-write) is skipped."""
+# --- reading ------------------------------------------------------------------------------------
+_INT = (int,)
+_NUM = (int, float)
+_NONE = (type(None),)
+# The fields the readers (`status`, `tail`, `report`) compute with, by event kind ("*": any
+# kind), and the types the supervisor writes them with. An event whose field has another type
+# (a hand edit, another program's line) is skipped and counted, never a TypeError further on.
+FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "*": {"event": (str,), "ts": _NUM, "mono": _NUM, "attempt": _INT + _NONE,
+          "step": _INT + _NONE},
+    "attempt_end": {"max_step": _INT + _NONE, "resume_step": _INT + _NONE},
+    "resumed": {"restart_seconds": _NUM + _NONE, "source": (str,) + _NONE},
+    "relaunch": {"after": _INT + _NONE},
+    "first_step": {"t": _NUM},
+    "supervisor_exit": {"code": _INT},
+    "exit": {"exit_mono": _NUM + _NONE},
+    "teardown": {"start_mono": _NUM},
+    "hang": {"detected_mono": _NUM + _NONE},
+    "no_progress": {"detected_mono": _NUM + _NONE},
+    "auto_limit": {"seconds": _NUM + _NONE},
+}  # fmt: skip
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+
+def field_problem(event: dict[str, Any]) -> str | None:
+    """`resumed.step: expected an integer, got 'x'` for the first field whose type is not the
+    declared one (a bool is no number here); None when every declared field is right."""
+    kind = event.get("event")
+    declared = {**FIELD_TYPES["*"], **FIELD_TYPES.get(kind if isinstance(kind, str) else "", {})}
+    for key, types in declared.items():
+        if key not in event:
+            continue
+        value = event[key]
+        if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
+            continue
+        names = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types if t is not float))
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+        return f"{kind if isinstance(kind, str) else '?'}.{key}: expected {names}, got {shown}"
+    return None
+
+
+def parse_line(line: bytes | str) -> tuple[dict[str, Any] | None, str | None]:
+    """(event, None) for a line that is a UTF-8 JSON object whose declared fields have their
+    types; (None, why) otherwise; (None, None) for a blank line."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "not UTF-8"
+    if not line.strip():
+        return None, None
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115
-    except FileNotFoundError:
-        return
-    with f:
-        yield from json_objects(f)
+        obj = json.loads(line)
+    except ValueError:
+        return None, "not JSON"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    problem = field_problem(obj)
+    return (None, problem) if problem else (obj, None)
+
+
+@dataclass
+class EventsRead:
+    """A run's events as read: the good ones, and what was skipped (by reason)."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)  # "not UTF-8", "resumed.step: …"
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    @property
+    def skipped_count(self) -> int:
+        return sum(self.skipped.values())
+
+    def note(self) -> str | None:
+        """`events.jsonl: 2 lines skipped (1 not UTF-8; 1 resumed.step: expected …)`."""
+        if not self.skipped:
+            return None
+        n = self.skipped_count
+        why = "; ".join(f"{c} {w}" for w, c in self.skipped.items())
+        return f"events.jsonl: {n} line{'' if n == 1 else 's'} skipped ({why})"
+
+
+def load_events(path: Path) -> EventsRead:
+    """Every event of a run, never raising for what a line holds: a line that is not a UTF-8
+    JSON object, or an event whose fields have the wrong types, is skipped and counted. A last
+    line without its newline is still being written (or torn by a crash): skipped, not counted."""
+    out = EventsRead()
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        return out
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        event, why = parse_line(line)
+        if event is not None:
+            out.events.append(event)
+        elif why is not None and i < len(lines) - 1:
+            out.skip(why)
+    return out
+
+
+def read_events(path: Path) -> Iterator[dict[str, Any]]:
+    """Events of a run; what `load_events` skips is skipped."""
+    yield from load_events(path).events
 
 
 def json_objects(lines: Iterable[str | bytes]) -> Iterator[dict[str, Any]]:
-    """The JSON objects among `lines`; a torn or malformed line is skipped."""
+    """The JSON objects among `lines` whose declared fields have their types; others skipped."""
     for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
+        obj, _ = parse_line(line)
+        if obj is not None:
             yield obj

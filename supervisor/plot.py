@@ -52,7 +52,7 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
         ax.plot([x], [y], marker="X", color=FAIL_COLOR, ms=9, zorder=5, ls="none",
                 label="failure (step reached)" if n == 1 else None)  # fmt: skip
         text = (
-            f"#{n} {f.detected_by}\n−{_v(f.lost_steps)} steps\nrestart {_v(f.restart_s, 1)} s"
+            f"#{n} {f.detected_by}\n{steps_lost(f.lost_steps)}\nrestart {_v(f.restart_s, 1)} s"
             f"\ndown {_v(f.downtime_s, 1)} s"
         )
         ax.annotate(
@@ -71,7 +71,8 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
     ax.set_ylabel("training step")
     t = a.totals
     ax.set_title(
-        f"{a.name}: {t.failures} failure(s), {t.lost_steps} lost steps, "
+        f"{a.name}: {t.failures} failure{'' if t.failures == 1 else 's'}, "
+        f"{steps_lost(t.lost_steps)}, "
         f"goodput {t.goodput:.0%}" + ("" if t.finished else " (in progress)"),
         fontsize=11,
     )
@@ -141,6 +142,13 @@ def _mark_node_events(ax, a: Analysis) -> None:
         )
 
 
+def steps_lost(n: int | None) -> str:
+    """`0 steps lost`, `1 step lost`, `12 steps lost` (`steps lost: ?` when unknown)."""
+    if n is None:
+        return "steps lost: ?"
+    return f"{n} step{'' if n == 1 else 's'} lost"
+
+
 def _v(v: float | int | None, digits: int = 0) -> str:
     if v is None:
         return "?"
@@ -165,7 +173,7 @@ def plot_comparison(phases: dict[str, Analysis], out: Path, name: str = "") -> P
         for i, (xs, ys) in enumerate(_segments(a.curve)):
             ax.plot(xs, ys, color=color, lw=2 if p != "baseline" else 1.6,
                     ls="--" if p == "baseline" else "-",
-                    label=f"{p} ({a.totals.wall_s / 60:.2f} min, {a.totals.lost_steps} lost)"
+                    label=f"{p} ({a.totals.wall_s / 60:.2f} min, {steps_lost(a.totals.lost_steps)})"
                     if i == 0 else None)  # fmt: skip
         for f in a.failures:
             if f.step_at_failure is None:
@@ -173,7 +181,7 @@ def plot_comparison(phases: dict[str, Analysis], out: Path, name: str = "") -> P
             x = f.at_s / 60
             ax.plot([x], [f.step_at_failure], marker="X", color=color, ms=8, mec="k", zorder=5)
             ax.annotate(
-                f"−{_v(f.lost_steps)} / {_v(f.restart_s, 1)} s",
+                f"{steps_lost(f.lost_steps)} / restart {_v(f.restart_s, 1)} s",
                 (x, f.step_at_failure),
                 xytext=(5, -12 if p == "sync" else 8),
                 textcoords="offset points",
@@ -182,7 +190,7 @@ def plot_comparison(phases: dict[str, Analysis], out: Path, name: str = "") -> P
             )
     ax.set_xlabel("wall-clock (minutes since the phase's start)")
     ax.set_ylabel("training step")
-    ax.set_title(f"{name}: steps over time per phase (X: failure, −lost steps / restart s)")
+    ax.set_title(f"{name}: steps over time per phase (X: a failure, its steps lost / restart)")
     ax.grid(alpha=0.3)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)

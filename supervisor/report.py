@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.events import read_events, run_dir_events
+from supervisor.events import load_events, run_dir_events
 
 DETECTED_BY = {
     "exit": "exit",
@@ -57,6 +57,7 @@ class RunData:
     config: dict[str, Any]
     skipped_lines: int = 0
     notes: list[str] = field(default_factory=list)  # what the run dir lacks
+    skipped_events: int = 0  # lines of events.jsonl that are no event (or fields mistyped)
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -66,7 +67,8 @@ def load_run(run_dir: str | Path) -> RunData:
         path, missing = run_dir_events(run)
     except ValueError as exc:
         raise NotARunDir(f"{run}: {exc}") from None
-    events = list(read_events(path))
+    read = load_events(path)
+    events = read.events
     records: list[StepRecord] = []
     skipped = 0
     for adir in sorted((run / "attempts").glob("[0-9]*")):
@@ -79,10 +81,13 @@ def load_run(run_dir: str | Path) -> RunData:
         config = tomllib.loads((run / "config.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
         config = {}
+    config = {k: v for k, v in config.items() if isinstance(v, dict)}  # tables only
     notes = [missing] if missing else []
     if any(e.get("event") == "events_reopened" for e in events):
         notes.append("events.jsonl was deleted or moved while the job ran: earlier events are lost")
-    return RunData(run, events, records, config, skipped, notes)
+    if read.note():
+        notes.append(f"{read.note()}: the report leaves them out")
+    return RunData(run, events, records, config, skipped, notes, read.skipped_count)
 
 
 def parse_metrics(path: Path, attempt: int) -> tuple[list[StepRecord], int]:
@@ -224,6 +229,21 @@ class Checkpoints:
 
 
 @dataclass
+class MemoryTier:
+    """What the memory tier cost (`--mem-ckpt-interval`): a copy of each rank's state into
+    node-local shared memory. Training waits for the hand-over and for the previous copy (the
+    stall); the copy itself runs beside the next step."""
+
+    copies: int
+    stall_total_s: float
+    stall_median_s: float
+    stall_max_s: float
+    copy_total_s: float
+    copy_median_s: float | None
+    copy_max_s: float | None
+
+
+@dataclass
 class Interval:
     """Young/Daly: the checkpoint interval that minimises save cost + expected rework."""
 
@@ -274,6 +294,7 @@ class Analysis:
     baseline: Analysis | None = None
     notes: list[str] = field(default_factory=list)  # what the run dir lacks
     node_events: list[NodeEvent] = field(default_factory=list)  # the start's first
+    memory: MemoryTier | None = None  # None: no memory tier ran
 
     @property
     def shows_nodes(self) -> bool:
@@ -353,6 +374,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         baseline=base,
         notes=list(data.notes),
         node_events=node_events,
+        memory=memory_tier(records),
     )
 
 
@@ -596,6 +618,27 @@ def _checkpoints(ev: list[dict], records: list[StepRecord]) -> Checkpoints:
         stall_total_s=sum(stalls),
         marker_median_s=stat([s.marker_s for s in order], med),
         marker_max_s=stat([s.marker_s for s in order], mx),
+    )
+
+
+MEM_STALL = "train/mem_ckpt_stall_seconds"
+MEM_COPY = "train/mem_ckpt_copy_seconds"
+
+
+def memory_tier(records: list[StepRecord]) -> MemoryTier | None:
+    """The memory tier's copies from the rank-0 metrics (each on the record after its step)."""
+    stalls = [r.extra[MEM_STALL] for r in records if MEM_STALL in r.extra]
+    if not stalls:
+        return None
+    copies = [r.extra[MEM_COPY] for r in records if MEM_COPY in r.extra]
+    return MemoryTier(
+        copies=len(stalls),
+        stall_total_s=sum(stalls),
+        stall_median_s=statistics.median(stalls),
+        stall_max_s=max(stalls),
+        copy_total_s=sum(copies),
+        copy_median_s=statistics.median(copies) if copies else None,
+        copy_max_s=max(copies) if copies else None,
     )
 
 

@@ -159,6 +159,8 @@ def totals_md(a: Analysis) -> list[str]:
         ["recomputing lost steps (s)", _s(t.recompute_s)],
         ["checkpoint stall (s)", _s(a.checkpoints.stall_total_s)],
     ]
+    if a.memory is not None:
+        rows.append(["memory tier stall (s)", _s(a.memory.stall_total_s)])
     if t.baseline_wall_s is not None:
         rows += [
             ["baseline wall-clock (min)", _min(t.baseline_wall_s)],
@@ -184,6 +186,30 @@ def checkpoints_md(a: Analysis) -> list[str]:
         ["save → marker (s)", _s(c.marker_median_s, 3), _s(c.marker_max_s, 3)],
     ]  # fmt: skip
     return table(["checkpoints", "median", "max"], rows)
+
+
+def memory_md(a: Analysis) -> list[str]:
+    """The memory tier's copies: how long training waited for them, how long they took."""
+    m = a.memory
+    if m is None:
+        return []
+    return [
+        f"{m.copies} copies into node-local memory; training stalled {m.stall_total_s:.2f} s in "
+        f"all for them. The copy itself runs beside the next step.",
+        "",
+        *table(
+            ["memory tier", "median", "max", "total"],
+            [
+                [
+                    "stall per copy (s)",
+                    _s(m.stall_median_s, 3),
+                    _s(m.stall_max_s, 3),
+                    _s(m.stall_total_s, 2),
+                ],
+                ["copy (s)", _s(m.copy_median_s, 3), _s(m.copy_max_s, 3), _s(m.copy_total_s, 2)],
+            ],
+        ),  # fmt: skip
+    ]
 
 
 def interval_md(a: Analysis) -> list[str]:
@@ -244,6 +270,9 @@ def render(a: Analysis) -> str:
         lines += ["## Stacks at each hang or no progress", "", *stacks, ""]
     lines += ["## Totals", "", *totals_md(a), ""]
     lines += ["## Checkpoints", "", *checkpoints_md(a), ""]
+    memory = memory_md(a)
+    if memory:
+        lines += ["## Memory tier", "", *memory, ""]
     lines += ["## Checkpoint interval (Young/Daly)", "", *interval_md(a), ""]
     return "\n".join(lines)
 

@@ -46,6 +46,13 @@ def summary(a: Analysis, written: list[Path]) -> str:
             f"Checkpoints: {len(c.saves)} saves ({a.mode}), training stalled "
             f"{_s(c.stall_median_s)} per save (median)."
         )
+    m = a.memory
+    if m is not None:
+        lines.append(
+            f"Memory tier: {m.copies} cop{'y' if m.copies == 1 else 'ies'}, "
+            f"training stalled {m.stall_total_s:.1f} s in all ({m.stall_median_s * 1000:.0f} ms "
+            f"per copy, median); a copy took {_ms(m.copy_median_s)} (median)."
+        )
     lines.append("Report: " + ", ".join(_shown(p) for p in written))
     lines.append(f"Look closer: python -m supervisor tail|status|report {_shown(a.run_dir)}")
     return "\n".join(lines)
@@ -113,6 +120,10 @@ def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _s(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f} s"
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v * 1000:.0f} ms"
 
 
 def _n(v: int | None) -> str:
