@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import config as config_mod
+from supervisor import console, ownership, preflight, protocol
 from supervisor import events as events_mod
 from supervisor import job as job_mod
-from supervisor import console, ownership, preflight, protocol
 from supervisor.decisions import ExitCode
 from worker.ckpt import files as ckpt_files
 

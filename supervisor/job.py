@@ -27,7 +27,7 @@ from supervisor.heartbeat import HeartbeatServer, node_addresses
 from supervisor.launcher import ProcessLauncher
 from supervisor.resolve import Resolved, resolve
 from supervisor.standby import StandbyKeeper
-from supervisor.stop import StopRequests
+from supervisor.stop import StopRequests, stop_signals
 
 BAD_MESSAGES_EVERY_S = 5.0
 NODE_CHECK_TIMEOUT_S = 60.0  # the pre-launch check of every node, all together
@@ -101,7 +101,8 @@ class Job:
         if self.cfg.restart.standby:
             self.standby = StandbyKeeper(self.shared, self._next_number, self._route, self._unroute)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        self.stop_signals = stop_signals()  # read before our handlers replace what they were
+        for sig in self.stop_signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
         self.emit(
             "start",
@@ -124,7 +125,7 @@ class Job:
     async def _close(self, services: list[asyncio.Task], code: ExitCode, reason: str) -> None:
         # Signals that arrive while we finish are noted, not fatal (the ranks are handled).
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in self.stop_signals:
             loop.add_signal_handler(sig, self.stop.request)
         self._close_memory_tier()  # first: whatever fails below, the node's memory is freed
         self._close_node_scratch()

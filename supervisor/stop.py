@@ -1,4 +1,4 @@
-"""The user's requests to stop the job (SIGINT/SIGTERM to the supervisor), counted.
+"""The user's requests to stop the job (SIGINT, SIGTERM or SIGHUP to the supervisor), counted.
 
 The first asks the running attempt's ranks to save and stop; a second cuts their grace short.
 Any number of waiters (an attempt, the backoff, a standby) can wait for "more than n requests".
@@ -7,6 +7,17 @@ Any number of waiters (an attempt, the backoff, a standby) can wait for "more th
 from __future__ import annotations
 
 import asyncio
+import signal
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that ask for a graceful stop: SIGINT, SIGTERM, and SIGHUP (a closed terminal,
+    an SSH drop), unless SIGHUP is ignored: a supervisor started under `nohup` is meant to
+    outlive its terminal."""
+    found = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        found.append(signal.SIGHUP)
+    return tuple(found)
 
 
 class StopRequests:
