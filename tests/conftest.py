@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import rec, synthetic_events, synthetic_metrics, write_run
+from tests.support import (
+    losses,
+    rec,
+    run_worker,
+    synthetic_events,
+    synthetic_metrics,
+    write_run,
+)
 
 
 @pytest.fixture
@@ -37,3 +44,23 @@ def mem_root() -> Path:
     root.mkdir(mode=0o700)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The uninterrupted run's loss at every step, `reference(ranks, *flags)`: run once per test
+    run for each (ranks, flags) and shared by every test that compares a resumed run with it.
+    The flags are those that decide what is computed (model, layout, batch, iterations, seed):
+    checkpoints, the memory tier and async saves must not change a loss, so none are given."""
+    done: dict[tuple, dict[int, float]] = {}
+
+    def losses_of(ranks: int, *flags: str) -> dict[int, float]:
+        key = (ranks, flags)
+        if key not in done:
+            out = tmp_path_factory.mktemp("reference")
+            run = run_worker(ranks, *flags, "--outdir", str(out))
+            assert run.returncode == 0, run.stdout + run.stderr
+            done[key] = losses(out / "metrics-0.jsonl")
+        return done[key]
+
+    return losses_of

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor import cli
@@ -21,24 +24,29 @@ from worker.ckpt import naming
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A model small enough that a 4-rank job on 2 cores takes seconds.
-TINY = [
-    "--dim",
-    "32",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "4",
-    "--n-kv-heads",
-    "2",
-    "--ffn-dim",
-    "64",
-    "--vocab-size",
-    "128",
-    "--seq-len",
-    "32",
-]
+# The one tiny model of the end-to-end tests: a 4-rank job on 2 cores takes seconds.
+TINY_SIZES = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+              "vocab_size": 128, "seq_len": 32}  # fmt: skip
+TINY = [x for k, v in TINY_SIZES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+# The one schedule of the tests that compare losses with the uninterrupted run (its reference
+# is computed once per test run: the `reference` fixture).
+ITERS = 24
 LAUNCH_TIMEOUT = 180
+
+# The worker layouts the end-to-end tests run: name -> (ranks, flags).
+LAYOUTS = {
+    "fsdp2": (2, []),
+    "hsdp2x2": (4, ["--replicate", "2"]),
+    "fsdp_tp2": (4, ["--tp", "2"]),
+}
+
+
+def tiered(values, default) -> list:
+    """Parameters of which only `default` runs in the default tier, the rest in the slow one
+    (`python -m pytest -m slow`): each capability once by default, its matrix when asked."""
+    slow = [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values if v != default]  # fmt: skip
+    return [default, *slow]
 
 
 def mpiexec() -> str:
@@ -96,6 +104,38 @@ def losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(path)}
 
 
+def assert_same_losses(want: dict[int, float], metrics: Path) -> None:
+    """Every record of an interrupted run, recomputed steps included, equals the uninterrupted
+    run's loss bit for bit, and every step of that run is there."""
+    got = read_metrics(metrics)
+    assert {r["step"] for r in got} == set(want)
+    for r in got:
+        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]])
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """The newest step a worker run by hand has logged, once it is at least `step`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_metrics(metrics)
+        if records and records[-1]["step"] >= step:
+            return records[-1]["step"]
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early: {proc.stdout.read()}")
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def kill_every_rank(proc: subprocess.Popen) -> None:
+    """The study's kill: SIGKILL to every training rank at once; the launcher then tears down."""
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    for p in ranks:
+        if "worker.train" in " ".join(p.cmdline()):
+            p.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    psutil.wait_procs(ranks, timeout=30)
+
+
 def toml_value(v) -> str:
     """A Python value as TOML, for the configs the supervisor tests write."""
     if isinstance(v, bool):
@@ -112,18 +152,14 @@ def toml_table(header: str, items: dict) -> str:
     return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in items.items()) + "\n"
 
 
-# The worker table of a tiny supervised job (2 ranks on 2 cores, seconds per attempt).
-TINY_JOB_WORKER = {
-    "model": "debug",
-    "device": "cpu",
-    "dim": 32,
-    "n_layers": 2,
-    "n_heads": 2,
-    "n_kv_heads": 1,
-    "vocab_size": 256,
-    "seq_len": 32,
-    "batch_size": 2,
-}
+# The worker table of a tiny supervised job: the same model (2 ranks on 2 cores, seconds per
+# attempt).
+TINY_JOB_WORKER = {"model": "debug", "device": "cpu", **TINY_SIZES, "batch_size": 2}
+
+
+def worker_flags(table: dict) -> list[str]:
+    """A job config's [worker] table as the worker's command-line flags."""
+    return [f"--{k.replace('_', '-')}={v}" for k, v in table.items()]
 
 
 def supervisor_env() -> dict[str, str]:
@@ -134,10 +170,13 @@ def supervisor_env() -> dict[str, str]:
     return env
 
 
-def start_supervisor(config: Path, *args: str) -> subprocess.Popen:
+def start_supervisor(
+    config: Path, *args: str, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "supervisor", "run", str(config), *args],
-        cwd=REPO, env=supervisor_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env={**supervisor_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
 
@@ -156,9 +195,47 @@ def run_supervisor(config: Path, timeout: float, *args: str) -> tuple[int, str]:
     return finish_supervisor(start_supervisor(config, *args), timeout)
 
 
+def supervisor_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m supervisor ARGS` (tail, status, report, ...) as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args], cwd=REPO, env=supervisor_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
 def events(run: Path) -> list[dict]:
     """A run's events.jsonl; a line still being written is skipped."""
     return list(read_events(run / "events.jsonl"))
+
+
+def wait_for(run: Path, pred, proc: subprocess.Popen, timeout: float = 90) -> dict:
+    """The first event of a running job that `pred` accepts; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in events(run):
+            if pred(e):
+                return e
+        if proc.poll() is not None:
+            pytest.fail(f"supervisor exited ({proc.returncode}) before the awaited event")
+        time.sleep(0.05)
+    pytest.fail("timed out waiting for an event")
+
+
+def names(evs: list[dict]) -> list[str]:
+    return [e["event"] for e in evs]
+
+
+def rank_pid(run: Path, rank: int, attempt: int) -> int:
+    return next(
+        e["pid"] for e in events(run)
+        if e["event"] == "rank_hello" and e["rank"] == rank and e["attempt"] == attempt
+    )  # fmt: skip
+
+
+def assert_in_order(evs: list[str], expected: list[str]) -> None:
+    it = iter(evs)
+    missing = [name for name in expected if name not in it]
+    assert not missing, f"{expected} not in order in {evs}"
 
 
 # --- hand-made inputs -----------------------------------------------------------------------------

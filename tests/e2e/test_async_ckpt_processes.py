@@ -10,20 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import TINY, losses, read_metrics, run_worker, start_worker
+from tests.support import (
+    ITERS,
+    TINY,
+    assert_same_losses,
+    losses,
+    read_metrics,
+    run_worker,
+    start_worker,
+    tiered,
+)
 from worker.ckpt import files, naming
 
-ITERS, INTERVAL, KILL_STEP = 12, 4, 8
+INTERVAL, KILL_STEP = 4, 8
 COMMON = [*TINY, "--train-iters", str(ITERS), "--save-interval", str(INTERVAL)]
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> dict[int, float]:
+@pytest.fixture
+def baseline(reference) -> dict[int, float]:
     """The uninterrupted run's loss at every step (no checkpoints at all)."""
-    out = tmp_path_factory.mktemp("baseline")
-    done = run_worker(2, *TINY, "--train-iters", str(ITERS), "--outdir", str(out))
-    assert done.returncode == 0, done.stderr
-    return losses(out / "metrics-0.jsonl")
+    return reference(2, *TINY, "--train-iters", str(ITERS))
 
 
 def async_args(tmp_path: Path) -> list[str]:
@@ -39,14 +45,6 @@ def async_args(tmp_path: Path) -> list[str]:
     ]
 
 
-def assert_bit_exact(metrics: Path, want: dict[int, float]) -> None:
-    """Every record, recomputed steps included, equals the uninterrupted run's loss."""
-    got = read_metrics(metrics)
-    assert {r["step"] for r in got} == set(want)
-    for r in got:
-        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]])
-
-
 # phase -> (rank killed, newest marked step afterwards)
 KILLS = {
     "stage": (1, INTERVAL),
@@ -57,8 +55,7 @@ KILLS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("phase", list(KILLS))
+@pytest.mark.parametrize("phase", tiered(KILLS, "after-marker"))
 def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
     rank, marked = KILLS[phase]
     args = async_args(tmp_path)
@@ -85,7 +82,7 @@ def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
     again = run_worker(2, *args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"RESUMED from step={marked}" in again.stdout
-    assert_bit_exact(tmp_path / "m/metrics-0.jsonl", baseline)
+    assert_same_losses(baseline, tmp_path / "m/metrics-0.jsonl")
     # ... and gone after the next start; the finished run leaves no stage copies behind.
     assert list(stage.iterdir()) == []
     assert all(complete for complete in {f.complete for f in files.scan(ckpt)})

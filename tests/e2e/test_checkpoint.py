@@ -8,69 +8,29 @@ import math
 import os
 import pickle
 import signal
-import subprocess
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.support import TINY, read_metrics, run_worker, start_worker
+from tests.support import (
+    ITERS,
+    LAYOUTS,
+    TINY,
+    assert_same_losses,
+    kill_every_rank,
+    read_metrics,
+    run_worker,
+    start_worker,
+    tiered,
+    wait_for_step,
+)
 from worker.ckpt import files, naming
 
-pytestmark = pytest.mark.slow
 
-LAYOUTS = {
-    "fsdp2": (2, []),
-    "hsdp2x2": (4, ["--replicate", "2"]),
-    "fsdp_tp2": (4, ["--tp", "2"]),
-}
-
-
-def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        records = read_metrics(metrics)
-        if records and records[-1]["step"] >= step:
-            return records[-1]["step"]
-        if proc.poll() is not None:
-            raise AssertionError(f"job ended early: {proc.stdout.read()}")
-        time.sleep(0.02)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
-
-
-def kill_every_rank(proc: subprocess.Popen) -> None:
-    """The study's kill: SIGKILL to every training rank at once; the launcher then tears down."""
-    ranks = psutil.Process(proc.pid).children(recursive=True)
-    for p in ranks:
-        if "worker.train" in " ".join(p.cmdline()):
-            p.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    psutil.wait_procs(ranks, timeout=30)
-
-
-def assert_same_run(baseline: Path, resumed: Path) -> None:
-    """Every record of the interrupted run, recomputed steps included, equals the baseline's."""
-    want = {r["step"]: r["loss"] for r in read_metrics(baseline)}
-    got = read_metrics(resumed)
-    assert {r["step"] for r in got} == set(want)
-    for r in got:
-        assert r["loss"] == want[r["step"]], (r["step"], r["loss"], want[r["step"]])
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_killed_and_resumed_run_is_bit_exact(tmp_path, layout):
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, "fsdp2"))
+def test_killed_and_resumed_run_is_bit_exact(tmp_path, reference, layout):
     ranks, flags = LAYOUTS[layout]
-    common = [*TINY, *flags, "--train-iters", "24", "--save-interval", "5"]
-    base = run_worker(
-        ranks,
-        *common,
-        "--outdir",
-        str(tmp_path / "base"),
-        "--ckpt-dir",
-        str(tmp_path / "base-ckpt"),
-    )
-    assert base.returncode == 0, base.stderr
+    common = [*TINY, *flags, "--train-iters", str(ITERS), "--save-interval", "5"]
     out, ckpt = tmp_path / "killed", tmp_path / "killed-ckpt"
     args = [*common, "--outdir", str(out), "--ckpt-dir", str(ckpt)]
     killed_at = []
@@ -82,16 +42,18 @@ def test_killed_and_resumed_run_is_bit_exact(tmp_path, layout):
     final = run_worker(ranks, *args)
     assert final.returncode == 0, final.stderr
     assert "RESUMED from step=" in final.stdout
-    assert_same_run(tmp_path / "base/metrics-0.jsonl", out / "metrics-0.jsonl")
+    assert_same_losses(reference(ranks, *TINY, *flags, "--train-iters", str(ITERS)),
+                       out / "metrics-0.jsonl")  # fmt: skip
     restarts = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
     assert len(restarts) == 3, killed_at
 
 
-def test_kill_during_save_falls_back_to_previous(tmp_path):
+@pytest.mark.slow
+def test_kill_during_save_falls_back_to_previous(tmp_path, reference):
     common = [
         *TINY,
         "--train-iters",
-        "12",
+        str(ITERS),
         "--save-interval",
         "4",
         "--outdir",
@@ -106,11 +68,11 @@ def test_kill_during_save_falls_back_to_previous(tmp_path):
     again = run_worker(2, *common)
     assert again.returncode == 0, again.stderr
     assert "RESUMED from step=4" in again.stdout
-    base = run_worker(2, *TINY, "--train-iters", "12", "--outdir", str(tmp_path / "b"))
-    assert base.returncode == 0
-    assert_same_run(tmp_path / "b/metrics-0.jsonl", tmp_path / "m/metrics-0.jsonl")
+    assert_same_losses(reference(2, *TINY, "--train-iters", str(ITERS)),
+                       tmp_path / "m/metrics-0.jsonl")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, damage):
     ckpt = tmp_path / "ckpt"
@@ -150,6 +112,7 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crafted", ["dcp_metadata", "rng"])
 def test_a_crafted_checkpoint_is_refused_and_never_run(tmp_path, crafted):
     """The newest checkpoint is rewritten to run a command on load (the same size as recorded,
@@ -178,6 +141,7 @@ def test_a_crafted_checkpoint_is_refused_and_never_run(tmp_path, crafted):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):
     out, ckpt = tmp_path / "m", tmp_path / "ckpt"
     args = [
@@ -214,6 +178,7 @@ def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):
     assert steps == list(range(1, stop_step + 4))  # no step lost, none repeated
 
 
+@pytest.mark.slow
 def test_retention_keeps_exactly_k(tmp_path):
     ckpt = tmp_path / "ckpt"
     out = run_worker(
@@ -234,6 +199,7 @@ def test_retention_keeps_exactly_k(tmp_path):
     assert [(f.step, f.complete) for f in files.scan(ckpt)] == [(8, True), (10, True)]
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "ckpt"
     made = run_worker(
@@ -259,6 +225,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     assert "Traceback" not in other.stderr + other.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "saved,loaded",
     [

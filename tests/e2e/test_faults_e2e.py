@@ -22,8 +22,8 @@ from tests.support import (
     events,
     read_metrics,
     run_supervisor,
-    run_worker,
     toml_table,
+    worker_flags,
 )
 
 JOB_TIMEOUT = 420
@@ -58,14 +58,10 @@ def run_job(config: Path) -> tuple[int, str]:
     return run_supervisor(config, JOB_TIMEOUT)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> dict[int, float]:
+@pytest.fixture
+def baseline(reference) -> dict[int, float]:
     """Losses of the same training, uninterrupted, without the supervisor."""
-    out = tmp_path_factory.mktemp("baseline")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in WORKER.items()]
-    proc = run_worker(2, *flags, "--outdir", str(out), timeout=JOB_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics-0.jsonl")}
+    return reference(2, *worker_flags(WORKER))
 
 
 def attempt_metrics(run: Path) -> dict[int, list[dict]]:

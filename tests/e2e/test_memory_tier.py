@@ -16,13 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_checkpoint import LAYOUTS, assert_same_run, kill_every_rank, wait_for_step
-from tests.support import TINY, rank_env, read_metrics, run_worker, start_worker
+from tests.support import (
+    ITERS,
+    LAYOUTS,
+    TINY,
+    assert_same_losses,
+    kill_every_rank,
+    rank_env,
+    read_metrics,
+    run_worker,
+    start_worker,
+    tiered,
+    wait_for_step,
+)
 from worker.ckpt import memory, naming
-
-pytestmark = pytest.mark.slow
-
-ITERS = 10
 
 
 def flags(tmp_path: Path, name: str, *more: str) -> list[str]:
@@ -42,12 +49,9 @@ def flags(tmp_path: Path, name: str, *more: str) -> list[str]:
     ]
 
 
-def baseline(tmp_path: Path, ranks: int, *more: str) -> Path:
+def uninterrupted(reference, ranks: int, *more: str) -> dict[int, float]:
     """The uninterrupted run (no memory tier: the tier must not change what is computed)."""
-    out = tmp_path / "base"
-    done = run_worker(ranks, *TINY, *more, "--train-iters", str(ITERS), "--outdir", str(out))
-    assert done.returncode == 0, done.stderr
-    return out / "metrics-0.jsonl"
+    return reference(ranks, *TINY, *more, "--train-iters", str(ITERS))
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,8 @@ def the_job_dir(root: Path) -> Path:
     return found
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_kill_of_every_rank_resumes_from_memory_bit_exact(tmp_path, mem_root, layout):
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, "fsdp2"))
+def test_a_kill_of_every_rank_resumes_from_memory_bit_exact(tmp_path, reference, mem_root, layout):
     ranks, more = LAYOUTS[layout]
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args = flags(tmp_path, "killed", *more)
@@ -92,11 +96,12 @@ def test_a_kill_of_every_rank_resumes_from_memory_bit_exact(tmp_path, mem_root, 
     assert "(memory, " in again.stdout, again.stdout
     # The copy of step k is sealed before step k+1's update: at most the step in flight is lost.
     assert resumed[0]["step"] - 1 >= seen - 1, (seen, resumed[0]["step"])
-    assert_same_run(baseline(tmp_path, ranks, *more), out / "metrics-0.jsonl")
+    assert_same_losses(uninterrupted(reference, ranks, *more), out / "metrics-0.jsonl")
     assert not list(mem_root.glob("es-mem-*")), "a run that ends well removes its slots"
 
 
-def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, mem_root):
+@pytest.mark.slow
+def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, reference, mem_root):
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args = flags(tmp_path, "m")
     died = run_worker(
@@ -111,7 +116,7 @@ def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, m
     assert again.returncode == 0, again.stderr
     assert "memory tier: every rank holds step 5" in again.stdout
     assert "RESUMED from step=5 (memory" in again.stdout
-    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
 
 
 def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
@@ -124,7 +129,8 @@ def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
     return args, the_job_dir(Path(env["ES_MEM_ROOT"]))
 
 
-def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, mem_root):
+@pytest.mark.slow
+def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, reference, mem_root):
     """Rank 1 dies inside its copy of step 7 (slots: 6 whole, 7 torn); rank 0 holds 6 whole.
     Rank 0's slot of step 6 then has its closing generation rewritten: no step is held whole
     by both, so every rank resumes from the durable tier (were the torn slot taken, it would
@@ -148,10 +154,13 @@ def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, mem_root):
     assert again.returncode == 0, again.stderr
     assert "memory tier: no step held complete by every rank" in again.stdout
     assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
-    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
 
 
-def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(tmp_path, mem_root):
+@pytest.mark.slow
+def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(
+    tmp_path, reference, mem_root
+):
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args, directory = _fail_at_step_8(tmp_path, env)
     shutil.rmtree(directory / "rank-1")
@@ -159,9 +168,10 @@ def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(tmp_pat
     assert again.returncode == 0, again.stderr
     assert "memory tier: no step held complete by every rank (none on rank(s) 1" in again.stdout
     assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
-    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
 
 
+@pytest.mark.slow
 def test_another_world_size_resumes_from_the_durable_tier_resharded(tmp_path, mem_root):
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args, _ = _fail_at_step_8(tmp_path, env)
@@ -171,6 +181,7 @@ def test_another_world_size_resumes_from_the_durable_tier_resharded(tmp_path, me
     assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
 
 
+@pytest.mark.slow
 def test_no_resume_ignores_and_forgets_the_memory_tier(tmp_path, mem_root):
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args, directory = _fail_at_step_8(tmp_path, env)
@@ -183,7 +194,10 @@ def test_no_resume_ignores_and_forgets_the_memory_tier(tmp_path, mem_root):
     assert held and held <= {1, 2}, held  # the fresh run's own copies; none of the old timeline's
 
 
-def test_an_async_save_writes_the_memory_copy_out_and_resumes_bit_exact(tmp_path, mem_root):
+@pytest.mark.slow
+def test_an_async_save_writes_the_memory_copy_out_and_resumes_bit_exact(
+    tmp_path, reference, mem_root
+):
     """An async durable save on a step the memory tier copies anyway writes that copy out (no
     second staging copy); the durable checkpoint so written resumes bit for bit."""
     env = rank_env(ES_MEM_ROOT=str(mem_root))
@@ -201,4 +215,4 @@ def test_an_async_save_writes_the_memory_copy_out_and_resumes_bit_exact(tmp_path
     resumed = re.search(r"RESUMED from step=(\d+) \((\S+)\)", again.stdout)
     assert resumed and int(resumed[1]) in (4, 8), again.stdout  # written from a borrowed copy
     assert resumed[2] == str(naming.step_dir(tmp_path / "m-ckpt", int(resumed[1])))
-    assert_same_run(baseline(tmp_path, 2), tmp_path / "m/metrics-0.jsonl")
+    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")

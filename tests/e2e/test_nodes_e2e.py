@@ -27,9 +27,9 @@ from tests.support import (
     finish_supervisor,
     read_metrics,
     run_supervisor,
-    run_worker,
     start_supervisor,
     toml_table,
+    worker_flags,
 )
 
 JOB_TIMEOUT = 300
@@ -41,8 +41,6 @@ KILL_NODE_1 = {
     "action": "kill",
     "target": "node:1",
 }
-
-pytestmark = pytest.mark.slow
 
 
 def job_config(
@@ -66,13 +64,6 @@ def job_config(
     return path
 
 
-def flags(table: dict) -> list[str]:
-    out: list[str] = []
-    for k, v in table.items():
-        out += [f"--{k.replace('_', '-')}", str(v)]
-    return out
-
-
 def last_losses(run: Path) -> dict[int, float]:
     """step -> rank 0's loss, the newest attempt's record of a step winning."""
     out: dict[int, float] = {}
@@ -86,13 +77,10 @@ def of(evs: list[dict], name: str) -> list[dict]:
     return [e for e in evs if e["event"] == name]
 
 
-def test_a_node_that_keeps_failing_is_swapped_for_the_spare_and_the_run_is_the_same(tmp_path):
-    base = run_worker(
-        3, *flags(WORKER), "--outdir", str(tmp_path / "base"),
-        "--ckpt-dir", str(tmp_path / "base-ckpt"),
-    )  # fmt: skip
-    assert base.returncode == 0, base.stderr
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base" / "metrics-0.jsonl")}
+def test_a_node_that_keeps_failing_is_swapped_for_the_spare_and_the_run_is_the_same(
+    tmp_path, reference
+):
+    want = reference(3, *worker_flags(WORKER))
 
     launch = {"nodes": ["n0", "n1", "n2", "n3"], "spares": 1}
     rc, out = run_supervisor(job_config(tmp_path, launch, {}, [KILL_NODE_1]), JOB_TIMEOUT)
@@ -113,6 +101,7 @@ def test_a_node_that_keeps_failing_is_swapped_for_the_spare_and_the_run_is_the_s
     assert last_losses(run) == want  # bit for bit, every step
 
 
+@pytest.mark.slow
 def test_without_a_spare_the_job_shrinks_and_finishes_on_two_nodes(tmp_path):
     launch = {"nodes": ["n0", "n1", "n2"]}
     restart = {"shrink": True, "min_nodes": 2}
@@ -137,6 +126,7 @@ def test_without_a_spare_the_job_shrinks_and_finishes_on_two_nodes(tmp_path):
     assert sorted(losses) == list(range(1, WORKER["train_iters"] + 1))
 
 
+@pytest.mark.slow
 def test_below_min_nodes_the_job_ends_with_its_own_exit_code(tmp_path):
     """No fault schedule: rank 1 is SIGKILLed from outside, twice, and the supervisor lays it
     on n1 from what it sees of the processes (the first to end)."""
@@ -162,6 +152,7 @@ def test_below_min_nodes_the_job_ends_with_its_own_exit_code(tmp_path):
     assert "min_nodes = 2" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_a_node_that_fails_the_pre_launch_check_never_runs_a_rank(tmp_path):
     launch = {
         "nodes": ["n0", "n1", "n2", "n3"],

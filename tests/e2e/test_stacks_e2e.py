@@ -14,15 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from supervisor.stack_text import main_thread, place_of
 from tests.support import REPO, events, toml_value
 
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 300
 
-pytestmark = pytest.mark.slow
 
 TABLES = {
     "launch": {"launcher": "mpiexec", "ranks_per_node": 2},

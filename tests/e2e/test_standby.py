@@ -14,10 +14,21 @@ import subprocess
 import psutil
 import pytest
 
-from tests.e2e.test_supervisor import finish, rank_pid, start, wait_for
-from tests.support import events, read_metrics, run_worker, toml_value
+from tests.support import (
+    events,
+    rank_pid,
+    read_metrics,
+    tiered,
+    toml_value,
+    wait_for,
+)
+from tests.support import finish_supervisor as _finish
+from tests.support import start_supervisor as start
 
-pytestmark = pytest.mark.slow
+
+def finish(proc, timeout: float = 150) -> tuple[int, str]:
+    return _finish(proc, timeout)
+
 
 SIZES = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
          "vocab_size": 128, "seq_len": 32}  # fmt: skip
@@ -90,17 +101,13 @@ def standby_pids(run, attempt: int) -> list[int]:
 
 @pytest.mark.parametrize(
     "layout,before_ckpt",
-    [("fsdp2", False), ("fsdp2", True), ("hsdp2x2", False), ("fsdp_tp2", False)],
-)
-def test_a_warm_relaunch_is_the_same_run(tmp_path, layout, before_ckpt):
+    tiered([("fsdp2", False), ("fsdp2", True), ("hsdp2x2", False), ("fsdp_tp2", False)],
+           ("fsdp2", False)),
+)  # fmt: skip
+def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, layout, before_ckpt):
     ranks, par = LAYOUTS[layout]
     worker = {**par, "train_iters": 60, "save_interval": 1000 if before_ckpt else 5}
-    base = run_worker(
-        ranks, *flags(worker), "--outdir", str(tmp_path / "base"),
-        "--ckpt-dir", str(tmp_path / "base-ckpt"),
-    )  # fmt: skip
-    assert base.returncode == 0, base.stderr
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base" / "metrics-0.jsonl")}
+    want = reference(ranks, *flags({**par, "train_iters": 60}))
 
     run = tmp_path / "run"
     proc = start(write_config(tmp_path, ranks, worker))
@@ -139,6 +146,7 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, layout, before_ckpt):
     assert "| warm |" in md
 
 
+@pytest.mark.slow
 def test_a_lost_standby_is_replaced_without_spending_the_budget(tmp_path):
     run = tmp_path / "run"
     proc = start(write_config(tmp_path, 2, {"train_iters": 500, "save_interval": 10}))
@@ -160,6 +168,7 @@ def test_a_lost_standby_is_replaced_without_spending_the_budget(tmp_path):
     assert final["restarts"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["done", "sigterm", "sigkill"])
 def test_no_standby_process_survives_the_job(tmp_path, how):
     run = tmp_path / "run"
@@ -189,6 +198,7 @@ def test_no_standby_process_survives_the_job(tmp_path, how):
         assert exits and exits[-1]["survivors"] == 0
 
 
+@pytest.mark.slow
 def test_a_fault_on_every_rank_leaves_the_standby_alone(tmp_path):
     """`target = "all"` is the running attempt's ranks: the waiting standby takes over."""
     kill = {"name": "kill-all", "at_s": [35], "action": "kill", "target": "all"}

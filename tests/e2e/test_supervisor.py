@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,14 +17,27 @@ import pytest
 import zmq
 
 from supervisor import protocol
-from tests.support import REPO, TINY_JOB_WORKER, events, toml_value
+from tests.support import (
+    TINY_JOB_WORKER,
+    assert_in_order,
+    events,
+    names,
+    rank_pid,
+    supervisor_cli,
+    toml_value,
+    wait_for,
+)
+from tests.support import finish_supervisor as _finish
+from tests.support import start_supervisor as start
 
-VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 150
 
-TINY = {**TINY_JOB_WORKER, "train_iters": 30, "save_interval": 5}
 
-pytestmark = pytest.mark.slow
+def finish(proc, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
+    return _finish(proc, timeout)
+
+
+TINY = {**TINY_JOB_WORKER, "train_iters": 30, "save_interval": 5}
 
 
 def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, heartbeat=None,
@@ -52,60 +63,6 @@ def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, 
     path = tmp_path / "job.toml"
     path.write_text(text)
     return path
-
-
-def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
-    e["PATH"] = f"{VENV_BIN}{os.pathsep}{e.get('PATH', '')}"
-    e["PYTHONPATH"] = str(REPO)
-    return e
-
-
-def start(config: Path, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", str(config), *args],
-        cwd=REPO, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"supervisor did not finish in {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
-def wait_for(run: Path, pred, proc: subprocess.Popen, timeout: float = 90) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for e in events(run):
-            if pred(e):
-                return e
-        if proc.poll() is not None:
-            pytest.fail(f"supervisor exited ({proc.returncode}) before the awaited event")
-        time.sleep(0.05)
-    pytest.fail("timed out waiting for an event")
-
-
-def names(evs: list[dict]) -> list[str]:
-    return [e["event"] for e in evs]
-
-
-def rank_pid(run: Path, rank: int, attempt: int) -> int:
-    return next(
-        e["pid"] for e in events(run)
-        if e["event"] == "rank_hello" and e["rank"] == rank and e["attempt"] == attempt
-    )  # fmt: skip
-
-
-def assert_in_order(evs: list[str], expected: list[str]) -> None:
-    it = iter(evs)
-    missing = [name for name in expected if name not in it]
-    assert not missing, f"{expected} not in order in {evs}"
 
 
 def test_job_completes_with_the_run_dir_layout(tmp_path):
@@ -135,12 +92,10 @@ def test_job_completes_with_the_run_dir_layout(tmp_path):
     assert all("ts" in e and "mono" in e for e in evs)
     done = next(e for e in evs if e["event"] == "done")
     assert done["step"] == 12
-    status = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run)], cwd=REPO,
-                            env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    status = supervisor_cli("status", str(run))
     assert status.returncode == 0
     assert "finished: DONE" in status.stdout and "step 12" in status.stdout
-    tail = subprocess.run([sys.executable, "-m", "supervisor", "tail", str(run)], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    tail = supervisor_cli("tail", str(run))
     assert "supervisor_exit" in tail.stdout and "first_step" in tail.stdout
 
 
@@ -173,6 +128,7 @@ def test_killed_rank_relaunch_resume_done(tmp_path):
     assert f"RESUMED from step={resumed['step']}" in (run / "attempts/001/output.log").read_text()
 
 
+@pytest.mark.slow
 def test_stopped_rank_is_a_liveness_loss(tmp_path):
     run = tmp_path / "run"
     worker = {"train_iters": 300, "save_interval": 50}
@@ -198,6 +154,7 @@ def test_stopped_rank_is_a_liveness_loss(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow
 def test_stall_inside_a_step_is_a_progress_loss(tmp_path):
     run = tmp_path / "run"
     config = write_config(
@@ -238,6 +195,7 @@ raise SystemExit(1 if rank == 1 else 0)
 """
 
 
+@pytest.mark.slow
 def test_same_resume_step_again_and_again_is_no_progress(tmp_path):
     """Light ranks (the real beacon, no torch) that always resume from step 5 and die at 7."""
     (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
@@ -258,6 +216,7 @@ def test_same_resume_step_again_and_again_is_no_progress(tmp_path):
     assert [e["delay_s"] for e in evs if e["event"] == "relaunch"] == [0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_budget_exhausted(tmp_path):
     run = tmp_path / "run"
     config = write_config(
@@ -275,6 +234,7 @@ def test_budget_exhausted(tmp_path):
     assert next(e for e in evs if e["event"] == "give_up")["code_name"] == "BUDGET"
 
 
+@pytest.mark.slow
 def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
     run = tmp_path / "run"
     config = write_config(
@@ -295,6 +255,7 @@ def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_checkpoint_disk_ends_the_job_in_one_line(tmp_path, mode):
     run = tmp_path / "run"
@@ -317,6 +278,7 @@ def test_a_full_checkpoint_disk_ends_the_job_in_one_line(tmp_path, mode):
     assert (ckpt / "step-5" / ".complete").exists()  # the newest complete one stays
 
 
+@pytest.mark.slow
 def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
     # The token file is the worker's to check (it may exist only where the ranks run).
     worker = {"data_path": str(tmp_path / "no-such-tokens.bin")}
@@ -335,6 +297,7 @@ def test_bad_worker_flag_is_refused_before_launch(tmp_path):
     assert not (tmp_path / "run" / "events.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_supervisor_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     config = write_config(tmp_path, worker={"train_iters": 5000, "save_interval": 0})
@@ -351,8 +314,7 @@ def test_supervisor_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     assert stop_exit.get("stopped") and stop_exit["returncode"] == 0
     marks = sorted(int(p.parent.name[5:]) for p in (run / "ckpt").glob("step-*/.complete"))
     assert marks and marks[-1] > first["step"]
-    status = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run)], cwd=REPO,
-                            env=env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    status = supervisor_cli("status", str(run))
     assert f"checkpoint: step {marks[-1]}" in status.stdout
     assert "INTERRUPTED" in status.stdout
 
@@ -382,6 +344,7 @@ def test_a_second_supervisor_on_a_running_jobs_dirs_is_refused(tmp_path):
         finish(first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["mpiexec", "local"])
 def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
     run = tmp_path / "run"
@@ -397,6 +360,7 @@ def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
     assert not alive, f"survivors after the supervisor's SIGKILL: {alive}"
 
 
+@pytest.mark.slow
 def test_the_memory_tier_s_directories_are_swept_at_start_and_removed_at_the_end(tmp_path):
     root = tmp_path / "shm"
     dead = root / "es-mem-dead"  # a job killed outright: its directory held by nobody

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.support import TINY, losses, read_metrics, run_worker
-
-pytestmark = pytest.mark.slow
+from tests.support import REPO, TINY, losses, rank_env, read_metrics, run_worker
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks,layout",
     [(2, []), (4, ["--replicate", "2"]), (4, ["--tp", "2"])],
@@ -29,6 +30,7 @@ def test_layout_trains_and_loss_falls(tmp_path, ranks, layout):
     assert last < first - 0.3, (first, last)
 
 
+@pytest.mark.slow
 def test_fsdp_tp_matches_one_process(tmp_path):
     """2-D FSDP+TP computes what one process computes on the same global batch."""
     steps = ["--train-iters", "4"]
@@ -43,6 +45,7 @@ def test_fsdp_tp_matches_one_process(tmp_path):
         assert math.isclose(one[step], tp[step], rel_tol=1e-5), (step, one[step], tp[step])
 
 
+@pytest.mark.slow
 def test_same_seed_is_bit_identical(tmp_path):
     runs = []
     for name in ("a", "b"):
@@ -59,6 +62,7 @@ def test_same_seed_is_bit_identical(tmp_path):
     assert losses(tmp_path / "c/metrics-0.jsonl")[1] != runs[0][1]
 
 
+@pytest.mark.slow
 def test_raising_rank_brings_job_down(tmp_path):
     started = time.monotonic()
     out = run_worker(
@@ -83,27 +87,43 @@ def test_raising_rank_brings_job_down(tmp_path):
     assert max(r["step"] for r in read_metrics(tmp_path / "metrics-0.jsonl")) < 5
 
 
-@pytest.mark.parametrize(
-    "flags,ranks,message",
-    [
-        (["--model", "nope"], 2, "unknown model preset 'nope'"),
-        (["--tp", "3"], 2, "world size 2 is not divisible by --tp 3"),
-        (["--tp", "2", "--n-kv-heads", "1"], 2, "--tp 2 does not divide n_kv_heads=1"),
-        (["--data-path", "/nonexistent/tokens.bin"], 2, "token file /nonexistent/tokens.bin"),
-        (["--outdir", "/proc/forbidden"], 2, "output directory /proc/forbidden is not writable"),
-        (["--ckpt-dir", "/proc/forbidden"], 2, "--ckpt-dir directory /proc/forbidden"),
-        (["--train-iters", "0"], 2, "--train-iters must be at least 1"),
-        (["--bogus-flag"], 2, "unrecognized arguments: --bogus-flag"),
-    ],
-)
-def test_bad_input_is_one_clear_line(tmp_path, flags, ranks, message):
-    out = run_worker(ranks, *TINY, "--outdir", str(tmp_path), *flags, timeout=60)
+BAD_INPUT = [
+    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--tp", "3"], "world size 2 is not divisible by --tp 3"),
+    (["--tp", "2", "--n-kv-heads", "1"], "--tp 2 does not divide n_kv_heads=1"),
+    (["--data-path", "/nonexistent/tokens.bin"], "token file /nonexistent/tokens.bin"),
+    (["--outdir", "/proc/forbidden"], "output directory /proc/forbidden is not writable"),
+    (["--ckpt-dir", "/proc/forbidden"], "--ckpt-dir directory /proc/forbidden"),
+    (["--train-iters", "0"], "--train-iters must be at least 1"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+]
+
+
+def assert_one_clear_line(out, message: str) -> None:
     assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
     assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.parametrize("flags,message", BAD_INPUT)
+def test_bad_input_is_one_clear_line(tmp_path, flags, message):
+    """Rank 0 of a 2-rank job as the launcher's environment describes it: the flags are refused
+    before torch is imported or a peer is waited for, so one process tells it all."""
+    env = rank_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.train", *TINY, "--outdir", str(tmp_path), *flags],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert_one_clear_line(out, message)
+
+
+def test_bad_input_under_mpiexec_is_said_once_for_the_job(tmp_path):
+    out = run_worker(2, *TINY, "--outdir", str(tmp_path), "--tp", "3", timeout=60)
+    assert_one_clear_line(out, "world size 2 is not divisible by --tp 3")
+
+
+@pytest.mark.slow
 def test_token_file_dataset(tmp_path):
     import numpy as np
 

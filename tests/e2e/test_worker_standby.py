@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from supervisor import protocol as P
-from tests.support import TINY, losses, mpiexec, rank_env, read_metrics, run_worker
+from tests.support import ITERS, TINY, losses, mpiexec, rank_env, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ LAYOUTS = {
     "fsdp2_async": (2, ["--async-ckpt"], 10),
     # FSDP+TP and HSDP: the supervisor's real kill and warm relaunch (tests/e2e/test_standby.py).
 }
-STEPS = ["--train-iters", "10", "--save-interval", "4"]
+STEPS = ["--train-iters", str(ITERS), "--save-interval", "4"]
 READY_TIMEOUT = 90
 
 
@@ -159,24 +159,21 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
     ]
 
 
-def assert_same_losses(baseline: Path, got: Path, steps: range) -> None:
-    want, have = losses(baseline), losses(got)
+def assert_losses_over(want: dict[int, float], got: Path, steps: range) -> None:
+    have = losses(got)
     assert set(have) == set(steps), sorted(have)
     for step in steps:
         assert have[step] == want[step], (step, have[step], want[step])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_go_trains_the_uninterrupted_run_fresh_and_resumed(tmp_path, sup, layout):
+def test_go_trains_the_uninterrupted_run_fresh_and_resumed(tmp_path, sup, reference, layout):
     """Fresh: an empty checkpoint dir, `go` -> steps 1.. equal the baseline's (the standby then
     crashes, checkpoint 4 complete). Resumed: a second standby, `go` -> it loads the newest
     complete checkpoint (4) and every step after it equals the baseline's."""
     ranks, flags, crash_at = LAYOUTS[layout]
     common = [*TINY, *flags, *STEPS]
-    base_dirs = ["--outdir", str(tmp_path / "base"), "--ckpt-dir", str(tmp_path / "base-ckpt")]
-    base = run_worker(ranks, *common, *base_dirs)
-    assert base.returncode == 0, base.stdout + base.stderr
-    baseline = tmp_path / "base" / "metrics-0.jsonl"
+    baseline = reference(ranks, *TINY, "--train-iters", str(ITERS))
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt")]
 
     crash = ["--inject-rank", "1", "--inject-raise-at-step", str(crash_at)]
@@ -186,7 +183,7 @@ def test_go_trains_the_uninterrupted_run_fresh_and_resumed(tmp_path, sup, layout
     sup.tell("go", ranks)
     out = finish(proc, sup)
     assert proc.returncode != 0 and f"injected failure at step {crash_at}" in out, out
-    assert_same_losses(baseline, tmp_path / "a1" / "metrics-0.jsonl", range(1, crash_at))
+    assert_losses_over(baseline, tmp_path / "a1" / "metrics-0.jsonl", range(1, crash_at))
     first = read_metrics(tmp_path / "a1" / "metrics-0.jsonl")[0]
     assert "train/restart_seconds" not in first  # started fresh: nothing was resumed
     assert {"startup/warmup", "startup/standby_wait", "train/standby_prepare_seconds"} <= set(first)
@@ -198,7 +195,9 @@ def test_go_trains_the_uninterrupted_run_fresh_and_resumed(tmp_path, sup, layout
     assert proc.returncode == 0, out
     (resumed_at,) = map(int, re.findall(r"RESUMED from step=(\d+)", out))
     assert resumed_at == 4 or (crash_at > 8 and resumed_at == 8), out
-    assert_same_losses(baseline, tmp_path / "a2" / "metrics-0.jsonl", range(resumed_at + 1, 11))
+    assert_losses_over(
+        baseline, tmp_path / "a2" / "metrics-0.jsonl", range(resumed_at + 1, ITERS + 1)
+    )
     first = read_metrics(tmp_path / "a2" / "metrics-0.jsonl")[0]
     parts = {k: round(v, 3) for k, v in first.items() if k.startswith(("startup/", "train/s"))}
     resumed = [m for t, m in sup.messages if t >= went and m["kind"] == "resumed" and not m["rank"]]
