@@ -160,7 +160,6 @@ def nodes_note(
     if environ.get("PBS_NODEFILE") or environ.get("SLURM_JOB_NODELIST"):
         return None
     return (
-        f'launch.nodes = "auto" found neither PBS_NODEFILE nor SLURM_JOB_NODELIST: the job runs '
-        f"on this host only ({', '.join(nodes)}); in a batch job it takes the job's nodes, "
-        "elsewhere give launch.nodes a list of hosts"
+        f'launch.nodes = "auto": no PBS_NODEFILE or SLURM_JOB_NODELIST here, so the job runs '
+        f"on this host only ({', '.join(nodes)})"
     )

@@ -120,7 +120,7 @@ def test_a_multi_node_config_validated_outside_a_batch_job_says_it_fell_back(cap
     path = REPO / "configs" / "agpt2b.toml"  # 2 nodes in a PBS job; mpiexec found by name
     rc, out = validate(capsys, str(path))
     assert rc == 0, out
-    assert 'note: launch.nodes = "auto" found neither PBS_NODEFILE nor SLURM_JOB_NODELIST' in out
+    assert 'note: launch.nodes = "auto": no PBS_NODEFILE or SLURM_JOB_NODELIST here' in out
 
 
 def test_nodes_note_only_when_auto_fell_back():
