@@ -306,6 +306,7 @@ class EventsRead:
 
     events: list[dict[str, Any]] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)  # "not UTF-8", "resumed.step: …"
+    unreadable: str | None = None  # why the file could not be read at all
 
     def skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
@@ -316,6 +317,8 @@ class EventsRead:
 
     def note(self) -> str | None:
         """`events.jsonl: 2 lines skipped (1 not UTF-8; 1 resumed.step: expected …)`."""
+        if self.unreadable:
+            return f"events.jsonl cannot be read ({self.unreadable}): its events are left out"
         if not self.skipped:
             return None
         n = self.skipped_count
@@ -330,7 +333,12 @@ def load_events(path: Path) -> EventsRead:
     out = EventsRead()
     try:
         data = path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError):
+    except FileNotFoundError:
+        return out
+    except IsADirectoryError:
+        return out  # run_dir_events says it is missing
+    except OSError as exc:  # no permission, an I/O error
+        out.unreadable = exc.strerror or str(exc)
         return out
     lines = data.split(b"\n")
     for i, line in enumerate(lines):

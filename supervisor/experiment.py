@@ -65,10 +65,14 @@ def load(
     name = exp.get("name", job.get("name", "experiment") if isinstance(job, dict) else "experiment")
     if not isinstance(name, str):
         raise config_mod.ConfigError(source, "experiment.name", f"expected a name, got {name!r}")
-    # Each phase's job is named `<name>-<phase>`: the name is checked as a job name is.
-    problem = config_mod.name_problem(name + "-baseline")
+    # Each phase's job is named `<name>-<phase>`: the name is checked as a job name is, with
+    # room for the longest phase.
+    most = config_mod.NAME_MAX - len("-baseline")
+    problem = config_mod.name_problem(name)
+    if problem is None and len(name) > most:
+        problem = f"expected at most {most} characters (a phase's job is <name>-baseline)"
     if problem:
-        raise config_mod.ConfigError(source, "experiment.name", problem.replace("-baseline", ""))
+        raise config_mod.ConfigError(source, "experiment.name", problem)
     phases = exp.get("phases", list(PHASES))
     if only:
         phases = [p.strip() for p in only.split(",") if p.strip()]

@@ -86,7 +86,7 @@ def load_run(run_dir: str | Path) -> RunData:
     if any(e.get("event") == "events_reopened" for e in events):
         notes.append("events.jsonl was deleted or moved while the job ran: earlier events are lost")
     if read.note():
-        notes.append(f"{read.note()}: the report leaves them out")
+        notes.append(str(read.note()))
     return RunData(run, events, records, config, skipped, notes, read.skipped_count)
 
 

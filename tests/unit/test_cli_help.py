@@ -92,6 +92,8 @@ def test_validate_checks_every_phase_of_an_experiment(tmp_path, capsys):
          "(async): worker.save_intervl: the worker has no flag --save-intervl"),
         (text.replace('name = "restart"', 'name = "a/b"'),
          "experiment.name: expected ASCII letters"),
+        (text.replace('name = "restart"', f'name = "{"x" * 56}"'),
+         "experiment.name: expected at most 55 characters"),
     ]:  # fmt: skip
         path.write_text(changed)
         rc, out = validate(capsys, str(path))
