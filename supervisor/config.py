@@ -47,6 +47,7 @@ _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # What execve and a POSIX shell take as an environment variable name.
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_RANKS_PER_NODE = 4096
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 MIN_BEAT_S = 0.01  # a faster heartbeat is a busy loop in every rank
 
 
@@ -279,8 +280,13 @@ def _worker(raw: Any, source: str) -> WorkerConfig:
         raise ConfigError(source, "worker", "expected a table")
     raw = dict(raw)
     module = raw.pop("module", "worker.train")
-    if not isinstance(module, str) or not module:
-        raise ConfigError(source, "worker.module", "expected a module name string")
+    if not isinstance(module, str) or not _MODULE.fullmatch(module):
+        shown = module if isinstance(module, str) else repr(module)
+        raise ConfigError(
+            source,
+            "worker.module",
+            f"expected a Python module name (`python -m NAME`), got {shown!r}",
+        )
     for key, value in raw.items():
         where = f"worker.{key}"
         if not _FLAG_NAME.match(key):

@@ -109,6 +109,13 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
         if isinstance(value, str):
             flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)
     nodes = launcher.resolve_nodes(cfg.launch, environ, cfg.source)
+    for node in nodes:  # from a host file or the batch job: checked as a list in the config is
+        problem = config_mod.host_problem(node)
+        if problem:
+            key = "launch.hostfile" if cfg.launch.hostfile else "launch.nodes"
+            raise config_mod.ConfigError(
+                cfg.source, key, f"{problem} (from {_nodes_source(cfg.launch, environ)})"
+            )
     note = nodes_note(cfg.launch, environ, nodes)
     executable = launcher.find_executable(cfg)
     flavor = "local"
@@ -148,6 +155,14 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
 
         check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes) - cfg.launch.spares))
     return Resolved(cfg, run_dir, nodes, executable, flavor, notes=[note] if note else [])
+
+
+def _nodes_source(la: config_mod.LaunchConfig, environ: dict[str, str]) -> str:
+    if la.hostfile:
+        return la.hostfile
+    if isinstance(la.nodes, list):
+        return "the list"
+    return "PBS_NODEFILE" if environ.get("PBS_NODEFILE") else "SLURM_JOB_NODELIST"
 
 
 def nodes_note(

@@ -201,3 +201,18 @@ def test_nul_problem_names_the_first_key():
 def test_duplicates_in_the_order_they_repeat():
     assert C.duplicates(["a", "b", "b", "a", "a"]) == ["b", "a"]
     assert C.duplicates(["a"]) == []
+
+
+def test_host_names_from_a_host_file_are_checked_as_a_list_is(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n0\nbad/host\n")
+    text = f'[launch]\nlauncher = "mpiexec"\nflavor = "hydra"\nhostfile = "{hosts}"\n'
+    err = one_line_error(capsys, ["validate", str(write(tmp_path, text))])
+    assert "launch.hostfile: expected a host name" in err and f"'bad/host' (from {hosts})" in err
+
+
+def test_a_worker_module_is_a_module_name(tmp_path, capsys):
+    err = one_line_error(
+        capsys, ["validate", str(write(tmp_path, LOCAL + '[worker]\nmodule = "os; rm"\n'))]
+    )
+    assert "worker.module: expected a Python module name (`python -m NAME`), got 'os; rm'" in err
