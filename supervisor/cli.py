@@ -586,9 +586,13 @@ def steps_seen(events: list[dict], run_dir: Path) -> dict[int, int]:
         saw(e.get("attempt"), e.get("step"))
         if e.get("event") == "attempt_end":
             saw(e.get("attempt"), e.get("max_step"))
-    for path in (run_dir / "attempts").glob("*/metrics-*.jsonl"):
-        if path.parent.name.isdigit():
-            saw(int(path.parent.name), _last_metrics_record(path).get("step"))
+    for adir in (run_dir / "attempts").glob("[0-9]*"):
+        # Rank 0 steps with every rank; the others' files (--metrics-all-ranks: one a rank)
+        # are read only when it has none.
+        files = [adir / "metrics-0.jsonl"] if (adir / "metrics-0.jsonl").is_file() else []
+        for path in files or adir.glob("metrics-*.jsonl"):
+            if adir.name.isdigit():
+                saw(int(adir.name), _last_metrics_record(path).get("step"))
     return seen
 
 

@@ -183,3 +183,12 @@ def test_the_memory_tier_is_in_report_md_and_the_summary(tmp_path):
 )
 def test_steps_lost_wording(n, text):
     assert steps_lost(n) == text and "−" not in steps_lost(n)
+
+
+def test_status_reads_another_rank_s_metrics_when_rank_0_has_none(tmp_path, capsys):
+    run = make_run(tmp_path, finished=False)
+    metrics = run / "attempts" / "001" / "metrics-1.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(json.dumps(rec(27, 8.0)) + "\n" + '{"step": 28, "t"')  # a torn last line
+    cli.main(["status", str(run)])
+    assert "step:     27 (attempt 1)" in capsys.readouterr().out
