@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor import config as config_mod
-from supervisor import ownership, preflight
+from supervisor import console, ownership, preflight
 from supervisor.decisions import ExitCode
 
 if TYPE_CHECKING:
@@ -169,6 +169,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             print(r.dry_run_text(f"{args.config}, phase {phase}"), end="")
         return ExitCode.DONE
     e.dir.mkdir(parents=True, exist_ok=True)
+    console.guard()  # a closed terminal (SIGHUP, then EIO) must not end a graceful stop
     print(f"experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}", flush=True)
     codes: dict[str, int] = {}
     for phase, r in phases.items():
@@ -185,7 +186,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(f"=== phase {phase}: exit {codes[phase]} ({ExitCode(codes[phase]).name})", flush=True)
         if codes[phase] in (ExitCode.INTERRUPTED, ExitCode.USAGE):
             break
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the runs are over: reports only now
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the runs are over: reports only
         signal.signal(sig, signal.SIG_IGN)
     text = write_comparison(e, codes)
     print(text, flush=True)

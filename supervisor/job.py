@@ -150,6 +150,9 @@ class Job:
 
     async def _attempts(self, first: int) -> tuple[ExitCode, str]:
         self.numbers = first
+        if self.stop.count:  # asked to stop before anything ran (during the node check, say)
+            self._give_up(first, ExitCode.INTERRUPTED, "interrupted before the first launch")
+            return ExitCode.INTERRUPTED, "interrupted"
         attempt = Attempt(self._next_number(), self.shared)
         try:
             return await self._attempts_from(attempt)

@@ -293,6 +293,21 @@ def test_a_user_stop_is_graceful_and_not_an_error(tmp_path):
     assert named(evs, "give_up")[0]["level"] == "warning"
 
 
+def test_a_stop_before_the_first_launch_launches_nothing(tmp_path):
+    fake = FakeLauncher(Script(rc=0, says=hello_steps(1, done=True)))
+    job = make_job(tmp_path, fake)
+
+    async def node_check_interrupted():  # SIGHUP while the nodes are checked
+        job._on_signal(signal.SIGHUP)
+
+    job._check_nodes = node_check_interrupted
+    code, evs = run(job)
+    assert code == ExitCode.INTERRUPTED and fake.started == []
+    assert named(evs, "signal")[0]["signal"] == "SIGHUP"
+    assert named(evs, "give_up")[0]["reason"] == "interrupted before the first launch"
+    assert evs[-1]["event"] == "supervisor_exit" and evs[-1]["code"] == 5
+
+
 def test_a_stop_during_backoff_ends_the_job_at_once(tmp_path):
     fake = FakeLauncher(Script(rc=1))
     t0 = time.monotonic()
