@@ -452,6 +452,8 @@ class AttemptTable:
                 }
                 if self.resume_source is not None:
                     said["source"] = self.resume_source
+                if "why" in msg:
+                    said["why"] = msg["why"]
                 notes.append(Note("resumed", said))
         elif kind == "error":
             self.errors[rank] = msg["message"]

@@ -193,6 +193,7 @@ PHASES = ("init", "standby", "load", "train", "save", "done")
 CKPT_STATES = frozenset({"staged", "written", "complete", "memory"})
 # Where a `resumed` rank's state came from (its optional `source`; absent without a memory tier).
 RESUME_SOURCES = frozenset({"memory", "durable"})
+MAX_WHY = 2000
 
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
@@ -212,7 +213,9 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "step": {"step": int, "loss": NUMBER, "dt": NUMBER},
     "phase": {"phase": str, "step": int},  # + `prepared` (str) when the phase is standby
     "ckpt": {"step": int, "state": str},
-    "resumed": {"step": int, "restart_seconds": NUMBER},  # + `source` (str): RESUME_SOURCES
+    # + `source` (str): RESUME_SOURCES; + `why` (str, at most MAX_WHY): what the memory tier
+    # passed over and why (a slot a rank refused, naming the rank)
+    "resumed": {"step": int, "restart_seconds": NUMBER},
     "error": {"message": str},
     "done": {"step": int},
     # A node's relay (sent as the relay's own rank), run-length coded (a node's ranks are mostly
@@ -311,6 +314,10 @@ def validate(message: dict[str, Any]) -> None:
             raise BadMessage("field 'source' of the wrong type")
         if source not in RESUME_SOURCES:
             raise BadMessage(f"unknown resume source {source!r}")
+    if kind == "resumed" and "why" in message:
+        why = message["why"]
+        if why.__class__ is not str or len(why) > MAX_WHY:
+            raise BadMessage("field 'why' of the wrong type or too long")
 
 
 _INT = frozenset({int})

@@ -93,7 +93,9 @@ class Beacon:
 
     def ckpt(self, step: int, state: str) -> None: ...
 
-    def resumed(self, step: int, restart_seconds: float, source: str = "durable") -> None: ...
+    def resumed(
+        self, step: int, restart_seconds: float, source: str = "durable", why: str | None = None
+    ) -> None: ...
 
     def error(self, message: str) -> None: ...
 
@@ -192,9 +194,19 @@ class ZmqBeacon(Beacon):
             self._last_mem_sent = now
         self._put("ckpt", step=int(step), state=state)
 
-    def resumed(self, step: int, restart_seconds: float, source: str = "durable") -> None:
-        """`source`: where the state came from, `memory` or `durable`."""
-        self._put("resumed", step=int(step), restart_seconds=float(restart_seconds), source=source)
+    def resumed(
+        self, step: int, restart_seconds: float, source: str = "durable", why: str | None = None
+    ) -> None:
+        """`source`: where the state came from, `memory` or `durable`; `why`: what the memory
+        tier passed over and why (a slot a rank refused), when it did."""
+        extra = {"why": str(why)[: protocol.MAX_WHY]} if why else {}
+        self._put(
+            "resumed",
+            step=int(step),
+            restart_seconds=float(restart_seconds),
+            source=source,
+            **extra,
+        )
 
     def error(self, message: str) -> None:
         # Leave room for the envelope under the protocol's size limit.

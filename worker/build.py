@@ -25,7 +25,6 @@ from worker.beat import Beacon
 from worker.ckpt import owner, resume
 from worker.ckpt.checkpointer import Resumed
 from worker.ckpt.manager import CheckpointManager, create_manager
-from worker.ckpt.memory import MemoryChoice
 from worker.data import SyntheticData, TokenFileData
 from worker.dist import RankInfo, init_process_group, select_device, set_threads
 from worker.hooks import Hooks
@@ -145,7 +144,7 @@ def join_group(setup: Setup) -> Group:
     return Group(device_type, device, mesh, identity, meta_init)
 
 
-def choose(setup: Setup, group: Group) -> Path | MemoryChoice | None:
+def choose(setup: Setup, group: Group) -> resume.Chosen:
     """Collective: the checkpoint to resume (None: start fresh); its files start to be read."""
     info = setup.info
     chosen = resume.choose(
@@ -181,9 +180,7 @@ def build_state(setup: Setup, group: Group) -> State:
     return State(model, optimizer, scheduler, source, metrics, Hooks.from_args(args, info.rank))
 
 
-def resume_from(
-    setup: Setup, group: Group, state: State, chosen: Path | MemoryChoice | None
-) -> Training:
+def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen) -> Training:
     """Collective: the checkpoint manager (the async mode cleans the node's stage dir and makes
     its own groups: only once the run really goes), the load of `chosen`, the manager started."""
     args, info = setup.args, setup.info

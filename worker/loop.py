@@ -115,7 +115,7 @@ def report_startup(t: Training) -> None:
         t.metrics.add_to_next("train/standby_prepare_seconds", t.startup.prepare_seconds)
     if t.resumed is not None:
         t.metrics.add_to_next("train/restart_seconds", t.startup.total)
-        t.beacon.resumed(t.start_step, t.startup.total, t.resumed.source)
+        t.beacon.resumed(t.start_step, t.startup.total, t.resumed.source, t.resumed.why)
 
 
 def report_step(t: Training, step: int, mean_loss: float, dt: float) -> None:

@@ -40,6 +40,7 @@ class Resumed:
     tokens_seen: int
     path: Path
     source: str = "durable"  # or "memory": the node-local tier (worker.ckpt.memory)
+    why: str | None = None  # what the memory tier passed over and why (resume.Chosen.why)
 
 
 @contextmanager

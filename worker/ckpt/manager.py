@@ -24,11 +24,11 @@ import torch
 from supervisor.protocol import ENV_JOB_ID
 from worker.args import TrainArgs
 from worker.beat import Beacon
-from worker.ckpt import disk, resume
+from worker.ckpt import disk, memory, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
 from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
-from worker.ckpt.resume import RunIdentity
+from worker.ckpt.resume import Chosen, RunIdentity
 from worker.dist import RankInfo
 from worker.hooks import Hooks
 from worker.metrics import MetricsLog
@@ -37,7 +37,7 @@ from worker.metrics import MetricsLog
 class CheckpointManager:
     """No checkpoints (no `--ckpt-dir`): nothing is saved, nothing resumed."""
 
-    def load(self, chosen: Path | MemoryChoice | None) -> Resumed | None:
+    def load(self, chosen: Chosen) -> Resumed | None:
         """The state of `chosen` into the model, optimizer, scheduler and RNGs."""
         return None
 
@@ -138,25 +138,54 @@ class SyncManager(CheckpointManager):
         self.metrics, self.beacon, self.say = metrics, beacon, say
         self.memory = memory_tier
         self.memory_handover = 0.0  # what the memory tier's save call blocked, after the step
+        self.memory_said = -1  # the newest sealed memory copy said to the supervisor
 
-    def load(self, chosen: Path | MemoryChoice | None) -> Resumed | None:
-        if chosen is None:
-            return None
-        if isinstance(chosen, MemoryChoice):
+    def load(self, chosen: Chosen) -> Resumed | None:
+        """Collective with the memory tier: a slot that a rank refuses at load (a chunk that
+        fails its checksum, a layout that is not the live state's) is removed on that rank, and
+        every rank chooses again (the other slot's step, the durable tier)."""
+        why = chosen.why
+        while isinstance(chosen.source, MemoryChoice):
+            held = chosen.source.held
+            problem = None
             try:
-                meta = self.memory.load(chosen.held, self.base.scheduler)
-            except SlotRefused as exc:  # the agreement's checks passed, yet it does not fit
-                self.memory.forget_slot(chosen.held)
+                meta = self.memory.load(held, self.base.scheduler)
+            except SlotRefused as exc:
+                problem = str(exc)
+            refused = memory.first_refusal(problem)
+            if refused is None:
+                self.memory.resumed_from(held)
+                self.base.last_saved_step = -1  # nothing durable of this step yet
+                resumed = Resumed(meta["step"], meta["tokens_seen"], held.path, "memory", why)
+                self.say(f"RESUMED from step={resumed.step} (memory, {held.path})", flush=True)
+                if why:
+                    self.say(f"memory tier passed over: {why}", flush=True)
+                return resumed
+            if problem is not None:
+                self.memory.forget_slot(held)  # no later agreement picks it again
+            why = "; ".join(w for w in (why, refused) if w)
+            self.say(f"memory tier: refused at load: {refused}; choosing again", flush=True)
+            chosen = resume.choose_tiers(
+                self.base.root,
+                rank=self.base.rank,
+                verify=self.base.verify,
+                memory_at=(self.memory.directory, self.memory.expect),
+                say=self.say,
+                why=why,
+            )
+            why = chosen.why
+            if chosen.source is None:  # the live state is partly a refused slot's by now
                 raise RuntimeError(
-                    f"memory slot refused at load: {exc}; it is removed, so the relaunch "
-                    "resumes from the durable tier"
-                ) from None
-            self.base.last_saved_step = -1  # nothing durable of this step yet
-            resumed = Resumed(meta["step"], meta["tokens_seen"], chosen.held.path, "memory")
-            self.say(f"RESUMED from step={resumed.step} (memory, {chosen.held.path})", flush=True)
-            return resumed
-        resumed = self.base.load(chosen)
-        self.say(f"RESUMED from step={resumed.step} ({chosen})", flush=True)
+                    f"memory slot refused at load ({why}) and no durable checkpoint to resume "
+                    "instead: the relaunch starts fresh"
+                )
+        if chosen.source is None:
+            return None
+        resumed = self.base.load(chosen.source)
+        resumed.why = why
+        self.say(f"RESUMED from step={resumed.step} ({chosen.source})", flush=True)
+        if why:
+            self.say(f"memory tier passed over: {why}", flush=True)
         return resumed
 
     def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
@@ -173,7 +202,12 @@ class SyncManager(CheckpointManager):
             stall = self.memory_handover + copied.wait_seconds
             self.metrics.add_to_next("train/mem_ckpt_stall_seconds", stall)
             self.metrics.add_to_next("train/mem_ckpt_copy_seconds", copied.copy_seconds)
-            self.beacon.ckpt(copied.step, "memory")  # sealed: a relaunch may resume from it
+            if copied.sealed is not None and copied.sealed > self.memory_said:
+                # Sealed (checksummed, on the copy thread after the copy): a relaunch may
+                # resume from it. Usually the copy before this one.
+                self.memory_said = copied.sealed
+                self.metrics.add_to_next("train/mem_ckpt_check_seconds", copied.check_seconds)
+                self.beacon.ckpt(copied.sealed, "memory")
         if not self.memory.enabled and self.memory.off_reason:  # said once
             self.say(f"WARNING: memory tier off: {self.memory.off_reason}", flush=True)
             self.memory.off_reason = ""

@@ -14,18 +14,30 @@ names the generation, the step, the run identity, where each tensor lies, and wh
 equal the record's: a rank killed mid-copy leaves a torn slot that never passes, and its other
 slot, the previous copy, stays whole. The two slots alternate.
 
+Checked (`check` in the record, written before the closing generation): the data's checksum, one
+digest per 4 MiB chunk (`chunk_digest`: the CRC-32 of the chunk's 4 KiB page sums, each page's
+64-bit words added mod 2**64), computed on the copy thread once the copy is done (the loop does
+not wait for it), and the record's own CRC-32. A load verifies each chunk just before it copies
+the chunk's bytes out (the bytes are then in the cache); a slot that fails is refused, never
+loaded, and the ranks choose again (`resume.choose_tiers`). Against damage, not an adversary
+who can write the files: one changed 64-bit word is always caught, a page's words swapped among
+themselves or two changes that cancel in a page's sum are not.
+
 Nothing here is unpickled: the record is JSON, the tensors raw bytes read into the live state.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
+import mmap
 import os
+import re
 import shutil
 import struct
 import threading
 import time
+import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +60,7 @@ from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.staging import Loan, ReusedStager, bytes_needed
 from worker.hooks import Hooks
 
-FORMAT = "es-mem-1"
+FORMAT = "es-mem-2"  # es-mem-1: no checksums
 MAGIC = b"ESMEMSL1"
 HEADER_BYTES = 4096  # magic, generation before, generation after, data bytes; then padding
 _HEADER = struct.Struct("<8sQQQ")
@@ -57,7 +69,13 @@ SLOTS = 2
 # brim takes the node's memory with it.
 FREE_MARGIN_FRACTION = 0.10
 FREE_MARGIN_MIN_BYTES = 256 * 2**20
-READ_CHUNK = 1 << 30
+# The data's checksum: one digest per chunk (verified, then copied out, while in the cache).
+CHECK_ALGO = "page-sums-crc32"
+CHECK_CHUNK = 4 << 20
+PAGE_BYTES = 4096
+# The longest reason a rank tells the others (a refused slot's, for the `resumed` event).
+REASON_BYTES = 400
+_HEX = re.compile(r"[0-9a-f]*")
 
 _held: dict[str, int] = {}  # job dir -> the shared lock this process holds on it
 
@@ -155,6 +173,11 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
         raise SlotRefused(f"slot {slot}: unreadable ({exc})") from None
     if not isinstance(record, dict) or not isinstance(record.get("gen"), int):
         raise SlotRefused(f"slot {slot}: no record")
+    if record.get("format") != FORMAT:
+        raise SlotRefused(f"slot {slot}: format {record.get('format')!r}, this run {FORMAT!r}")
+    problem = record_problem(record)
+    if problem:
+        raise SlotRefused(f"slot {slot}: {problem}")
     if not before == after == record["gen"]:
         raise SlotRefused(f"slot {slot}: torn (a copy was cut short)")
     if size != HEADER_BYTES + nbytes or record.get("nbytes") != nbytes:
@@ -164,10 +187,82 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
             raise SlotRefused(f"slot {slot}: {key} {record.get(key)!r}, this run {value!r}")
     if not isinstance(record.get("step"), int) or not isinstance(record.get("table"), dict):
         raise SlotRefused(f"slot {slot}: incomplete record")
-    outside = table_problem(record["table"], nbytes)
+    outside = table_problem(record["table"], nbytes) or digests_problem(record["check"], nbytes)
     if outside:
         raise SlotRefused(f"slot {slot}: {outside}")
     return Held(slot, record["step"], record["gen"], record, bin_path)
+
+
+# ---- the checksums -------------------------------------------------------------------------------
+def chunk_digest(chunk: torch.Tensor) -> int:
+    """The digest of a chunk of slot data (a host uint8 tensor starting on an 8-byte boundary):
+    the CRC-32 of its 4 KiB pages' sums, each the page's little-endian 64-bit words added mod
+    2**64 (a last partial page counts as zero-padded). One pass at memory speed (a plain torch
+    reduction); a changed 64-bit word always changes its page's sum."""
+    n = chunk.numel()
+    whole = n - n % PAGE_BYTES
+    crc = 0
+    if whole:
+        sums = chunk[:whole].view(torch.int64).view(-1, PAGE_BYTES // 8).sum(dim=1)
+        crc = zlib.crc32(sums.numpy(), crc)
+    if whole < n:
+        page = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+        page[: n - whole] = chunk[whole:]
+        crc = zlib.crc32(page.view(torch.int64).sum().reshape(1).numpy(), crc)
+    return crc
+
+
+def data_digests(data: torch.Tensor) -> str:
+    """Every chunk's digest of a slot's data, as one hex string (8 digits a chunk)."""
+    n = data.numel()
+    return "".join(
+        f"{chunk_digest(data[o : o + CHECK_CHUNK]):08x}" for o in range(0, n, CHECK_CHUNK)
+    )
+
+
+def _canonical(record: dict[str, Any]) -> bytes:
+    """The record's bytes for its CRC: all of it but that CRC (`check.record`), keys sorted."""
+    check = record.get("check")
+    body = {**record, "check": {k: v for k, v in check.items() if k != "record"}}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def checked(record: dict[str, Any], digests: str) -> dict[str, Any]:
+    """`record` as it is written: JSON through and through (it reads back the same), with its
+    `check`: the data's chunk digests and the CRC-32 of the whole record but that CRC."""
+    plain = json.loads(json.dumps(record))
+    plain["check"] = {"algo": CHECK_ALGO, "chunk_bytes": CHECK_CHUNK, "data": digests}
+    plain["check"]["record"] = zlib.crc32(_canonical(plain))
+    return plain
+
+
+def record_problem(record: dict[str, Any]) -> str | None:
+    """Pure: why a slot's record is not as it was written (None: it is)."""
+    check = record.get("check")
+    if not isinstance(check, dict):
+        return "its record has no checksum"
+    if check.get("algo") != CHECK_ALGO or check.get("chunk_bytes") != CHECK_CHUNK:
+        return f"checksum {check.get('algo')!r} of {check.get('chunk_bytes')!r} bytes unknown"
+    if check.get("record") != zlib.crc32(_canonical(record)):
+        return "its record fails its checksum (changed since it was written)"
+    return None
+
+
+def digests_problem(check: dict[str, Any], nbytes: int) -> str | None:
+    """Pure: why the data digests of a (record-checked) `check` cannot be those of `nbytes` of
+    data (None: they can)."""
+    digests = check.get("data")
+    want = 8 * -(-nbytes // CHECK_CHUNK)
+    if not isinstance(digests, str) or len(digests) != want:
+        return f"its checksum does not cover its {nbytes} bytes"
+    if not _HEX.fullmatch(digests):
+        return "its checksum is not hexadecimal"
+    return None
+
+
+def expected_digests(record: dict[str, Any]) -> list[int]:
+    digests = record["check"]["data"]
+    return [int(digests[i : i + 8], 16) for i in range(0, len(digests), 8)]
 
 
 def table_problem(table: dict[str, Any], nbytes: int) -> str | None:
@@ -219,19 +314,56 @@ class Agreement:
 def agree(held: list[Held], world: int, newest_durable: int | None) -> Agreement:
     """Collective, one all-gather: every rank's complete steps, and rank 0's newest durable
     step, so that every rank takes the same decision."""
-    mine = torch.full((SLOTS + 1,), -1, dtype=torch.int64)
+    mine = torch.full((SLOTS + 1,), -1, dtype=torch.int64, device=group_device())
     for i, h in enumerate(held[:SLOTS]):
         mine[i] = h.step
     if newest_durable is not None:
         mine[SLOTS] = newest_durable
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    steps = [[s for s in t.tolist()[:SLOTS] if s >= 0] for t in every]
+    every = [t.tolist() for t in every]
+    steps = [[s for s in t[:SLOTS] if s >= 0] for t in every]
     durable = int(every[0][SLOTS])
     return Agreement(
         newest_common(steps),
         [r for r, s in enumerate(steps) if not s],
         durable if durable >= 0 else None,
+    )
+
+
+def group_device() -> torch.device:
+    """Where the default process group's collectives take their tensors (NCCL: this rank's
+    GPU; gloo: the host)."""
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend in ("xccl", "ccl"):
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+def first_refusal(reason: str | None) -> str | None:
+    """Collective: `rank R: <reason>` of the lowest rank that gives one (and how many more
+    did), the same text on every rank; None, on every rank, when none gives one."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = group_device()
+    first = torch.tensor([rank if reason else world], dtype=torch.int64, device=device)
+    count = torch.tensor([1 if reason else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    first_rank, how_many = int(first.item()), int(count.item())
+    if how_many == 0:
+        return None
+    text = torch.zeros(REASON_BYTES, dtype=torch.uint8)
+    if rank == first_rank:
+        raw = reason.encode()[:REASON_BYTES]
+        text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    text = text.to(device)
+    dist.broadcast(text, src=first_rank)
+    said = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    more = how_many - 1
+    return f"rank {first_rank}: {said}" + (
+        f" (and {more} more rank{'s' if more > 1 else ''})" if more else ""
     )
 
 
@@ -284,11 +416,14 @@ class CopyReport:
     wait_seconds: float  # what the loop blocked for the copy
     copy_seconds: float  # the memcpy, beside training
     nbytes: int
+    sealed: int | None  # the newest step sealed so far (its checksum follows its copy)
+    check_seconds: float | None  # that seal's checksum, on the copy thread
 
 
 class MemoryTier:
     """Copies this rank's state into its two slots in turn, on a thread of its own, beside the
-    next step's forward and backward (the optimizer step waits for it, as for the async stage)."""
+    next step's forward and backward (the optimizer step waits for the copy, as for the async
+    stage); the same thread then checksums the copy and seals the slot, while training goes on."""
 
     def __init__(
         self,
@@ -326,6 +461,10 @@ class MemoryTier:
         self._copy: Future | None = None
         self._copy_step = -1
         self._copied = threading.Event()
+        # Written by the copy thread once a slot is sealed (or its seal failed), read by the loop.
+        self.sealed: int | None = None
+        self.check_seconds: float | None = None
+        self._seal_failed: str | None = None
         # Per slot, set once no writer reads it: an async durable save may write one out.
         # Each loan gets an event of its own, so a copy waits only for loans made before it.
         self._free = [threading.Event() for _ in range(SLOTS)]
@@ -342,7 +481,7 @@ class MemoryTier:
         problem = self.broken or fit_problem(
             self.directory, need * SLOTS * self.local_world, self._reusable()
         )
-        ok = torch.tensor([0 if problem else 1], dtype=torch.int64)
+        ok = torch.tensor([0 if problem else 1], dtype=torch.int64, device=group_device())
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if int(ok[0]):
             return None
@@ -372,9 +511,9 @@ class MemoryTier:
         meta = self.describe(step, tokens_seen, data, gather=False)
         self._copied.clear()
         self._copy_step = step
-        self._copy = self._thread.submit(
-            self._copy_into, self.target, self.gen, state, meta, self._free[self.target]
-        )
+        slot, gen = self.target, self.gen
+        self._copy = self._thread.submit(self._copy_into, slot, gen, state, meta, self._free[slot])
+        self._thread.submit(self._check_and_seal, slot, gen, meta, self._copy)
         self.target = (self.target + 1) % SLOTS
         self.gen += 1
 
@@ -386,7 +525,8 @@ class MemoryTier:
         state: dict[str, Any],
         meta: dict[str, Any],
         free: threading.Event,
-    ) -> None:
+    ) -> dict[str, Any]:
+        """The copy: once it is done the loop may change the live state again."""
         try:
             target, stager = self.slots[slot], self.stagers[slot]
             free.wait()  # an async durable save still writing this slot's older copy out
@@ -395,19 +535,36 @@ class MemoryTier:
             snapshot = stager.stage(state)  # maps the slot on its first use
             target.begin(gen)
             self.hooks.in_memory_copy(meta["step"])
-            table = describe_tensors(snapshot, target.block)
+            return snapshot
+        finally:
+            self._copied.set()
+
+    @torch.no_grad()
+    def _check_and_seal(self, slot: int, gen: int, meta: dict[str, Any], copy: Future) -> None:
+        """After the copy, on the same thread (before the next copy), training going on: the
+        checksums, then the record and the closing generation. A failure turns the tier off at
+        the loop's next look (`wait_copied`); the slot stays torn."""
+        if copy.exception() is not None:  # said by wait_copied
+            return
+        try:
+            target, stager = self.slots[slot], self.stagers[slot]
+            started = time.perf_counter()
+            digests = data_digests(target.block[: stager.nbytes])
             record = {
                 **self.expect.record(),
                 "gen": gen,
                 "step": meta["step"],
                 "nbytes": stager.nbytes,
                 "meta": meta,
-                "table": table,
+                "table": describe_tensors(copy.result(), target.block),
                 "saved_at": time.time(),
             }
+            record = checked(record, digests)
+            check_seconds = time.perf_counter() - started
             target.seal(gen, record)
-        finally:
-            self._copied.set()
+            self.check_seconds, self.sealed = check_seconds, meta["step"]
+        except Exception as exc:  # any failure: the tier goes off, training goes on
+            self._seal_failed = f"a seal failed ({type(exc).__name__}: {exc})"
 
     def lend(self, step: int) -> Callable[[], Loan | None] | None:
         """The copy of `step` in flight, for an async durable save of the same step to write
@@ -439,12 +596,27 @@ class MemoryTier:
         waited = time.perf_counter() - started
         self._copy = None
         error = job.exception()
-        if error is not None:
+        if error is not None or self._seal_failed:
             self.enabled = False
-            self.off_reason = f"a copy failed ({type(error).__name__}: {error})"
+            self.off_reason = self._seal_failed or (
+                f"a copy failed ({type(error).__name__}: {error})"
+            )
             return None
         stager = self.stagers[(self.target - 1) % SLOTS]
-        return CopyReport(self._copy_step, waited, stager.copy_seconds, stager.nbytes)
+        return CopyReport(
+            self._copy_step,
+            waited,
+            stager.copy_seconds,
+            stager.nbytes,
+            self.sealed,
+            self.check_seconds,
+        )
+
+    def resumed_from(self, held: Held) -> None:
+        """A load of `held` succeeded: the next copy goes into the other slot (the one resumed
+        from stays whole meanwhile), with a generation newer than every slot's."""
+        self.target = (held.slot + 1) % SLOTS
+        self.gen = max(self.gen, held.gen + 1)
 
     def close(self, remove: bool) -> None:
         """Wait for a copy in flight; with `remove`, delete this rank's slots (and the job's
@@ -478,7 +650,10 @@ class MemoryTier:
         prefill_adamw_state(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd})
-        read_into(held.path, flat, held.record["table"])
+        try:
+            read_into(held.path, flat, held.record["table"], expected_digests(held.record))
+        except SlotRefused as exc:
+            raise SlotRefused(f"slot {held.slot} (step {held.step}): {exc}") from None
         state = unflatten_state_dict(flat, mapping)
         if not loaded_in_place(self.model, state["model"]):
             set_model_state_dict(self.model, state["model"])
@@ -488,7 +663,7 @@ class MemoryTier:
         rng.restore(meta["rng"], f"{held.path} (rank {self.expect.rank})")
         before, after, _ = read_header(held.path)
         if not before == after == held.gen:
-            raise SlotRefused(f"{held.path}: changed while it was read")
+            raise SlotRefused(f"slot {held.slot} (step {held.step}): changed while it was read")
         return meta
 
 
@@ -536,41 +711,92 @@ def describe_tensors(snapshot: dict[str, Any], block: torch.Tensor) -> dict[str,
     return table
 
 
-def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any]) -> None:
-    """Fill the live state's flattened entries from the slot file `path`; SlotRefused where the
-    slot's layout is not the live state's."""
+def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any], digests: list[int]) -> None:
+    """Fill the live state's flattened entries from the slot file `path`, each chunk of its
+    data checked against its digest (`digests`) just before its bytes are copied out (then in
+    the cache: one pass over the slot). SlotRefused where the slot's layout is not the live
+    state's or a chunk fails its digest; the live state may then be partly overwritten, and
+    must be loaded again (another slot, a durable checkpoint)."""
     if set(flat) != set(table):
         odd = sorted(set(flat) ^ set(table))[:3]
-        raise SlotRefused(f"{path}: holds another state (entries {odd} differ)")
+        raise SlotRefused(f"holds another state (entries {odd} differ)")
+    segments: list[tuple[int, int, torch.Tensor]] = []  # data offset, bytes, where they go
+    bounced: list[tuple[torch.Tensor, torch.Tensor]] = []  # a strided live tensor, its host copy
+    for key, live in flat.items():
+        entry = table[key]
+        if not isinstance(live, torch.Tensor):
+            continue
+        local = live._local_tensor if isinstance(live, DTensor) else live
+        if entry.get("dtype") != str(local.dtype) or entry.get("shape") != list(local.shape):
+            raise SlotRefused(f"{key} is {entry.get('dtype')} {entry.get('shape')}")
+        if local.dim() == 0:
+            if not isinstance(entry.get("value"), (bool, int, float)):
+                raise SlotRefused(f"{key} has no value")
+            continue
+        nbytes = local.numel() * local.element_size()
+        if entry.get("nbytes") != nbytes or not isinstance(entry.get("offset"), int):
+            raise SlotRefused(f"{key}: {entry.get('nbytes')} bytes recorded, {nbytes} live")
+        if not nbytes:
+            continue
+        if local.is_contiguous():
+            dest = local.view(-1).view(torch.uint8)
+        else:
+            host = torch.empty(local.shape, dtype=local.dtype)
+            bounced.append((local, host))
+            dest = host.view(-1).view(torch.uint8)
+        segments.append((entry["offset"], nbytes, dest))
+    _checked_copy(path, digests, sorted(segments, key=lambda s: s[0]))
+    for local, host in bounced:
+        local.copy_(host)
+    for key, live in flat.items():  # all checked: the values the record holds
+        entry = table[key]
+        if not isinstance(live, torch.Tensor):
+            value = entry.get("value")
+            flat[key] = tuple(value) if isinstance(live, tuple) else value
+        elif live.dim() == 0:
+            (live._local_tensor if isinstance(live, DTensor) else live).fill_(entry["value"])
+
+
+def _checked_copy(
+    path: Path, digests: list[int], segments: list[tuple[int, int, torch.Tensor]]
+) -> None:
+    """Map the slot's data (read-only, populated at once); chunk by chunk, check it, then copy
+    the segments' bytes in it (sorted by offset) to their destinations."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for key, live in flat.items():
-            entry = table[key]
-            if not isinstance(live, torch.Tensor):
-                value = entry.get("value")
-                flat[key] = tuple(value) if isinstance(live, tuple) else value
-                continue
-            local = live._local_tensor if isinstance(live, DTensor) else live
-            if entry.get("dtype") != str(local.dtype) or entry.get("shape") != list(local.shape):
-                raise SlotRefused(f"{path}: {key} is {entry.get('dtype')} {entry.get('shape')}")
-            if local.dim() == 0:
-                local.fill_(entry["value"])
-            else:
-                _read_tensor(fd, local, HEADER_BYTES + int(entry["offset"]), path)
+        size = os.fstat(fd).st_size - HEADER_BYTES
+        if size <= 0 or len(digests) != -(-size // CHECK_CHUNK):
+            raise SlotRefused(f"{size} bytes of data, its checksum covers {len(digests)} chunks")
+        if segments and max(off + n for off, n, _ in segments) > size:
+            raise SlotRefused("an entry lies past the end of its data")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, HEADER_BYTES + size, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-
-
-def _read_tensor(fd: int, t: torch.Tensor, offset: int, path: Path) -> None:
-    direct = t.device.type == "cpu" and t.is_contiguous()
-    host = t if direct else torch.empty(t.shape, dtype=t.dtype)
-    nbytes = host.numel() * host.element_size()
-    view = memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B")
-    done = 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[done : done + READ_CHUNK]], offset + done)
-        if n <= 0:
-            raise SlotRefused(f"{path}: ends early")
-        done += n
-    if not direct:
-        t.copy_(host)
+    whole = data = chunk = None
+    try:
+        with warnings.catch_warnings():  # read-only, and only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        data = whole[HEADER_BYTES:]
+        first = 0  # the first segment not yet copied whole
+        for index, start in enumerate(range(0, size, CHECK_CHUNK)):
+            end = min(start + CHECK_CHUNK, size)
+            chunk = data[start:end]
+            if chunk_digest(chunk) != digests[index]:
+                raise SlotRefused(f"data bytes {start}-{end - 1} fail their checksum")
+            i = first
+            while i < len(segments) and segments[i][0] < end:
+                off, n, dest = segments[i]
+                lo, hi = max(off, start), min(off + n, end)
+                if lo < hi:
+                    dest[lo - off : hi - off].copy_(chunk[lo - start : hi - start])
+                i += 1
+            while first < len(segments) and sum(segments[first][:2]) <= end:
+                first += 1
+    finally:
+        whole = data = chunk = None
+        try:
+            mapped.close()
+        except BufferError:  # a view still lives (a traceback's frame): unmapped when it goes
+            pass

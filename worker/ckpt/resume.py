@@ -33,38 +33,66 @@ class RunIdentity:
     mesh: str
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """What a (re)start resumes from: a durable step dir, every rank's own memory slot of one
+    step, or None (a fresh start). `why`: what the memory tier passed over and why (a slot a
+    rank refused, with the rank), the same text on every rank; None when nothing was."""
+
+    source: Path | memory.MemoryChoice | None
+    why: str | None = None
+
+
 def choose(
     args: TrainArgs, rank: int, identity: RunIdentity, beacon: Beacon, say: Callable, host: str
-) -> Path | memory.MemoryChoice | None:
+) -> Chosen:
     """Collective: the checkpoint to resume from (a durable step dir, or every rank's own memory
     slot of one step), None to start fresh; a durable one's files start to be read at once."""
     if not args.ckpt_dir:
-        return None
+        return Chosen(None)
     expect = memory_expect(args, rank, identity, host)
     if args.no_resume:
         if expect is not None:  # a fresh timeline: never resume the old one's memory later
             memory.forget(memory_dir(args), rank)
-        return None
+        return Chosen(None)
     beacon.phase("load", 0)
-    if expect is not None:  # before the durable tier is read: it may not be needed
-        newest_durable = None
-        if rank == 0:
-            candidates = files.resume_candidates(files.scan(Path(args.ckpt_dir)))
-            newest_durable = candidates[0].step if candidates else None
-        in_memory = choose_memory(memory_dir(args), expect, newest_durable, say)
-        if in_memory is not None:
-            return in_memory
-    chosen = choose_checkpoint(
+    chosen = choose_tiers(
         Path(args.ckpt_dir),
         rank=rank,
         verify=args.ckpt_verify,
-        log=lambda m: say(m, flush=True),
+        memory_at=(memory_dir(args), expect) if expect is not None else None,
+        say=say,
     )
-    if chosen is None:
-        say(f"no complete checkpoint in {args.ckpt_dir}: starting fresh", flush=True)
-    else:
-        start_reading(chosen, files.read_meta(chosen), rank=rank, identity=identity)
+    if isinstance(chosen.source, Path):
+        start_reading(chosen.source, files.read_meta(chosen.source), rank=rank, identity=identity)
     return chosen
+
+
+def choose_tiers(
+    root: Path,
+    *,
+    rank: int,
+    verify: str,
+    memory_at: tuple[Path, memory.Expect] | None,
+    say: Callable,
+    why: str | None = None,
+) -> Chosen:
+    """Collective: the memory tier first (when `memory_at`: its directory and what a slot must
+    match), else the newest durable checkpoint that verifies, else None. `why`: what was passed
+    over before (a slot refused at load), kept in front of what this choice passes over."""
+    if memory_at is not None:  # before the durable tier is read: it may not be needed
+        newest_durable = None
+        if rank == 0:
+            candidates = files.resume_candidates(files.scan(root))
+            newest_durable = candidates[0].step if candidates else None
+        in_memory, passed = choose_memory(*memory_at, newest_durable, say)
+        why = "; ".join(w for w in (why, passed) if w) or None
+        if in_memory is not None:
+            return Chosen(in_memory, why)
+    chosen = choose_checkpoint(root, rank=rank, verify=verify, log=lambda m: say(m, flush=True))
+    if chosen is None:
+        say(f"no complete checkpoint in {root}: starting fresh", flush=True)
+    return Chosen(chosen, why)
 
 
 def memory_dir(args: TrainArgs) -> Path:
@@ -91,36 +119,41 @@ def memory_expect(
 
 def choose_memory(
     directory: Path, expect: memory.Expect, newest_durable: int | None, say: Callable
-) -> memory.MemoryChoice | None:
+) -> tuple[memory.MemoryChoice | None, str | None]:
     """Collective: every rank's slot of the newest step that every rank holds complete, when it
     is newer than the newest complete durable checkpoint (`newest_durable`: rank 0's word);
-    None, on every rank alike, on any doubt."""
+    None, on every rank alike, on any doubt. Also what was refused (a slot torn, damaged, of
+    another run), with the first rank that refused one: the same text on every rank."""
     try:
         memory.hold(directory)
         held, refused = memory.find(directory, expect)
     except OSError as exc:  # this rank holds nothing usable; the agreement still needs it
         held, refused = [], [f"{directory}: {exc.strerror or exc}"]
     agreed = memory.agree(held, expect.world, newest_durable)
+    telling = [r for r in refused if not r.endswith(": missing")]  # a slot never written
+    why = memory.first_refusal("; ".join(telling) or None)
     durable = "none" if agreed.durable is None else f"step {agreed.durable}"
     if agreed.step is None:
         if len(agreed.without) < expect.world:  # some rank held a copy: say why it is not used
             say(
                 f"memory tier: no step held complete by every rank (none on rank(s) "
-                f"{_ranks(agreed.without)}; rank {expect.rank}: {'; '.join(refused) or 'ok'}): "
+                f"{_ranks(agreed.without)}; {why or 'nothing refused'}): "
                 f"resuming from the durable tier ({durable})",
                 flush=True,
             )
-        return None
+        return None, why
     if not agreed.use_memory:
         say(
             f"memory tier: step {agreed.step} is not newer than the durable {durable}: "
             "resuming from the durable tier",
             flush=True,
         )
-        return None
+        return None, why
     mine = next(h for h in held if h.step == agreed.step)
     say(f"memory tier: every rank holds step {agreed.step} (durable: {durable})", flush=True)
-    return memory.MemoryChoice(agreed.step, mine)
+    if why:
+        say(f"memory tier: refused: {why}", flush=True)
+    return memory.MemoryChoice(agreed.step, mine), why
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -1,0 +1,284 @@
+"""The memory slots' checksums (issue 25 item 1), without a process group: the copy thread's
+digests, and a load that refuses any byte that changed since (first, last, padding), a slot torn,
+truncated, swapped between ranks, a record or a checksum edited; a good slot loads whole."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.ckpt import memory, rng
+from worker.hooks import Hooks
+
+EXPECT = memory.Expect(
+    job="j1", rank=0, world=1, mesh="dp_shard=1", model_fingerprint="abc", host="node0"
+)
+# Two chunks and a bit: the second chunk ends in a partial page-aligned tail.
+NBYTES = memory.CHECK_CHUNK + 3 * memory.PAGE_BYTES
+
+
+def reference_digest(data: bytes) -> int:
+    """chunk_digest as its docstring says it, in numpy (uint64 sums wrap by definition)."""
+    padded = data + bytes(-len(data) % memory.PAGE_BYTES)
+    words = np.frombuffer(padded, dtype="<u8").reshape(-1, memory.PAGE_BYTES // 8)
+    sums = words.sum(axis=1, dtype=np.uint64)
+    import zlib
+
+    return zlib.crc32(sums.astype("<u8").tobytes())
+
+
+@pytest.mark.parametrize("n", [8, 4096, 4096 * 3 + 8, 1 << 20])
+def test_the_digest_is_the_crc32_of_the_page_sums(n):
+    data = bytes(random.Random(n).getrandbits(8) for _ in range(min(n, 64))) * -(-n // 64)
+    data = data[:n]
+    chunk = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert memory.chunk_digest(chunk) == reference_digest(data)
+
+
+def test_one_changed_word_always_changes_its_chunk_s_digest():
+    base = torch.randint(0, 256, (64 * memory.PAGE_BYTES,), dtype=torch.uint8)
+    want = memory.chunk_digest(base)
+    for offset in (0, 7, 4095, 4096, 100_000, base.numel() - 1):
+        for bit in (0, 7):
+            damaged = base.clone()
+            damaged[offset] ^= 1 << bit
+            assert memory.chunk_digest(damaged) != want, (offset, bit)
+    swapped = base.clone()  # two pages trade places: their sums move with them
+    swapped[:4096], swapped[4096:8192] = base[4096:8192].clone(), base[:4096].clone()
+    assert memory.chunk_digest(swapped) != want
+
+
+def write_slot(directory: Path, slot: int, step: int, data: torch.Tensor, expect=EXPECT) -> Path:
+    """A sealed slot holding `data` as two tensors, the second ending 8 bytes before the data's
+    end (so that the last bytes are padding, as the stager leaves them)."""
+    bin_path, json_path = memory.slot_paths(directory, expect.rank, slot)
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    s = memory._Slot(bin_path, json_path)
+    block = s.map(data.numel())
+    block.copy_(data)
+    gen = step + 100
+    s.begin(gen)
+    half = memory.CHECK_CHUNK // 2
+    table = {
+        "a": {"dtype": "torch.uint8", "shape": [half], "offset": 0, "nbytes": half},
+        "b": {"dtype": "torch.float32", "shape": [(data.numel() - half - 8) // 4],
+              "offset": half, "nbytes": data.numel() - half - 8},
+        "step": {"dtype": "torch.float32", "shape": [], "value": 3.0},
+        "lr": {"value": 0.5},
+    }  # fmt: skip
+    record = {**expect.record(), "gen": gen, "step": step, "nbytes": data.numel(), "meta": {}}
+    s.seal(gen, memory.checked({**record, "table": table}, memory.data_digests(block)))
+    s.header = s.block = None
+    return bin_path
+
+
+def live_state() -> dict:
+    half = memory.CHECK_CHUNK // 2
+    return {
+        "a": torch.zeros(half, dtype=torch.uint8),
+        "b": torch.zeros((NBYTES - half - 8) // 4, dtype=torch.float32),
+        "step": torch.tensor(0.0),
+        "lr": 0.0,
+    }
+
+
+def load(directory: Path, slot: int = 0, expect=EXPECT) -> dict:
+    held = memory.inspect(directory, expect.rank, slot, expect)
+    live = live_state()
+    memory.read_into(held.path, live, held.record["table"], memory.expected_digests(held.record))
+    return live
+
+
+@pytest.fixture
+def data() -> torch.Tensor:
+    return torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, generator=torch.Generator())
+
+
+def test_a_good_slot_loads_whole(tmp_path, data):
+    write_slot(tmp_path, 0, 7, data)
+    live = load(tmp_path)
+    half = memory.CHECK_CHUNK // 2
+    assert torch.equal(live["a"], data[:half])
+    assert torch.equal(live["b"].view(torch.uint8), data[half : NBYTES - 8])
+    assert live["step"].item() == 3.0 and live["lr"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [0, 1, memory.CHECK_CHUNK - 1, memory.CHECK_CHUNK, NBYTES // 2, NBYTES - 9, NBYTES - 1],
+    ids=["first", "second", "chunk-end", "chunk-start", "middle", "last-of-b", "last-padding"],
+)
+def test_a_flipped_byte_anywhere_in_the_data_is_refused(tmp_path, data, offset):
+    path = write_slot(tmp_path, 0, 7, data)
+    with path.open("r+b") as f:
+        f.seek(memory.HEADER_BYTES + offset)
+        byte = f.read(1)[0]
+        f.seek(memory.HEADER_BYTES + offset)
+        f.write(bytes([byte ^ 0x10]))
+    memory.inspect(tmp_path, 0, 0, EXPECT)  # the header and record are as written
+    chunk = offset // memory.CHECK_CHUNK
+    start, end = chunk * memory.CHECK_CHUNK, min((chunk + 1) * memory.CHECK_CHUNK, NBYTES)
+    with pytest.raises(memory.SlotRefused, match=f"data bytes {start}-{end - 1} fail"):
+        load(tmp_path)
+
+
+def test_the_issue_s_flip_is_refused_before_any_later_chunk_is_read(tmp_path, data):
+    """256 bytes just past the header XORed (the issue's case)."""
+    path = write_slot(tmp_path, 0, 7, data)
+    raw = bytearray(path.read_bytes())
+    for i in range(memory.HEADER_BYTES, memory.HEADER_BYTES + 256):
+        raw[i] ^= 0xA5
+    path.write_bytes(bytes(raw))
+    with pytest.raises(memory.SlotRefused, match="data bytes 0-4194303 fail their checksum"):
+        load(tmp_path)
+
+
+def test_a_torn_slot_is_still_refused(tmp_path, data):
+    path = write_slot(tmp_path, 0, 7, data)
+    with path.open("r+b") as f:  # a copy began again and was cut short
+        f.seek(8)
+        f.write((999).to_bytes(8, "little"))
+    with pytest.raises(memory.SlotRefused, match="torn"):
+        memory.inspect(tmp_path, 0, 0, EXPECT)
+
+
+def test_a_truncated_slot_is_refused(tmp_path, data):
+    path = write_slot(tmp_path, 0, 7, data)
+    with path.open("r+b") as f:
+        f.truncate(memory.HEADER_BYTES + NBYTES - 4096)
+    with pytest.raises(memory.SlotRefused, match="bytes, its record says"):
+        memory.inspect(tmp_path, 0, 0, EXPECT)
+    held_before = memory.Held(0, 7, 107, json.loads(path.with_suffix(".json").read_text()), path)
+    with pytest.raises(memory.SlotRefused, match="past the end"):  # cut after the look
+        memory.read_into(path, live_state(), held_before.record["table"],
+                         memory.expected_digests(held_before.record))  # fmt: skip
+
+
+def test_slots_swapped_between_ranks_are_refused(tmp_path, data):
+    """Same generations and sizes on both ranks: only the bytes tell one rank's from another's."""
+    mine = write_slot(tmp_path, 0, 7, data)
+    other = memory.Expect(**{**EXPECT.__dict__, "rank": 1})
+    theirs = write_slot(tmp_path, 0, 7, torch.flip(data, [0]), expect=other)
+    a, b = mine.read_bytes(), theirs.read_bytes()
+    mine.write_bytes(b)
+    theirs.write_bytes(a)
+    with pytest.raises(memory.SlotRefused, match="fail their checksum"):
+        load(tmp_path)
+    with pytest.raises(memory.SlotRefused, match="fail their checksum"):
+        load(tmp_path, expect=other)
+
+
+def edit_record(directory: Path, change) -> None:
+    path = memory.slot_paths(directory, 0, 0)[1]
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda r: r["meta"].update(x=1), "record fails its checksum"),
+        (lambda r: r["table"]["lr"].update(value=0.25), "record fails its checksum"),
+        (lambda r: r.update(step=8), "record fails its checksum"),
+        (lambda r: r["check"].update(data="0" * len(r["check"]["data"])), "record fails"),
+        (lambda r: r["check"].update(record=r["check"]["record"] ^ 1), "record fails"),
+        (lambda r: r["check"].update(algo="md5"), "checksum 'md5'"),
+        (lambda r: r.pop("check"), "no checksum"),
+        (lambda r: r.update(format="es-mem-1"), "format 'es-mem-1'"),
+    ],
+    ids=["meta", "value", "step", "digests", "record-crc", "algo", "no-check", "old-format"],
+)
+def test_an_edited_record_or_checksum_is_refused(tmp_path, data, change, reason):
+    write_slot(tmp_path, 0, 7, data)
+    edit_record(tmp_path, change)
+    with pytest.raises(memory.SlotRefused, match=reason):
+        memory.inspect(tmp_path, 0, 0, EXPECT)
+
+
+def test_a_record_with_a_flipped_byte_is_refused(tmp_path, data):
+    write_slot(tmp_path, 0, 7, data)
+    path = memory.slot_paths(tmp_path, 0, 0)[1]
+    raw = path.read_bytes()
+    for i in range(len(raw)):  # every byte in turn: unreadable, or fails its checksum
+        damaged = bytearray(raw)
+        damaged[i] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(memory.SlotRefused):
+            memory.inspect(tmp_path, 0, 0, EXPECT)
+
+
+def test_a_crafted_checksum_that_passes_its_crc_is_still_checked_for_shape(tmp_path, data):
+    write_slot(tmp_path, 0, 7, data)
+    path = memory.slot_paths(tmp_path, 0, 0)[1]
+    record = json.loads(path.read_text())
+    for digests, reason in (("ab", "does not cover"), ("zz" * 8, "not hexadecimal")):
+        path.write_text(json.dumps(memory.checked(record, digests)))
+        with pytest.raises(memory.SlotRefused, match=reason):
+            memory.inspect(tmp_path, 0, 0, EXPECT)
+    wrong = dict(record["table"]["b"], nbytes=record["table"]["b"]["nbytes"] - 4)
+    path.write_text(json.dumps(memory.checked({**record, "table": {**record["table"], "b": wrong}},
+                                              record["check"]["data"])))  # fmt: skip
+    with pytest.raises(memory.SlotRefused, match="bytes recorded"):
+        load(tmp_path)
+
+
+# ---- the copy thread ----------------------------------------------------------------------------
+def tier(directory: Path, model: torch.nn.Module, optimizer) -> memory.MemoryTier:
+    def describe(step, tokens, data, gather=False):
+        return {"step": step, "tokens_seen": tokens, "data": data,
+                "scheduler": {"last_epoch": step}, "rng": rng.capture("cpu")}  # fmt: skip
+
+    t = memory.MemoryTier(directory, EXPECT, interval=1, local_world=1, model=model,
+                          optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
+    t.fit_checked = True  # the collective fit check needs a process group
+    return t
+
+
+class Scheduler:
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def test_the_copy_thread_checksums_and_seals_after_the_loop_is_released(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 700)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    optimizer.step()
+    t = tier(tmp_path, model, optimizer)
+    t.save(5, 10, {"kind": "x"})
+    copied = t.wait_copied()
+    assert copied is not None and copied.step == 5
+    deadline = time.monotonic() + 30
+    while t.sealed != 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert t.sealed == 5 and t.check_seconds is not None
+    t.save(6, 12, {"kind": "x"})
+    t.wait_copied()
+    t.close(remove=False)
+    held, refused = memory.find(tmp_path, EXPECT)
+    assert [h.step for h in held] == [6, 5] and not refused, refused
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh = torch.nn.Linear(300, 700)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    loader = tier(tmp_path, fresh, fresh_opt)
+    assert loader.load(held[0], Scheduler())["step"] == 6
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    loader.resumed_from(held[0])
+    assert loader.target == (held[0].slot + 1) % memory.SLOTS
+
+    with held[1].path.open("r+b") as f:  # the other slot damaged: refused, naming it
+        f.seek(memory.HEADER_BYTES + 100)
+        f.write(b"\xff" * 3)
+    with pytest.raises(memory.SlotRefused, match=r"slot \d \(step 5\): data bytes 0-"):
+        loader.load(held[1], Scheduler())
+    loader.close(remove=False)
