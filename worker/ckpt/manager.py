@@ -163,7 +163,7 @@ class SyncManager(CheckpointManager):
                 return resumed
             if problem is not None:
                 self.memory.forget_slot(held)  # no later agreement picks it again
-            why = "; ".join(w for w in (why, refused) if w)
+            why = resume.told(why, refused)
             self.say(f"memory tier: refused at load: {refused}; choosing again", flush=True)
             chosen = resume.choose_tiers(
                 self.base.root,

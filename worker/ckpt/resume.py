@@ -86,13 +86,21 @@ def choose_tiers(
             candidates = files.resume_candidates(files.scan(root))
             newest_durable = candidates[0].step if candidates else None
         in_memory, passed = choose_memory(*memory_at, newest_durable, say)
-        why = "; ".join(w for w in (why, passed) if w) or None
+        why = told(why, passed)
         if in_memory is not None:
             return Chosen(in_memory, why)
     chosen = choose_checkpoint(root, rank=rank, verify=verify, log=lambda m: say(m, flush=True))
     if chosen is None:
         say(f"no complete checkpoint in {root}: starting fresh", flush=True)
     return Chosen(chosen, why)
+
+
+def told(why: str | None, more: str | None) -> str | None:
+    """`why` and then `more`, unless `why` says it already (a slot torn is seen again when
+    the ranks choose again)."""
+    if not more or (why and more in why):
+        return why
+    return f"{why}; {more}" if why else more
 
 
 def memory_dir(args: TrainArgs) -> Path:
