@@ -7,7 +7,10 @@ import json
 import math
 import os
 import pickle
+import re
+import shutil
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from tests.support import (
     TINY,
     assert_same_losses,
     kill_every_rank,
+    rank_env,
     read_metrics,
     run_worker,
     start_worker,
@@ -28,24 +32,48 @@ from worker.ckpt import files, naming
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, "fsdp2"))
-def test_killed_and_resumed_run_is_bit_exact(tmp_path, reference, layout):
+def test_killed_runs_resume_bit_exact_from_memory_and_from_disk(
+    tmp_path, reference, mem_root, layout
+):
+    """The study's kill (SIGKILL to every rank at once) three times in one run with the memory
+    tier on: resumed from memory (at most the step in flight lost); then, the node's memory gone
+    as if it were a new node, from the durable checkpoint; then from memory again. Every loss of
+    every attempt, recomputed steps included, equals the uninterrupted run's."""
     ranks, flags = LAYOUTS[layout]
-    common = [*TINY, *flags, "--train-iters", str(ITERS), "--save-interval", "5"]
+    env = rank_env(ES_MEM_ROOT=str(mem_root))
     out, ckpt = tmp_path / "killed", tmp_path / "killed-ckpt"
-    args = [*common, "--outdir", str(out), "--ckpt-dir", str(ckpt)]
-    killed_at = []
+    args = [*TINY, *flags, "--train-iters", str(ITERS), "--save-interval", "5",
+            "--mem-ckpt-interval", "1", "--outdir", str(out), "--ckpt-dir", str(ckpt)]  # fmt: skip
+    outputs, killed_at = [], []
     for target in (7, 13, 19):
-        proc = start_worker(ranks, *args)
+        proc = start_worker(ranks, *args, env=env)
         killed_at.append(wait_for_step(out / "metrics-0.jsonl", target, proc))
         kill_every_rank(proc)
         assert proc.returncode != 0
-    final = run_worker(ranks, *args)
+        outputs.append(proc.stdout.read())
+        (directory,) = mem_root.glob("es-mem-*")
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        for path in directory.glob("rank-*/slot-*"):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        if target == 13:
+            shutil.rmtree(directory)  # a new node: only the durable tier is left
+    final = run_worker(ranks, *args, env=env)
     assert final.returncode == 0, final.stderr
-    assert "RESUMED from step=" in final.stdout
+    outputs.append(final.stdout)
+
+    resumes = [re.search(r"RESUMED from step=(\d+) \(([^,)]+)", o) for o in outputs[1:]]
+    assert all(resumes), outputs
+    steps, sources = [int(m[1]) for m in resumes], [m[2] for m in resumes]
+    assert sources[0] == sources[2] == "memory", outputs
+    # The copy of step k is sealed before step k+1's update: at most the step in flight is lost.
+    assert steps[0] >= killed_at[0] - 1 and steps[2] >= killed_at[2] - 1, (steps, killed_at)
+    assert sources[1] == str(naming.step_dir(ckpt, steps[1])), outputs[2]
+    assert steps[1] % 5 == 0 and steps[0] < steps[1] <= killed_at[1], (steps, killed_at)
+    restarts = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
+    assert [r["step"] - 1 for r in restarts] == steps
     assert_same_losses(reference(ranks, *TINY, *flags, "--train-iters", str(ITERS)),
                        out / "metrics-0.jsonl")  # fmt: skip
-    restarts = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
-    assert len(restarts) == 3, killed_at
+    assert not list(mem_root.glob("es-mem-*")), "a run that ends well removes its slots"
 
 
 @pytest.mark.slow
