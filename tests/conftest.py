@@ -11,6 +11,7 @@ import pytest
 
 from tests.support import (
     losses,
+    read_metrics,
     rec,
     run_worker,
     synthetic_events,
@@ -46,12 +47,25 @@ def mem_root() -> Path:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def assert_trained(records: list[dict]) -> None:
+    """A run that trained: every step once, in order, with its metrics, and the loss falling."""
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    for r in records:
+        assert {"step", "t", "loss", "train/dt", "train/tps"} <= r.keys()
+    if len(records) >= 20:
+        first = sum(r["loss"] for r in records[:3]) / 3
+        last = sum(r["loss"] for r in records[-3:]) / 3
+        assert last < first - 0.3, (first, last)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The uninterrupted run's loss at every step, `reference(ranks, *flags)`: run once per test
     run for each (ranks, flags) and shared by every test that compares a resumed run with it.
     The flags are those that decide what is computed (model, layout, batch, iterations, seed):
-    checkpoints, the memory tier and async saves must not change a loss, so none are given."""
+    checkpoints, the memory tier and async saves must not change a loss, so none are given.
+    Each reference is checked to have trained (every step, its metrics, a falling loss), so
+    every layout a test compares is also shown to learn."""
     done: dict[tuple, dict[int, float]] = {}
 
     def losses_of(ranks: int, *flags: str) -> dict[int, float]:
@@ -60,6 +74,7 @@ def reference(tmp_path_factory):
             out = tmp_path_factory.mktemp("reference")
             run = run_worker(ranks, *flags, "--outdir", str(out))
             assert run.returncode == 0, run.stdout + run.stderr
+            assert_trained(read_metrics(out / "metrics-0.jsonl"))
             done[key] = losses(out / "metrics-0.jsonl")
         return done[key]
 
