@@ -100,36 +100,6 @@ def test_kill_during_save_falls_back_to_previous(tmp_path, reference):
                        tmp_path / "m/metrics-0.jsonl")  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, damage):
-    ckpt = tmp_path / "ckpt"
-    common = [
-        *TINY,
-        "--save-interval",
-        "3",
-        "--ckpt-dir",
-        str(ckpt),
-        "--ckpt-verify",
-        "crc",
-        "--outdir",
-        str(tmp_path),
-    ]
-    first = run_worker(2, *common, "--train-iters", "6")
-    assert first.returncode == 0, first.stderr
-    shard = sorted(naming.step_dir(ckpt, 6).glob("__1_*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    if damage == "truncate":
-        shard.write_bytes(data[: len(data) // 2])
-    else:
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-    again = run_worker(2, *common, "--train-iters", "8")
-    assert again.returncode == 0, again.stderr
-    assert f"skipping checkpoint step-6: {shard}" in again.stdout
-    assert "RESUMED from step=3" in again.stdout
-
-
 class _RunsCode:
     """A pickle that would run a command when unpickled (what a crafted checkpoint holds)."""
 
@@ -140,32 +110,55 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("crafted", ["dcp_metadata", "rng"])
-def test_a_crafted_checkpoint_is_refused_and_never_run(tmp_path, crafted):
-    """The newest checkpoint is rewritten to run a command on load (the same size as recorded,
-    so only reading it can tell): it is refused, named, and the run resumes from the one before."""
-    ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
-    common = [*TINY, "--save-interval", "3", "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path)]
-    first = run_worker(2, *common, "--train-iters", "6")
-    assert first.returncode == 0, first.stderr
-    step6 = naming.step_dir(ckpt, 6)
-    if crafted == "dcp_metadata":
-        path = step6 / ".metadata"
+def spoil(step_dir: Path, how: str, marker: Path) -> tuple[Path, str]:
+    """Damage a checkpoint (a shard truncated, a byte flipped) or craft it to run a command on
+    load (DCP's .metadata or the RNG record replaced by a pickle, padded to the recorded size so
+    only reading it can tell); the file spoilt and the start of what resume must say of it."""
+    if how in ("truncate", "flip"):
+        path = sorted(step_dir.glob("__1_*.distcp"))[0]
+        data = bytearray(path.read_bytes())
+        if how == "truncate":
+            path.write_bytes(data[: len(data) // 2])
+        else:
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        return path, str(path)
+    if how == "dcp_metadata":
+        path = step_dir / ".metadata"
         evil = pickle.dumps(_RunsCode(marker))
         size = path.stat().st_size
         assert len(evil) < size
-        path.write_bytes(evil + b"\0" * (size - len(evil)))  # padded to the recorded size
+        path.write_bytes(evil + b"\0" * (size - len(evil)))
     else:
-        path = step6 / naming.META
+        path = step_dir / naming.META
         meta = json.loads(path.read_text())
         meta["rng"][1] = base64.b64encode(pickle.dumps(_RunsCode(marker))).decode()
         path.write_text(json.dumps(meta))
-    again = run_worker(2, *common, "--train-iters", "8")
-    assert again.returncode == 0, again.stderr
-    assert "skipping checkpoint step-6: refused, it is not a checkpoint's content" in again.stdout
-    assert str(path) in again.stdout
-    assert "RESUMED from step=3" in again.stdout
+    return path, "refused, it is not a checkpoint's content"
+
+
+@pytest.mark.slow
+def test_damaged_and_crafted_newest_checkpoints_are_skipped_and_never_run(tmp_path):
+    """Four times in one run, the newest checkpoint is spoilt: a shard truncated, a byte flipped
+    (found by --ckpt-verify crc), DCP's metadata or the RNG record crafted to run a command.
+    Each is refused with the file named, the run resumes from the one before, and no command
+    from a checkpoint ever runs."""
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    common = [*TINY, "--save-interval", "3", "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path)]
+    first = run_worker(2, *common, "--ckpt-verify", "crc", "--train-iters", "6")
+    assert first.returncode == 0, first.stderr
+    step = 6
+    for how in ("truncate", "flip", "dcp_metadata", "rng"):
+        path, said = spoil(naming.step_dir(ckpt, step), how, marker)
+        # crc (recorded by the run that saved it) for a flipped byte; the crafted files keep
+        # their size, so only reading them tells
+        verify = "crc" if how in ("truncate", "flip") else "size"
+        again = run_worker(2, *common, "--ckpt-verify", verify, "--train-iters", str(step + 3))
+        assert again.returncode == 0, again.stderr
+        assert f"skipping checkpoint step-{step}: {said}" in again.stdout, (how, again.stdout)
+        assert str(path) in again.stdout
+        assert f"RESUMED from step={step - 3}" in again.stdout
+        step += 3
     assert not marker.exists()
 
 
