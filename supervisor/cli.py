@@ -30,10 +30,10 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.ERROR: "internal error (a bug, or an unexpected failure of this host)",
     ExitCode.USAGE: "bad config or usage, missing launcher, or the worker rejected its flags",
     ExitCode.BUDGET: "restart budget exhausted ([restart] max_restarts)",
-    ExitCode.NO_PROGRESS: "no progress: [restart] max_same_resume attempts in a row resumed "
-    "from the same step",
-    ExitCode.INTERRUPTED: "interrupted: SIGINT/SIGTERM to the supervisor (the ranks were asked "
-    "to save and stop)",
+    ExitCode.NO_PROGRESS: "no progress: [restart] max_same_resume attempts in a row completed "
+    "no checkpoint newer than the one each resumed from",
+    ExitCode.INTERRUPTED: "interrupted: SIGINT, SIGTERM or SIGHUP to the supervisor (the ranks "
+    "were asked to save and stop)",
     ExitCode.NODES: "too few nodes: nodes excluded, no spare left, and no shrink (or below "
     "[restart] min_nodes)",
 }

@@ -96,13 +96,14 @@ class RestartConfig:
     # Delay before relaunch, indexed by consecutive failed attempts without progress; the last
     # value repeats. A productive attempt starts the schedule over.
     backoff_s: list[float] = field(default_factory=lambda: [0.0, 1.0, 5.0, 15.0, 30.0])
-    # An attempt made progress when its ranks stepped this many steps past where they resumed.
+    # An attempt that stepped this many steps past where it resumed starts the backoff over.
     min_progress_steps: int = 1
-    # Stop (no progress) when this many attempts in a row resumed from the same step.
+    # Stop (exit 4) when this many attempts in a row completed no checkpoint (durable, or a
+    # memory copy every rank holds) newer than the one each resumed from.
     max_same_resume: int = 3
     # After SIGTERM to a failed attempt, before SIGKILL.
     teardown_grace_s: float = 3.0
-    # On the supervisor's own SIGINT/SIGTERM: time for the ranks to checkpoint and exit.
+    # On the supervisor's own SIGINT, SIGTERM or SIGHUP: time for the ranks to checkpoint and exit.
     stop_grace_s: float = 60.0
     # A warm standby: once an attempt has stepped, the next attempt's ranks are started beside
     # it and wait, prepared, for a failure (a second set of processes per node). False: every
