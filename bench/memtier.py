@@ -8,18 +8,21 @@ Per size, in one run, everything on this host:
   core of this 2-core host is left to the copy thread, as a GPU node has one; OMP_NUM_THREADS=1):
   one with `--mem-ckpt-interval 1` (a copy after every step) and a baseline without the tier.
   From rank 0's metrics: `train/mem_ckpt_stall_seconds` (what the loop blocked before the
-  optimizer step), `train/mem_ckpt_copy_seconds` (the copy, beside the forward and backward) and
-  `train/dt`; and the gap between two steps' records not inside either step (where the loop
-  hands the state to the copy thread: `MemoryTier.save`), against the baseline's. The first copy
+  optimizer step), `train/mem_ckpt_copy_seconds` (the copy, beside the forward and backward),
+  `train/mem_ckpt_check_seconds` (the checksum after the copy, not waited for) and `train/dt`;
+  and the gap between two steps' records not inside either step (where the loop hands the state
+  to the copy thread: `MemoryTier.save`), against the baseline's. The first copy
   into each of the two slots maps and faults the slot in: shown apart; the warm copies' median
   counts.
 - in-process (this file re-runs itself as one process, a gloo world of 1, the model built with
   the worker's own code as bench/ckpt.py does, one real training step for the Adam moments): the
   memcpy floor, a plain torch `copy_` of the slot's bytes between two pre-faulted host buffers
   (best of 5); the tier's own copy with nothing beside it (`save` + `wait_copied`, warm slots,
-  best of 3) and the `save` call itself (the hand-over); the load of a slot: `memory.read_into`
-  (the read path) and the whole `MemoryTier.load` (state dict plumbing, scheduler, RNG), best of
-  3 each, in GB/s against the floor's GB/s.
+  best of 3) and the `save` call itself (the hand-over); the checksum the copy thread computes
+  after each copy, before it seals the slot (the loop does not wait for it; best of 3); the
+  load of a slot: `memory.read_into` (the read path: each piece checked as it is read) and
+  the whole `MemoryTier.load` (state dict plumbing, scheduler, RNG), best of 3 each, in GB/s
+  against the floor's GB/s.
 With `--ranks 2` the floor is taken for half the bytes (FSDP's per-rank share, approximately)
 and still one copy at a time, where the two ranks copy at once: read it as a rough floor.
 
@@ -173,7 +176,7 @@ def inproc_main(size: str, workdir: Path, ranks: int) -> None:
 
     # The tier's copies, nothing beside them: the first into each slot maps and faults it.
     data = {"kind": "bench"}
-    copies, handovers, first = [], [], []
+    copies, handovers, first, checks = [], [], [], []
     for step in range(1, 6):
         t0 = time.perf_counter()
         tier.save(step, 0, data)
@@ -181,6 +184,12 @@ def inproc_main(size: str, workdir: Path, ranks: int) -> None:
         report = tier.wait_copied()
         if report is None:
             raise RuntimeError(f"the tier made no copy: {tier.off_reason or 'off'}")
+        while tier.sealed != step:  # the checksum and the seal, on the copy thread
+            if tier.off_reason:
+                raise RuntimeError(f"the tier's seal failed: {tier.off_reason}")
+            time.sleep(0.001)
+        if step > 2:
+            checks.append(tier.check_seconds)
         if step <= 2:
             first.append(report.copy_seconds)
         else:
@@ -192,6 +201,7 @@ def inproc_main(size: str, workdir: Path, ranks: int) -> None:
     out["first_copy_s"] = max(first)
     out["copy_alone_s"] = min(copies)
     out["handover_s"] = statistics.median(handovers)
+    out["check_s"] = min(checks)
 
     # The load of the newest slot: the read path alone, then the whole MemoryTier.load.
     held, refused = find(directory, expect)
@@ -274,6 +284,9 @@ def worker_runs(size: str, workdir: Path, ranks: int, mem_root: Path) -> dict:
     out["stall_s"] = statistics.median(r["train/mem_ckpt_stall_seconds"] for r in warm)
     out["stall_max_s"] = max(r["train/mem_ckpt_stall_seconds"] for r in warm)
     out["copy_s"] = statistics.median(r["train/mem_ckpt_copy_seconds"] for r in warm)
+    checked = [r["train/mem_ckpt_check_seconds"] for r in records
+               if r["step"] >= FIRST_WARM and "train/mem_ckpt_check_seconds" in r]  # fmt: skip
+    out["worker_check_s"] = statistics.median(checked) if checked else float("nan")
     out["first_stall_s"] = max((r["train/mem_ckpt_stall_seconds"] for r in cold), default=0.0)
     out["first_copy_s"] = max((r["train/mem_ckpt_copy_seconds"] for r in cold), default=0.0)
     out["step_s"] = statistics.median(r["train/dt"] for r in warm)
@@ -318,10 +331,14 @@ def table(size: str, r: dict, ranks: int) -> tuple[str, dict[str, bool]]:
         ("in-process: first copy into a slot (faults it)",
          f"{r['inproc_first_copy_s'] * 1e3:8.1f} ms"),
         ("in-process: save() call, the hand-over", f"{r['handover_s'] * 1e3:8.1f} ms"),
+        ("in-process: checksum after the copy (copy thread)", f"{r['check_s'] * 1e3:8.1f} ms  "
+         f"= {r['check_s'] / r['floor_s']:.2f}x floor ({gb / r['check_s']:.2f} GB/s)"),
         ("worker: step (train/dt), tier on / off", f"{r['step_s'] * 1e3:8.1f} ms / "
          f"{r['base_step_s'] * 1e3:.1f} ms = {r['step_s'] / r['base_step_s']:.2f}x"),
         ("worker: copy beside training (median)", f"{r['copy_s'] * 1e3:8.1f} ms  "
          f"= {r['copy_s'] / floor:.2f}x floor"),
+        ("worker: checksum after the copy (median)", f"{r['worker_check_s'] * 1e3:8.1f} ms  "
+         f"= {r['worker_check_s'] / floor:.2f}x floor (copy thread, not waited for)"),
         ("worker: first copies (slot faulted in): copy / stall",
          f"{r['first_copy_s'] * 1e3:8.1f} ms / {r['first_stall_s'] * 1e3:.1f} ms"),
         ("worker: between-step gap, tier on / off", f"{r['gap_s'] * 1e3:8.1f} ms / "

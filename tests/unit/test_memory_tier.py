@@ -58,14 +58,11 @@ def write_slot(directory: Path, slot: int, step: int, expect=EXPECT) -> memory._
     block[:8].copy_(torch.arange(8, dtype=torch.uint8))
     gen = step + 100
     s.begin(gen)
-    table = {"model.w": {"dtype": "torch.uint8", "shape": [8], "offset": 0, "nbytes": 8}}
+    table = {"model.w": {"dtype": "torch.uint8", "shape": [8], "offset": 0, "nbytes": 8,
+                         "digest": memory.digest(block[:8])}}  # fmt: skip
     record = {**expect.record(), "gen": gen, "step": step, "nbytes": 4096, "meta": {}}
-    s.seal(gen, memory.checked({**record, "table": table}, memory.data_digests(block)))
+    s.seal(gen, memory.checked({**record, "table": table}))
     return s
-
-
-def digests(held: memory.Held) -> list[int]:
-    return memory.expected_digests(held.record)
 
 
 def test_a_sealed_slot_is_complete_and_readable(tmp_path):
@@ -75,7 +72,7 @@ def test_a_sealed_slot_is_complete_and_readable(tmp_path):
     assert [h.step for h in held] == [8, 7] and not refused
     assert (tmp_path / "rank-0/slot-0.bin").stat().st_mode & 0o777 == 0o600
     live = {"model.w": torch.zeros(8, dtype=torch.uint8)}
-    memory.read_into(held[0].path, live, held[0].record["table"], digests(held[0]))
+    memory.read_into(held[0].path, live, held[0].record["table"])
     assert live["model.w"].tolist() == list(range(8))
 
 
@@ -110,7 +107,7 @@ def test_a_crafted_table_pointing_outside_the_slot_is_refused(tmp_path):
     path = tmp_path / "rank-0/slot-0.json"
     record = json.loads(path.read_text())
     record["table"]["model.w"]["offset"] = 1 << 40
-    path.write_text(json.dumps(memory.checked(record, record["check"]["data"])))
+    path.write_text(json.dumps(memory.checked(record)))
     with pytest.raises(memory.SlotRefused, match="outside the slot"):
         memory.inspect(tmp_path, 0, 0, EXPECT)
 

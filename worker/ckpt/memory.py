@@ -14,14 +14,14 @@ names the generation, the step, the run identity, where each tensor lies, and wh
 equal the record's: a rank killed mid-copy leaves a torn slot that never passes, and its other
 slot, the previous copy, stays whole. The two slots alternate.
 
-Checked (`check` in the record, written before the closing generation): the data's checksum, one
-digest per 4 MiB chunk (`chunk_digest`: the CRC-32 of the chunk's 4 KiB page sums, each page's
-64-bit words added mod 2**64), computed on the copy thread once the copy is done (the loop does
-not wait for it), and the record's own CRC-32. A load verifies each chunk just before it copies
-the chunk's bytes out (the bytes are then in the cache); a slot that fails is refused, never
-loaded, and the ranks choose again (`resume.choose_tiers`). Against damage, not an adversary
-who can write the files: one changed 64-bit word is always caught, a page's words swapped among
-themselves or two changes that cancel in a page's sum are not.
+Checked: each tensor's entry holds its bytes' `digest`, one per 4 MiB (`page_sums_crc`: the
+CRC-32 of its 4 KiB page sums, each page's 64-bit words added mod 2**64), computed on the copy
+thread once the copy is done (the loop does not wait for it), and the record its own CRC-32
+(`check`), all written before the closing generation. A load checks each piece of a tensor as
+it reads it (its sums taken while it is in the cache); a slot that fails is refused, and the
+ranks choose again (`resume.choose_tiers`). Against damage, not an adversary who can write the
+files: one changed 64-bit word is always caught; a page's words swapped among themselves, or
+two changes that cancel in a page's sum, are not.
 
 Nothing here is unpickled: the record is JSON, the tensors raw bytes read into the live state.
 """
@@ -29,14 +29,12 @@ Nothing here is unpickled: the record is JSON, the tensors raw bytes read into t
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import shutil
 import struct
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,6 +73,7 @@ CHECK_CHUNK = 4 << 20
 PAGE_BYTES = 4096
 # The longest reason a rank tells the others (a refused slot's, for the `resumed` event).
 REASON_BYTES = 400
+READ_PIECE = 1 << 20  # read, then summed while in the cache
 _HEX = re.compile(r"[0-9a-f]*")
 
 _held: dict[str, int] = {}  # job dir -> the shared lock this process holds on it
@@ -187,37 +186,50 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
             raise SlotRefused(f"slot {slot}: {key} {record.get(key)!r}, this run {value!r}")
     if not isinstance(record.get("step"), int) or not isinstance(record.get("table"), dict):
         raise SlotRefused(f"slot {slot}: incomplete record")
-    outside = table_problem(record["table"], nbytes) or digests_problem(record["check"], nbytes)
+    outside = table_problem(record["table"], nbytes)
     if outside:
         raise SlotRefused(f"slot {slot}: {outside}")
     return Held(slot, record["step"], record["gen"], record, bin_path)
 
 
 # ---- the checksums -------------------------------------------------------------------------------
-def chunk_digest(chunk: torch.Tensor) -> int:
-    """The digest of a chunk of slot data (a host uint8 tensor starting on an 8-byte boundary):
-    the CRC-32 of its 4 KiB pages' sums, each the page's little-endian 64-bit words added mod
-    2**64 (a last partial page counts as zero-padded). One pass at memory speed (a plain torch
-    reduction); a changed 64-bit word always changes its page's sum."""
-    n = chunk.numel()
+def page_sums_crc(data: torch.Tensor, crc: int = 0) -> int:
+    """`crc` carried over `data`'s 4 KiB page sums (each page's little-endian 64-bit words added
+    mod 2**64; a last partial page counts as zero-padded). `data`: host uint8, whole pages but
+    at its end. One pass at memory speed (a torch reduction); a changed word changes its sum."""
+    data = data.detach()
+    n = data.numel()
     whole = n - n % PAGE_BYTES
-    crc = 0
     if whole:
-        sums = chunk[:whole].view(torch.int64).view(-1, PAGE_BYTES // 8).sum(dim=1)
-        crc = zlib.crc32(sums.numpy(), crc)
+        pages = data[:whole]
+        try:
+            words = pages.view(torch.int64)
+        except RuntimeError:  # not on an 8-byte boundary: an aligned copy
+            words = pages.clone().view(torch.int64)
+        crc = zlib.crc32(words.view(-1, PAGE_BYTES // 8).sum(dim=1).numpy(), crc)
     if whole < n:
         page = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
-        page[: n - whole] = chunk[whole:]
+        page[: n - whole] = data[whole:]
         crc = zlib.crc32(page.view(torch.int64).sum().reshape(1).numpy(), crc)
     return crc
 
 
-def data_digests(data: torch.Tensor) -> str:
-    """Every chunk's digest of a slot's data, as one hex string (8 digits a chunk)."""
+def digest(data: torch.Tensor) -> str:
+    """A tensor's checksum (`data`: its bytes, host uint8): one CRC-32 of page sums
+    (`page_sums_crc`) per CHECK_CHUNK bytes, 8 hex digits each."""
     n = data.numel()
     return "".join(
-        f"{chunk_digest(data[o : o + CHECK_CHUNK]):08x}" for o in range(0, n, CHECK_CHUNK)
+        f"{page_sums_crc(data[o : o + CHECK_CHUNK]):08x}" for o in range(0, n, CHECK_CHUNK)
     )
+
+
+def digest_problem(value: Any, nbytes: int) -> str | None:
+    """Pure: why `value` cannot be the digest of `nbytes` bytes (None: it can)."""
+    if not isinstance(value, str) or len(value) != 8 * -(-nbytes // CHECK_CHUNK):
+        return f"its checksum does not cover its {nbytes} bytes"
+    if not _HEX.fullmatch(value):
+        return "its checksum is not hexadecimal"
+    return None
 
 
 def _canonical(record: dict[str, Any]) -> bytes:
@@ -227,11 +239,12 @@ def _canonical(record: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def checked(record: dict[str, Any], digests: str) -> dict[str, Any]:
+def checked(record: dict[str, Any]) -> dict[str, Any]:
     """`record` as it is written: JSON through and through (it reads back the same), with its
-    `check`: the data's chunk digests and the CRC-32 of the whole record but that CRC."""
+    `check`: the checksum's kind and the CRC-32 of the whole record but that CRC (the tensors'
+    digests are in the table)."""
     plain = json.loads(json.dumps(record))
-    plain["check"] = {"algo": CHECK_ALGO, "chunk_bytes": CHECK_CHUNK, "data": digests}
+    plain["check"] = {"algo": CHECK_ALGO, "chunk_bytes": CHECK_CHUNK}
     plain["check"]["record"] = zlib.crc32(_canonical(plain))
     return plain
 
@@ -248,23 +261,6 @@ def record_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
-def digests_problem(check: dict[str, Any], nbytes: int) -> str | None:
-    """Pure: why the data digests of a (record-checked) `check` cannot be those of `nbytes` of
-    data (None: they can)."""
-    digests = check.get("data")
-    want = 8 * -(-nbytes // CHECK_CHUNK)
-    if not isinstance(digests, str) or len(digests) != want:
-        return f"its checksum does not cover its {nbytes} bytes"
-    if not _HEX.fullmatch(digests):
-        return "its checksum is not hexadecimal"
-    return None
-
-
-def expected_digests(record: dict[str, Any]) -> list[int]:
-    digests = record["check"]["data"]
-    return [int(digests[i : i + 8], 16) for i in range(0, len(digests), 8)]
-
-
 def table_problem(table: dict[str, Any], nbytes: int) -> str | None:
     """Pure: what in a slot's table points outside its `nbytes` of data (None: nothing)."""
     for key, entry in table.items():
@@ -277,6 +273,9 @@ def table_problem(table: dict[str, Any], nbytes: int) -> str | None:
             return f"entry {key!r} has no integer offset and size"
         if offset < 0 or size < 0 or offset + size > nbytes:
             return f"entry {key!r} lies outside the slot ({offset}+{size} > {nbytes})"
+        unchecked = digest_problem(entry.get("digest"), size)
+        if unchecked:
+            return f"entry {key!r}: {unchecked}"
     return None
 
 
@@ -549,17 +548,16 @@ class MemoryTier:
         try:
             target, stager = self.slots[slot], self.stagers[slot]
             started = time.perf_counter()
-            digests = data_digests(target.block[: stager.nbytes])
             record = {
                 **self.expect.record(),
                 "gen": gen,
                 "step": meta["step"],
                 "nbytes": stager.nbytes,
                 "meta": meta,
-                "table": describe_tensors(copy.result(), target.block),
+                "table": describe_tensors(copy.result(), target.block, digests=True),
                 "saved_at": time.time(),
             }
-            record = checked(record, digests)
+            record = checked(record)
             check_seconds = time.perf_counter() - started
             target.seal(gen, record)
             self.check_seconds, self.sealed = check_seconds, meta["step"]
@@ -651,7 +649,7 @@ class MemoryTier:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd})
         try:
-            read_into(held.path, flat, held.record["table"], expected_digests(held.record))
+            read_into(held.path, flat, held.record["table"])
         except SlotRefused as exc:
             raise SlotRefused(f"slot {held.slot} (step {held.step}): {exc}") from None
         state = unflatten_state_dict(flat, mapping)
@@ -690,9 +688,12 @@ def room_problem(need: int, total: int, free: int, reusable: int, where: Path) -
     )
 
 
-def describe_tensors(snapshot: dict[str, Any], block: torch.Tensor) -> dict[str, Any]:
-    """Where each of the staged state's entries lies in the slot: tensors by offset, scalars
-    and everything else by value (JSON)."""
+def describe_tensors(
+    snapshot: dict[str, Any], block: torch.Tensor, digests: bool = False
+) -> dict[str, Any]:
+    """Where each of the staged state's entries lies in the slot: tensors by offset (with
+    `digests`, and their bytes' checksum: `digest`), scalars and everything else by value
+    (JSON)."""
     flat, _ = flatten_state_dict(snapshot)
     base = block.data_ptr()
     table: dict[str, Any] = {}
@@ -705,98 +706,78 @@ def describe_tensors(snapshot: dict[str, Any], block: torch.Tensor) -> dict[str,
             else:
                 entry["offset"] = local.data_ptr() - base
                 entry["nbytes"] = local.numel() * local.element_size()
+                if digests:
+                    entry["digest"] = digest(block[entry["offset"] :][: entry["nbytes"]])
             table[key] = entry
         else:
             table[key] = {"value": list(value) if isinstance(value, tuple) else value}
     return table
 
 
-def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any], digests: list[int]) -> None:
-    """Fill the live state's flattened entries from the slot file `path`, each chunk of its
-    data checked against its digest (`digests`) just before its bytes are copied out (then in
-    the cache: one pass over the slot). SlotRefused where the slot's layout is not the live
-    state's or a chunk fails its digest; the live state may then be partly overwritten, and
-    must be loaded again (another slot, a durable checkpoint)."""
+def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any]) -> None:
+    """Fill the live state's flattened entries from the slot file `path`, each tensor's bytes
+    checked against its digest as they come in (a piece at a time: checked while still in the
+    cache). SlotRefused where the slot's layout is not the live state's or a tensor's bytes
+    fail their digest; the live state may then be partly overwritten, and must be loaded again
+    (another slot, a durable checkpoint)."""
     if set(flat) != set(table):
         odd = sorted(set(flat) ^ set(table))[:3]
         raise SlotRefused(f"holds another state (entries {odd} differ)")
-    segments: list[tuple[int, int, torch.Tensor]] = []  # data offset, bytes, where they go
-    bounced: list[tuple[torch.Tensor, torch.Tensor]] = []  # a strided live tensor, its host copy
-    for key, live in flat.items():
+    for key, live in flat.items():  # the whole layout first: nothing is read into a mismatch
         entry = table[key]
         if not isinstance(live, torch.Tensor):
             continue
         local = live._local_tensor if isinstance(live, DTensor) else live
         if entry.get("dtype") != str(local.dtype) or entry.get("shape") != list(local.shape):
             raise SlotRefused(f"{key} is {entry.get('dtype')} {entry.get('shape')}")
+        nbytes = local.numel() * local.element_size()
         if local.dim() == 0:
             if not isinstance(entry.get("value"), (bool, int, float)):
                 raise SlotRefused(f"{key} has no value")
-            continue
-        nbytes = local.numel() * local.element_size()
-        if entry.get("nbytes") != nbytes or not isinstance(entry.get("offset"), int):
+        elif entry.get("nbytes") != nbytes or not isinstance(entry.get("offset"), int):
             raise SlotRefused(f"{key}: {entry.get('nbytes')} bytes recorded, {nbytes} live")
-        if not nbytes:
-            continue
-        if local.is_contiguous():
-            dest = local.view(-1).view(torch.uint8)
-        else:
-            host = torch.empty(local.shape, dtype=local.dtype)
-            bounced.append((local, host))
-            dest = host.view(-1).view(torch.uint8)
-        segments.append((entry["offset"], nbytes, dest))
-    _checked_copy(path, digests, sorted(segments, key=lambda s: s[0]))
-    for local, host in bounced:
-        local.copy_(host)
-    for key, live in flat.items():  # all checked: the values the record holds
-        entry = table[key]
-        if not isinstance(live, torch.Tensor):
-            value = entry.get("value")
-            flat[key] = tuple(value) if isinstance(live, tuple) else value
-        elif live.dim() == 0:
-            (live._local_tensor if isinstance(live, DTensor) else live).fill_(entry["value"])
-
-
-def _checked_copy(
-    path: Path, digests: list[int], segments: list[tuple[int, int, torch.Tensor]]
-) -> None:
-    """Map the slot's data (read-only, populated at once); chunk by chunk, check it, then copy
-    the segments' bytes in it (sorted by offset) to their destinations."""
+        elif digest_problem(entry.get("digest"), nbytes):
+            raise SlotRefused(f"{key}: {digest_problem(entry.get('digest'), nbytes)}")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size - HEADER_BYTES
-        if size <= 0 or len(digests) != -(-size // CHECK_CHUNK):
-            raise SlotRefused(f"{size} bytes of data, its checksum covers {len(digests)} chunks")
-        if segments and max(off + n for off, n, _ in segments) > size:
-            raise SlotRefused("an entry lies past the end of its data")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, HEADER_BYTES + size, flags=flags, prot=mmap.PROT_READ)
+        for key, live in flat.items():
+            entry = table[key]
+            if not isinstance(live, torch.Tensor):
+                value = entry.get("value")
+                flat[key] = tuple(value) if isinstance(live, tuple) else value
+                continue
+            local = live._local_tensor if isinstance(live, DTensor) else live
+            if local.dim() == 0:
+                local.fill_(entry["value"])
+            else:
+                _read_checked(fd, local, int(entry["offset"]), entry["digest"], key)
     finally:
         os.close(fd)
-    whole = data = chunk = None
-    try:
-        with warnings.catch_warnings():  # read-only, and only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            whole = torch.frombuffer(mapped, dtype=torch.uint8)
-        data = whole[HEADER_BYTES:]
-        first = 0  # the first segment not yet copied whole
-        for index, start in enumerate(range(0, size, CHECK_CHUNK)):
-            end = min(start + CHECK_CHUNK, size)
-            chunk = data[start:end]
-            if chunk_digest(chunk) != digests[index]:
-                raise SlotRefused(f"data bytes {start}-{end - 1} fail their checksum")
-            i = first
-            while i < len(segments) and segments[i][0] < end:
-                off, n, dest = segments[i]
-                lo, hi = max(off, start), min(off + n, end)
-                if lo < hi:
-                    dest[lo - off : hi - off].copy_(chunk[lo - start : hi - start])
-                i += 1
-            while first < len(segments) and sum(segments[first][:2]) <= end:
-                first += 1
-    finally:
-        whole = data = chunk = None
-        try:
-            mapped.close()
-        except BufferError:  # a view still lives (a traceback's frame): unmapped when it goes
-            pass
+
+
+def _read_checked(fd: int, t: torch.Tensor, offset: int, digests: str, key: str) -> None:
+    """Read a tensor's bytes from the slot's data at `offset` straight into it (a host copy
+    first for a GPU or strided one), a piece at a time, each piece's page sums taken while it
+    is in the cache; each CHECK_CHUNK's CRC against its digest."""
+    direct = t.device.type == "cpu" and t.is_contiguous()
+    host = t if direct else torch.empty(t.shape, dtype=t.dtype)
+    data = host.detach().view(-1).view(torch.uint8)
+    nbytes = data.numel()
+    view = memoryview(data.numpy())
+    for index, start in enumerate(range(0, nbytes, CHECK_CHUNK)):
+        end = min(start + CHECK_CHUNK, nbytes)
+        crc = 0
+        for piece in range(start, end, READ_PIECE):
+            stop = min(piece + READ_PIECE, end)
+            done = piece
+            while done < stop:
+                n = os.preadv(fd, [view[done:stop]], HEADER_BYTES + offset + done)
+                if n <= 0:
+                    raise SlotRefused(f"{key}: the slot ends early")
+                done += n
+            crc = page_sums_crc(data[piece:stop], crc)
+        if f"{crc:08x}" != digests[8 * index : 8 * index + 8]:
+            where = f"bytes {start}-{end - 1}" if nbytes > CHECK_CHUNK else f"{nbytes} bytes"
+            raise SlotRefused(f"{key}: its {where} fail their checksum")
+    if not direct:
+        t.copy_(host)
