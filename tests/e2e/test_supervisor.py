@@ -280,11 +280,14 @@ def test_a_full_checkpoint_disk_ends_the_job_in_one_line(tmp_path, mode):
 
 @pytest.mark.slow
 def test_worker_rejecting_its_flags_is_exit_2(tmp_path):
-    # The token file is the worker's to check (it may exist only where the ranks run).
-    worker = {"data_path": str(tmp_path / "no-such-tokens.bin")}
-    rc, out = finish(start(write_config(tmp_path, launcher="local", worker=worker)))
+    # What a token file holds is the worker's to check (the supervisor checks only that it is
+    # there, and only where the ranks run on this host).
+    tokens = tmp_path / "short-tokens.bin"
+    tokens.write_bytes(b"\0\0" * 8)  # 8 uint16 tokens: fewer than --seq-len + 1
+    rc, out = finish(start(write_config(tmp_path, launcher="local",
+                                        worker={"data_path": str(tokens)})))  # fmt: skip
     assert rc == 2, out
-    assert "no-such-tokens.bin does not exist" in out
+    assert "short-tokens.bin holds 8 tokens; need more than --seq-len + 1" in out
     assert f"run dir: {tmp_path / 'run'}" in out
     assert "==" not in out and "Per failure" not in out  # no report of a run that never ran
     assert sum(e["event"] == "launch" for e in events(tmp_path / "run")) == 1
@@ -363,10 +366,10 @@ def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
 @pytest.mark.slow
 def test_the_memory_tier_s_directories_are_swept_at_start_and_removed_at_the_end(tmp_path):
     root = tmp_path / "shm"
-    dead = root / "es-mem-dead"  # a job killed outright: its directory held by nobody
+    dead = root / "es-mem-dead-0000dead"  # a job killed outright: its directory held by nobody
     os.close(protocol.hold_mem_dir(dead))
     (dead / "slot-0").write_bytes(b"x" * 64)
-    alive = root / "es-mem-alive"  # a job still running on this node
+    alive = root / "es-mem-alive-0000aaaa"  # a job still running on this node
     fd = protocol.hold_mem_dir(alive)
     try:
         config = write_config(tmp_path, worker={"train_iters": 6, "mem_ckpt_interval": 1})
@@ -382,7 +385,7 @@ def test_the_memory_tier_s_directories_are_swept_at_start_and_removed_at_the_end
         assert [e["path"] for e in evs if e["event"] == "mem_removed"] == [mine]
         assert_in_order(names(evs), ["start", "mem_sweep", "mem_held", "launch", "done",
                                      "mem_removed", "supervisor_exit"])  # fmt: skip
-        assert sorted(p.name for p in root.iterdir()) == ["es-mem-alive"]
+        assert sorted(p.name for p in root.iterdir()) == ["es-mem-alive-0000aaaa"]
     finally:
         os.close(fd)
 
