@@ -71,15 +71,22 @@ def orphans(candidates: Iterable[str], held: set[str]) -> list[str]:
 
 
 # --- looking --------------------------------------------------------------------------------------
-def held_paths(proc_root: str = "/proc") -> set[str]:
-    """Every file some process we can read maps or holds open now (unlinked ones too, by their
-    old name)."""
+def held_paths(
+    proc_root: str = "/proc", cwd: bool = False, skip_pid: int | None = None
+) -> set[str]:
+    """Every file some process we can read (but `skip_pid`) maps or holds open now (unlinked
+    ones too, by their old name); with `cwd`, every such process's working directory too."""
     held: set[str] = set()
     try:
-        pids = [p for p in os.listdir(proc_root) if p.isdigit()]
+        pids = [p for p in os.listdir(proc_root) if p.isdigit() and p != str(skip_pid)]
     except OSError:
         return held
     for pid in pids:
+        if cwd:
+            try:
+                held.add(os.readlink(f"{proc_root}/{pid}/cwd").removesuffix(" (deleted)"))
+            except OSError:
+                pass
         try:
             with open(f"{proc_root}/{pid}/maps") as f:
                 for line in f:

@@ -4,8 +4,10 @@ The ranks keep their memory slots in `<root>/es-mem-<job id>/` (`protocol.mem_di
 outlives them so that the next attempt can resume from it. The supervisor holds it shared from the
 job's start (so no other job's sweep can take it between attempts) and removes it when the job
 ends, however it ends. A supervisor killed outright cannot: its directory is left to the next job
-on the node, whose start sweeps every `es-mem-*` directory of this user that no live process
-holds (`protocol.take_if_abandoned`).
+on the node, whose start sweeps this user's directories of exactly that form
+(`protocol.MEM_DIR_NAME`: `es-mem-<job name>-<8 hex digits>` or `es-mem-<12 hex digits>`) that
+no live process holds: neither its lock (`protocol.take_if_abandoned`) nor any file or working
+directory under it (`/proc`: a job whose name made its path nest, a lock file removed by hand).
 
 `wanted` and `sweepable` decide; `root_problem` looks; `sweep_abandoned`, `hold` and `remove`
 act.
@@ -19,7 +21,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import protocol
+from supervisor import hygiene, protocol
 
 
 # --- decisions ------------------------------------------------------------------------------------
@@ -30,9 +32,20 @@ def wanted(worker_flags: dict[str, Any]) -> bool:
 
 
 def sweepable(name: str, st: os.stat_result, uid: int) -> bool:
-    """An entry of the root a sweep may look into: an `es-mem-*` directory itself (never a
-    symlink: `st` is its lstat) owned by `uid`."""
-    return name.startswith(protocol.MEM_PREFIX) and stat.S_ISDIR(st.st_mode) and st.st_uid == uid
+    """An entry of the root a sweep may look into: a directory of exactly a memory tier's form
+    (`protocol.MEM_DIR_NAME`), itself (never a symlink: `st` is its lstat), owned by `uid`."""
+    return (
+        protocol.MEM_DIR_NAME.fullmatch(name) is not None
+        and stat.S_ISDIR(st.st_mode)
+        and st.st_uid == uid
+    )
+
+
+def held_under(path: str, held: set[str]) -> bool:
+    """Pure: whether any of `held` (what live processes hold open, map, or work in: canonical
+    paths) is `path` or lies under it."""
+    prefix = path.rstrip("/") + "/"
+    return path in held or any(p.startswith(prefix) for p in held)
 
 
 def root(launch_env: dict[str, str]) -> str:
@@ -54,16 +67,19 @@ def root_problem(path: str) -> str | None:
 
 
 # --- acts -----------------------------------------------------------------------------------------
-def sweep_abandoned(root: str | os.PathLike) -> list[str]:
-    """Remove this user's `es-mem-*` directories under `root` that no live process holds; return
-    the paths removed. A missing (or unreadable) root is nothing to do; an entry that cannot be
-    read, taken or removed is left as it is."""
+def sweep_abandoned(root: str | os.PathLike, proc_root: str = "/proc") -> list[str]:
+    """Remove this user's memory-tier directories under `root` (of exactly their form) that no
+    live process holds; return the paths removed. Held: its lock (a job's supervisor and
+    ranks), or anything under it another process has open, maps or works in (`proc_root`, read
+    once, when a first lock could be taken). A missing (or unreadable) root is nothing to do;
+    an entry that cannot be read, taken or removed is left as it is."""
     try:
         names = sorted(os.listdir(root))
     except OSError:  # missing, not a directory, not ours to read: nothing to sweep
         return []
     uid = os.getuid()
     removed = []
+    held: set[str] | None = None
     for name in names:
         path = os.path.join(root, name)
         try:
@@ -76,6 +92,10 @@ def sweep_abandoned(root: str | os.PathLike) -> list[str]:
         if fd is None:  # a live job (its supervisor or a rank) holds it
             continue
         try:
+            if held is None:
+                held = hygiene.held_paths(proc_root, cwd=True, skip_pid=os.getpid())
+            if held_under(os.path.realpath(path), held):  # in use, whatever its lock says
+                continue
             if _same_dir(path, before):  # not swapped for another entry since we looked
                 shutil.rmtree(path, ignore_errors=True)
                 if not os.path.lexists(path):

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import signal
 import tempfile
 from dataclasses import dataclass
@@ -100,11 +101,19 @@ def read_lock_holder(path: str | os.PathLike) -> dict[str, Any]:
 
 # --- the memory checkpoint tier's directory -------------------------------------------------------
 # One directory per job on every node (`--mem-ckpt-interval`): `<root>/es-mem-<tag>/`, where the tag
-# is the job id under the supervisor. It outlives the ranks; whoever uses it (the supervisor for
-# the job's life, each rank for its own) holds a shared flock on its LOCK_FILE, so a directory whose
-# lock can be taken exclusively belongs to no live job and may be removed.
+# is the job id under the supervisor (`<job name>-<8 hex digits>`), else a hash of the checkpoint
+# dir (12 hex digits). It outlives the ranks; whoever uses it (the supervisor for the job's life,
+# each rank for its own) holds a shared flock on its LOCK_FILE, so a directory whose lock can be
+# taken exclusively belongs to no live job and may be removed (if of exactly this form: a sweep
+# touches nothing else, `MEM_DIR_NAME`).
 MEM_ROOT_DEFAULT = "/dev/shm"
 MEM_PREFIX = "es-mem-"
+# A job name as config.name_problem allows it (ASCII letters, digits, ".", "_", "-", at most 64,
+# no ".."), then the job id's 8 hex digits; or a worker's own 12-digit hash.
+_MEM_TAG = re.compile(
+    r"(?:(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9a-f]{8}|[0-9a-f]{12})", re.ASCII
+)
+MEM_DIR_NAME = re.compile(re.escape(MEM_PREFIX) + _MEM_TAG.pattern, re.ASCII)
 
 
 # The launcher's own name for a rank's node (Hydra's emulated nodes run on one host under
@@ -125,6 +134,11 @@ def mem_root(env: dict[str, str] | os._Environ) -> str:
 
 
 def mem_dir(root: str | os.PathLike, tag: str) -> str:
+    """`<root>/es-mem-<tag>`: one directory right under `root`, of the form a sweep knows. A tag
+    of another form (a job id made by hand: a separator, `..`, a NUL, too long) is not used as
+    it is: its hash (12 hex digits) names the directory instead, the same for every caller."""
+    if not _MEM_TAG.fullmatch(tag):
+        tag = hashlib.sha1(tag.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return os.path.join(root, MEM_PREFIX + tag)
 
 

@@ -399,11 +399,11 @@ def test_an_internal_error_removes_the_memory_dir_too(tmp_path, mem_root, monkey
 
 
 def test_dead_jobs_memory_dirs_are_swept_before_the_first_launch(tmp_path, mem_root):
-    dead = mem_root / "es-mem-dead"
+    dead = mem_root / "es-mem-dead-0000dead"
     fd = protocol.hold_mem_dir(dead)  # a job that died: its holder is gone
     os.close(fd)
     (dead / "slot").write_bytes(b"x")
-    live = mem_root / "es-mem-live"
+    live = mem_root / "es-mem-live-0000aaaa"
     fd = protocol.hold_mem_dir(live)  # a job alive on this node
     try:
         fake = FakeLauncher(Script(rc=0, says=hello_steps(1, done=True)))

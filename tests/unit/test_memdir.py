@@ -43,31 +43,31 @@ def hold_in_a_process(path: Path, tmp_path: Path) -> subprocess.Popen:
 def test_the_sweep_removes_only_what_no_live_process_holds(tmp_path):
     root = tmp_path / "shm"
     root.mkdir()
-    live = root / "es-mem-live"
+    live = root / "es-mem-live-0000aaaa"
     proc = hold_in_a_process(live, tmp_path)
     try:
-        never = root / "es-mem-never"  # a job's dir whose lock file was never made
+        never = root / "es-mem-0123456789ab"  # a worker's own dir, its lock file never made
         (never / "slot-0").mkdir(parents=True)
         (never / "slot-0" / "state").write_bytes(b"x" * 100)
-        dead = root / "es-mem-dead"  # held once, by a process long gone
+        dead = root / "es-mem-dead-0000dead"  # held once, by a process long gone
         fd = P.hold_mem_dir(dead)
         (dead / "rank-0.a").write_bytes(b"y")
         os.close(fd)
         other = root / "other-dir"
         other.mkdir()
-        (root / "es-mem-a-file").write_text("not a directory")
-        outside = tmp_path / "es-mem-outside"  # abandoned, but only linked from the root
+        (root / "es-mem-a-0000ffff").write_text("not a directory")
+        outside = tmp_path / "es-mem-outside-0000eeee"  # abandoned, only linked from the root
         outside.mkdir()
         (outside / "keep").write_text("k")
-        (root / "es-mem-link").symlink_to(outside, target_is_directory=True)
+        (root / "es-mem-link-0000cccc").symlink_to(outside, target_is_directory=True)
 
         removed = memdir.sweep_abandoned(root)
 
-        assert sorted(removed) == [str(dead), str(never)]
+        assert sorted(removed) == [str(never), str(dead)]
         assert not dead.exists() and not never.exists()
         assert (live / P.LOCK_FILE).is_file()  # the live holder's dir stays
-        assert other.is_dir() and (root / "es-mem-a-file").is_file()
-        assert (root / "es-mem-link").is_symlink() and (outside / "keep").is_file()
+        assert other.is_dir() and (root / "es-mem-a-0000ffff").is_file()
+        assert (root / "es-mem-link-0000cccc").is_symlink() and (outside / "keep").is_file()
         assert memdir.sweep_abandoned(root) == []  # nothing more to take while it lives
 
         proc.send_signal(signal.SIGKILL)
@@ -97,18 +97,140 @@ def test_only_this_user_s_es_mem_directories_are_candidates(tmp_path):
         fields[4] = uid  # st_uid
         return os.stat_result(fields)
 
-    assert memdir.sweepable("es-mem-job-1", owned_by(d, me), me)
-    assert not memdir.sweepable("es-mem-job-1", owned_by(d, me + 1), me)  # another user's
-    assert not memdir.sweepable("es-mem-job-1", owned_by(f, me), me)  # a file
-    assert not memdir.sweepable("es-mem-job-1", owned_by(link, me), me)  # a symlink
-    assert not memdir.sweepable("esmem-job-1", owned_by(d, me), me)
-    assert not memdir.sweepable("x-es-mem-job-1", owned_by(d, me), me)
+    assert memdir.sweepable("es-mem-job-1-0123abcd", owned_by(d, me), me)
+    assert memdir.sweepable("es-mem-0123456789ab", owned_by(d, me), me)  # a worker's own
+    assert not memdir.sweepable("es-mem-job-1-0123abcd", owned_by(d, me + 1), me)  # another's
+    assert not memdir.sweepable("es-mem-job-1-0123abcd", owned_by(f, me), me)  # a file
+    assert not memdir.sweepable("es-mem-job-1-0123abcd", owned_by(link, me), me)  # a symlink
+    assert not memdir.sweepable("esmem-job-1-0123abcd", owned_by(d, me), me)
+    assert not memdir.sweepable("x-es-mem-job-1-0123abcd", owned_by(d, me), me)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "es-mem-a",  # the issue's: job "a/b" made es-mem-a/b-<hex>/, "a" held by no lock
+        "es-mem-job-1",
+        "es-mem-job-0123abc",  # 7 hex digits
+        "es-mem-job-0123abcde",  # 9: the name would be "job-0"
+        "es-mem-job-0123ABCD",
+        "es-mem-0123456789a",
+        "es-mem-0123456789abc",
+        "es-mem--0123abcd",
+        "es-mem-.x-0123abcd",
+        "es-mem-a..b-0123abcd",
+        "es-mem-" + "x" * 65 + "-0123abcd",
+        "es-mem-job-0123abcd.bak",
+        "es-mem-job-0123abcd\n",
+        "es-mem-jöb-0123abcd",
+        "es-mem-job 1-0123abcd",
+    ],
+)
+def test_only_directories_of_exactly_the_memory_tier_s_form_are_candidates(tmp_path, name):
+    d = os.lstat(tmp_path)
+    assert not memdir.sweepable(name, d, d.st_uid)
+    assert not P.MEM_DIR_NAME.fullmatch(name)
+    assert memdir.sweepable("es-mem-" + "x" * 64 + "-0123abcd", d, d.st_uid)
+
+
+def test_a_sweep_beside_directories_of_other_forms_leaves_them(tmp_path):
+    """Issue 25 item 2: `a/b` running, its directory nested in `es-mem-a`; a sweep (job `a/c`
+    starting) removed `es-mem-a` with it. Only the exact form is swept."""
+    root = tmp_path / "shm"
+    nested = root / "es-mem-a" / "b-0123abcd"  # the running job's (held by it)
+    proc = hold_in_a_process(nested, tmp_path)
+    try:
+        others = [root / n for n in ("es-mem-job", "es-mem-x-123", "es-mem-a-0123abcd.old")]
+        for d in others:
+            (d / "rank-0").mkdir(parents=True)
+            (d / "rank-0" / "slot-0.bin").write_bytes(b"s")
+        dead = root / "es-mem-dead-0000dead"
+        dead.mkdir()
+        assert memdir.sweep_abandoned(root) == [str(dead)]
+        assert (nested / P.LOCK_FILE).is_file()
+        assert all((d / "rank-0" / "slot-0.bin").is_file() for d in others)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+OPENER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)  # a slot held open, no lock taken
+os.chdir(sys.argv[2])
+open(sys.argv[3], "w").close()
+time.sleep(120)
+"""
+
+
+def test_a_directory_a_live_process_uses_is_never_removed_whatever_its_lock_says(tmp_path):
+    """Its lock file gone (or never made), yet a live process holds a file open in it, or works
+    in it: held."""
+    root = tmp_path / "shm"
+    opened = root / "es-mem-open-0000000a"
+    (opened / "rank-0").mkdir(parents=True)
+    (opened / "rank-0" / "slot-0.bin").write_bytes(b"slot")
+    cwd = root / "es-mem-cwd-0000000b"
+    (cwd / "rank-1").mkdir(parents=True)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", OPENER, str(opened / "rank-0" / "slot-0.bin"),
+                             str(cwd / "rank-1"), str(ready)])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the opener did not start"
+            time.sleep(0.02)
+        assert memdir.sweep_abandoned(root) == []
+        assert (opened / "rank-0" / "slot-0.bin").is_file() and (cwd / "rank-1").is_dir()
+        (root / "link-0000000c").symlink_to(opened)  # the same directory by another name
+        linked = tmp_path / "via-link"
+        linked.symlink_to(root)
+        assert memdir.sweep_abandoned(linked) == []
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert sorted(memdir.sweep_abandoned(root)) == [str(cwd), str(opened)]
+
+
+def test_held_under_is_by_whole_path_components():
+    held = {"/shm/es-mem-a-0123abcd/rank-0/slot-0.bin", "/work"}
+    assert memdir.held_under("/shm/es-mem-a-0123abcd", held)
+    assert memdir.held_under("/work", held)
+    assert not memdir.held_under("/shm/es-mem-a-0123abc", held)
+    assert not memdir.held_under("/shm/es-mem-a", held)
+    assert not memdir.held_under("/wor", held)
+
+
+@pytest.mark.parametrize(
+    "job_id",
+    ["a/b-0123abcd", "../x-0123abcd", "..", ".", "", "x\0y", "/etc", "a" * 300, "job-1",
+     "jöb-0123abcd", "a-0123abcd/../../etc"],
+)  # fmt: skip
+def test_a_path_escaping_job_id_still_names_one_directory_of_the_swept_form(tmp_path, job_id):
+    path = P.mem_dir(tmp_path, job_id)
+    assert os.path.dirname(path) == str(tmp_path)
+    assert P.MEM_DIR_NAME.fullmatch(os.path.basename(path))
+    assert P.mem_dir(tmp_path, job_id) == path  # the supervisor and the ranks agree
+    held = memdir.hold(tmp_path, job_id)
+    try:
+        assert held.path == path and Path(path).is_dir()
+        assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
+    finally:
+        assert memdir.remove(held) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_job_id_of_the_form_names_its_directory_as_it_is(tmp_path):
+    assert P.mem_dir(tmp_path, "train.v2_a-0123abcd") == str(
+        tmp_path / "es-mem-train.v2_a-0123abcd"
+    )
+    assert P.mem_dir(tmp_path, "0123456789ab") == str(tmp_path / "es-mem-0123456789ab")
 
 
 def test_the_job_s_own_directory_is_held_then_removed(tmp_path):
-    held = memdir.hold(tmp_path, "job-1")
+    held = memdir.hold(tmp_path, "job-1-0123abcd")
     path = Path(held.path)
-    assert path == tmp_path / "es-mem-job-1"
+    assert path == tmp_path / "es-mem-job-1-0123abcd"
     assert path.is_dir() and (path.stat().st_mode & 0o777) == 0o700
     (path / "slot").write_bytes(b"z")
     assert memdir.sweep_abandoned(tmp_path) == []  # another job's sweep leaves it alone
