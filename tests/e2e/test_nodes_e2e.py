@@ -80,7 +80,7 @@ def of(evs: list[dict], name: str) -> list[dict]:
 def test_a_node_that_keeps_failing_is_swapped_for_the_spare_and_the_run_is_the_same(
     tmp_path, reference
 ):
-    want = reference(3, *worker_flags(WORKER))
+    want = reference(3, *worker_flags({k: v for k, v in WORKER.items() if k != "save_interval"}))
 
     launch = {"nodes": ["n0", "n1", "n2", "n3"], "spares": 1}
     rc, out = run_supervisor(job_config(tmp_path, launch, {}, [KILL_NODE_1]), JOB_TIMEOUT)
