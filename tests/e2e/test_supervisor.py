@@ -24,6 +24,7 @@ from tests.support import (
     names,
     rank_pid,
     supervisor_cli,
+    tiered,
     toml_value,
     wait_for,
 )
@@ -300,7 +301,6 @@ def test_bad_worker_flag_is_refused_before_launch(tmp_path):
     assert not (tmp_path / "run" / "events.jsonl").exists()
 
 
-@pytest.mark.slow
 def test_supervisor_sigterm_stops_gracefully_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     config = write_config(tmp_path, worker={"train_iters": 5000, "save_interval": 0})
@@ -347,8 +347,7 @@ def test_a_second_supervisor_on_a_running_jobs_dirs_is_refused(tmp_path):
         finish(first)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["mpiexec", "local"])
+@pytest.mark.parametrize("launcher", tiered(["mpiexec", "local"], "mpiexec"))
 def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
     run = tmp_path / "run"
     proc = start(write_config(tmp_path, launcher=launcher, worker={"train_iters": 5000}))
