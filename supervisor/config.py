@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import re
+import string
 import sys
 import time
 from dataclasses import dataclass, field
@@ -575,12 +576,28 @@ def flags_from_table(table: dict[str, Any]) -> list[str]:
 # --- resolution and dump -------------------------------------------------------------------------
 def expand_run_dir(cfg: Config, now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
-    try:
-        text = cfg.job.run_dir.format(name=cfg.job.name, time=stamp)
-    except (KeyError, IndexError, ValueError) as exc:
-        message = f"bad placeholder {exc}; use {{name}} and {{time}}"
-        raise ConfigError(cfg.source, "job.run_dir", message) from None
+    text = fill_dir(cfg.job.run_dir, cfg.source, "job.run_dir", name=cfg.job.name, time=stamp)
     return Path(text).expanduser().absolute()
+
+
+def fill_dir(template: str, source: Path, key: str, **values: str) -> str:
+    """`template` with its plain {name} and {time} replaced. Anything else in braces (a
+    conversion, a format spec, an attribute or index, another name) is refused: str.format
+    would call into the value (`{name.__class__}`) or pad it to any width
+    (`{name:>999999999}`: a gigabyte before any check of the path)."""
+    fix = "use only {name} and {time}, and {{ }} for a literal brace"
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(source, key, f"bad placeholder ({exc}); {fix}") from None
+    for _, field_name, spec, conversion in fields:
+        if field_name is None:
+            continue
+        if field_name not in values or spec or conversion:
+            text = "{" + field_name + (f"!{conversion}" if conversion else "")
+            text += (f":{spec}" if spec else "") + "}"
+            raise ConfigError(source, key, f"bad placeholder {text[:40]!r}; {fix}")
+    return template.format(**values)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -90,10 +90,8 @@ def load(
     dir_text = exp.get("dir", "runs/{name}-{time}")
     if not isinstance(dir_text, str):
         raise config_mod.ConfigError(source, "experiment.dir", "expected a directory path")
-    try:
-        directory = Path(dir_text.format(name=name, time=stamp)).expanduser().absolute()
-    except (KeyError, IndexError, ValueError):
-        raise config_mod.ConfigError(source, "experiment.dir", "use {name} and {time}") from None
+    dir_text = config_mod.fill_dir(dir_text, source, "experiment.dir", name=name, time=stamp)
+    directory = Path(dir_text).expanduser().absolute()
     e = Experiment(name, directory, phases, raw, overrides, source)
     for p in phases:  # every phase's config must be valid before the first one starts
         phase_config(e, p)

@@ -83,10 +83,13 @@ def dir_problem(path: Path) -> str | None:
     """Why a directory cannot be at `path` (None: one is there, or can be made): a file in the
     way, or the nearest existing directory not writable."""
     found = path
-    while not found.exists():
-        if found.parent == found:
-            return None
-        found = found.parent
+    try:
+        while not found.exists():
+            if found.parent == found:
+                return None
+            found = found.parent
+    except OSError as exc:  # a name over NAME_MAX or PATH_MAX: exists() raises, not False
+        return f"cannot be a path here ({exc.strerror}); shorten it"
     if not found.is_dir():
         return "is a file, not a directory" if found == path else f"{found} is not a directory"
     if not os.access(found, os.W_OK | os.X_OK):
