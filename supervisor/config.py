@@ -385,7 +385,7 @@ def check(cfg: Config) -> None:
         for i, node in enumerate(la.nodes):
             problem = host_problem(node)
             need(problem is None, f"launch.nodes[{i}]", str(problem))
-        twice = duplicates(la.nodes)
+        twice = duplicates([node.lower() for node in la.nodes])  # host names ignore case
         need(
             not twice,
             "launch.nodes",

@@ -84,13 +84,22 @@ def resolve_nodes(la: LaunchConfig, environ: Mapping[str, str], source: str) -> 
 
 def _read_hostfile(path: Path, source: str, key: str) -> list[str]:
     try:
-        lines = path.read_text().split("\n")
+        lines = path.read_bytes().decode().split("\n")
     except OSError as exc:
         raise ConfigError(source, key, f"cannot read host file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        message = f"host file {path} is not UTF-8 text (byte {exc.start}); give one host a line"
+        raise ConfigError(source, key, message) from None
     hosts: list[str] = []
-    for line in lines:
-        name = line.split("#")[0].strip().split(":")[0].split()[0] if line.strip() else ""
-        if name and name not in hosts:
+    for n, line in enumerate(lines, 1):
+        fields = line.split("#")[0].split()  # "host", "host:4" or "host slots=4"; "# ..." none
+        if not fields:
+            continue
+        name = fields[0].split(":")[0]
+        if not name:
+            message = f"host file {path} line {n}: no host name in {line.strip()[:40]!r}"
+            raise ConfigError(source, key, message)
+        if name not in hosts:
             hosts.append(name)
     if not hosts:
         raise ConfigError(source, key, f"host file {path} lists no hosts")
