@@ -6,6 +6,7 @@ good slot loads whole."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import time
@@ -332,3 +333,38 @@ def test_the_copy_thread_checksums_and_seals_after_the_loop_is_released(tmp_path
     with pytest.raises(memory.SlotRefused, match=r"slot \d \(step 5\): model.weight: its 840000"):
         loader.load(held[1], Scheduler())
     loader.close(remove=False)
+
+
+def test_a_slot_file_that_is_a_link_or_a_fifo_is_refused_without_blocking(tmp_path, data):
+    path = write_slot(tmp_path, 0, 7, data)
+    other = write_slot(tmp_path / "elsewhere", 0, 7, data)
+    path.unlink()
+    path.symlink_to(other)  # even to a good slot: not this rank's own file
+    with pytest.raises(memory.SlotRefused, match="unreadable"):
+        memory.inspect(tmp_path, 0, 0, EXPECT)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(memory.SlotRefused, match="not a regular file"):
+        memory.inspect(tmp_path, 0, 0, EXPECT)
+    json_path = path.with_suffix(".json")
+    json_path.unlink()
+    os.mkfifo(json_path)
+    path.unlink()
+    path.write_bytes(other.read_bytes())
+    with pytest.raises(memory.SlotRefused, match="not a regular file"):
+        memory.inspect(tmp_path, 0, 0, EXPECT)
+
+
+def test_the_copy_thread_never_writes_through_a_planted_link(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"keep me")
+    bin_path, json_path = memory.slot_paths(tmp_path / "mem", 0, 0)
+    bin_path.parent.mkdir(parents=True)
+    bin_path.symlink_to(precious)
+    t = tier(tmp_path / "mem", model, optimizer)
+    t.save(1, 2, {})
+    assert t.wait_copied() is None and "copy failed" in t.off_reason, t.off_reason
+    t.close(remove=False)
+    assert precious.read_bytes() == b"keep me"

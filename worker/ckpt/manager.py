@@ -152,6 +152,9 @@ class SyncManager(CheckpointManager):
                 meta = self.memory.load(held, self.base.scheduler)
             except SlotRefused as exc:
                 problem = str(exc)
+            except Exception as exc:  # a slot that passed its checks yet does not load (a
+                # crafted record): refused alike, so that every rank reaches the agreement
+                problem = f"slot {held.slot} (step {held.step}): {type(exc).__name__}: {exc}"
             refused = memory.first_refusal(problem)
             if refused is None:
                 self.memory.resumed_from(held)

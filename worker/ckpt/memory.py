@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -74,6 +75,7 @@ PAGE_BYTES = 4096
 # The longest reason a rank tells the others (a refused slot's, for the `resumed` event).
 REASON_BYTES = 400
 READ_PIECE = 1 << 20  # read, then summed while in the cache
+MAX_RECORD_BYTES = 256 << 20
 _HEX = re.compile(r"[0-9a-f]*")
 
 _held: dict[str, int] = {}  # job dir -> the shared lock this process holds on it
@@ -145,11 +147,24 @@ def slot_paths(directory: Path, rank: int, slot: int) -> tuple[Path, Path]:
 
 
 # ---- reading what a rank holds ---------------------------------------------------------------
+def open_slot_file(path: Path) -> int:
+    """A read-only descriptor of a slot's file: a regular file itself (never through a symlink,
+    never a FIFO that would block the open), else SlotRefused. OSError as os.open raises it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SlotRefused(f"{path.name}: not a regular file")
+    return fd
+
+
 def read_header(path: Path) -> tuple[int, int, int]:
     """(generation before, generation after, data bytes) of a slot file; SlotRefused if it has
     none."""
-    with path.open("rb") as f:
-        raw = f.read(_HEADER.size)
+    fd = open_slot_file(path)
+    try:
+        raw = os.pread(fd, _HEADER.size, 0)
+    finally:
+        os.close(fd)
     if len(raw) < _HEADER.size:
         raise SlotRefused(f"{path.name}: no header")
     magic, before, after, nbytes = _HEADER.unpack(raw)
@@ -158,13 +173,25 @@ def read_header(path: Path) -> tuple[int, int, int]:
     return before, after, nbytes
 
 
+def _read_record(path: Path) -> bytes:
+    fd = open_slot_file(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_RECORD_BYTES:
+            raise SlotRefused(f"{path.name}: {size} bytes, more than a record's")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_RECORD_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
 def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
     """The slot if it is a complete copy of this run's state for this rank; else SlotRefused
     naming why (torn, another world, another node, …)."""
     bin_path, json_path = slot_paths(directory, rank, slot)
     try:
         before, after, nbytes = read_header(bin_path)
-        record = json.loads(json_path.read_bytes())
+        record = json.loads(_read_record(json_path))
         size = bin_path.stat().st_size
     except FileNotFoundError:
         raise SlotRefused(f"slot {slot}: missing") from None
@@ -383,7 +410,7 @@ class _Slot:
     def map(self, nbytes: int) -> torch.Tensor:
         """The data block of `nbytes`, the file made (0600) or reused at the right size."""
         size = HEADER_BYTES + nbytes
-        fd = os.open(self.bin_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self.bin_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, 0)  # a slot of another size: its bytes are no copy of ours
@@ -402,7 +429,8 @@ class _Slot:
 
     def seal(self, gen: int, record: dict[str, Any]) -> None:
         tmp = self.json_path.with_name(f".tmp-{self.json_path.name}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps(record, separators=(",", ":")).encode())
         os.replace(tmp, self.json_path)
@@ -738,7 +766,7 @@ def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any]) -> None:
             raise SlotRefused(f"{key}: {entry.get('nbytes')} bytes recorded, {nbytes} live")
         elif digest_problem(entry.get("digest"), nbytes):
             raise SlotRefused(f"{key}: {digest_problem(entry.get('digest'), nbytes)}")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_slot_file(path)
     try:
         for key, live in flat.items():
             entry = table[key]
