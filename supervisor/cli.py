@@ -412,7 +412,19 @@ def _tail_line(line: bytes, view: TailView, read: events_mod.EventsRead, raw: bo
         return ""
     if not view.take(event):
         return ""
-    return line.decode().strip() if raw else events_mod.render(event, t0=view.t0)
+    if raw:
+        return line.decode().strip()
+    return "\n".join(map(_capped, events_mod.render(event, t0=view.t0).split("\n")))
+
+
+TAIL_LINE_MAX = 4000  # characters of one printed line; a hand-edited 50 MB value is not shown
+
+
+def _capped(text: str) -> str:
+    if len(text) <= TAIL_LINE_MAX:
+        return text
+    more = len(text) - TAIL_LINE_MAX
+    return f"{text[:TAIL_LINE_MAX]}… ({more} more characters; --json shows the line whole)"
 
 
 def _events_path(run_dir: str) -> tuple[Path, str | None]:
