@@ -90,12 +90,14 @@ def test_a_flipped_memory_slot_is_refused_and_the_durable_tier_resumes_bit_exact
     assert [e["attempt"] for e in resumed] == [1]
     (back,) = resumed
     assert back["source"] == "durable" and back["step"] == 50, back
-    # The rank that refused, the slot and step, and the reason; every flipped slot it held.
+    # The rank that refused, the slot and step, and the reason (the tensor whose bytes lie just
+    # past the header); every flipped slot it held.
     why = back.get("why", "")
-    refused = r"rank (\d): slot (\d) \(step (\d+)\): data bytes 0-\d+ fail their checksum"
+    refused = r"rank (\d): slot (\d) \(step (\d+)\): ([\w.]+): its \d+ bytes fail their checksum"
     refusals = re.findall(refused, why)
     assert refusals, why
-    assert {int(rank) for rank, _, _ in refusals} == {0}, why  # the first rank to refuse
+    assert {int(rank) for rank, _, _, _ in refusals} == {0}, why  # the first rank to refuse
+    assert {tensor for _, _, _, tensor in refusals} == {"model.tok_embeddings.weight"}, why
     # The newest whole copy first (the kill may cut the copy of its step short: torn).
     assert int(refusals[0][2]) >= 59, why
     assert "(and 1 more rank)" in why, why  # rank 1 refused its own slot of that step too
