@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from worker import collectives
 from worker.ckpt import files, naming, rng, safe_load, storage
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.resume import RunIdentity, start_reading
@@ -168,9 +169,7 @@ class Checkpointer:
         self.last_saved_step = meta["step"]
 
     def _gather(self, item: Any) -> list[Any] | None:
-        out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(item, out, dst=0)
-        return out
+        return collectives.gather_json(item, dst=0)
 
     def _checksums(self, directory: Path) -> dict[str, int]:
         """Each rank checksums every world-th file, so the cost is spread like the writes."""
@@ -180,9 +179,7 @@ class Checkpointer:
         )
 
     def _merge(self, mine: dict[str, int]) -> dict[str, int]:
-        parts: list[dict[str, int]] = [{} for _ in range(self.world)]
-        dist.all_gather_object(parts, mine)
-        return {k: v for part in parts for k, v in part.items()}
+        return {k: v for part in collectives.all_gather_json(mine) for k, v in part.items()}
 
     # ---- resuming ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from supervisor import protocol
+from worker import collectives
 from worker.ckpt import rng
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.staging import Loan, ReusedStager, bytes_needed
@@ -340,7 +341,7 @@ class Agreement:
 def agree(held: list[Held], world: int, newest_durable: int | None) -> Agreement:
     """Collective, one all-gather: every rank's complete steps, and rank 0's newest durable
     step, so that every rank takes the same decision."""
-    mine = torch.full((SLOTS + 1,), -1, dtype=torch.int64, device=group_device())
+    mine = torch.full((SLOTS + 1,), -1, dtype=torch.int64, device=collectives.group_device())
     for i, h in enumerate(held[:SLOTS]):
         mine[i] = h.step
     if newest_durable is not None:
@@ -357,22 +358,11 @@ def agree(held: list[Held], world: int, newest_durable: int | None) -> Agreement
     )
 
 
-def group_device() -> torch.device:
-    """Where the default process group's collectives take their tensors (NCCL: this rank's
-    GPU; gloo: the host)."""
-    backend = dist.get_backend()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend in ("xccl", "ccl"):
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")
-
-
 def first_refusal(reason: str | None) -> str | None:
     """Collective: `rank R: <reason>` of the lowest rank that gives one (and how many more
     did), the same text on every rank; None, on every rank, when none gives one."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = group_device()
+    device = collectives.group_device()
     first = torch.tensor([rank if reason else world], dtype=torch.int64, device=device)
     count = torch.tensor([1 if reason else 0], dtype=torch.int64, device=device)
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -508,7 +498,9 @@ class MemoryTier:
         problem = self.broken or fit_problem(
             self.directory, need * SLOTS * self.local_world, self._reusable()
         )
-        ok = torch.tensor([0 if problem else 1], dtype=torch.int64, device=group_device())
+        ok = torch.tensor(
+            [0 if problem else 1], dtype=torch.int64, device=collectives.group_device()
+        )
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if int(ok[0]):
             return None

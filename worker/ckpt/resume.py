@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from supervisor import protocol
+from worker import collectives
 from worker.args import TrainArgs
 from worker.beat import Beacon
 from worker.ckpt import files, memory, naming, rng, safe_load, storage
@@ -174,16 +173,16 @@ def choose_checkpoint(
 ) -> Path | None:
     """Collective: rank 0 picks the newest complete checkpoint whose files verify (a damaged
     one is reported and the one before tried); every rank learns the choice."""
-    choice = [None]
+    choice = None
     if rank == 0:
         for found in files.resume_candidates(files.scan(root)):
             problem = _problem(found.path, verify == "crc")
             if problem is None:
-                choice[0] = str(found.path)
+                choice = str(found.path)
                 break
             log(f"WARNING: skipping checkpoint {found.path.name}: {problem}; trying the one before")
-    dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0]) if choice[0] else None
+    choice = collectives.broadcast_json(choice, src=0)
+    return Path(choice) if isinstance(choice, str) else None
 
 
 def _problem(directory: Path, check_crc: bool) -> str | None:
