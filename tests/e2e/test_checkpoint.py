@@ -65,8 +65,9 @@ def test_killed_runs_resume_bit_exact_from_memory_and_from_disk(
     assert all(resumes), outputs
     steps, sources = [int(m[1]) for m in resumes], [m[2] for m in resumes]
     assert sources[0] == sources[2] == "memory", outputs
-    # The copy of step k is sealed before step k+1's update: at most the step in flight is lost.
-    assert steps[0] >= killed_at[0] - 1 and steps[2] >= killed_at[2] - 1, (steps, killed_at)
+    # The copy of step k is made before step k+1's update and sealed (checksummed, on the copy
+    # thread) before the copy of k+1 starts: at most the step in flight and one copy are lost.
+    assert steps[0] >= killed_at[0] - 2 and steps[2] >= killed_at[2] - 2, (steps, killed_at)
     assert sources[1] == str(naming.step_dir(ckpt, steps[1])), outputs[2]
     assert steps[1] % 5 == 0 and steps[0] < steps[1] <= killed_at[1], (steps, killed_at)
     restarts = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
