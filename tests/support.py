@@ -171,12 +171,13 @@ def supervisor_env() -> dict[str, str]:
 
 
 def start_supervisor(
-    config: Path, *args: str, extra_env: dict[str, str] | None = None
+    config: Path, *args: str, extra_env: dict[str, str] | None = None, **popen
 ) -> subprocess.Popen:
+    """`supervisor run CONFIG ARGS`; its output piped unless `popen` says otherwise."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **popen}
     return subprocess.Popen(
         [sys.executable, "-m", "supervisor", "run", str(config), *args],
-        cwd=REPO, env={**supervisor_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env={**supervisor_env(), **(extra_env or {})}, text=True, **popen,
     )  # fmt: skip
 
 
@@ -187,8 +188,8 @@ def finish_supervisor(proc: subprocess.Popen, timeout: float) -> tuple[int, str]
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
-        pytest.fail(f"supervisor did not finish in {timeout} s:\n{out[-4000:]}")
-    return proc.returncode, out
+        pytest.fail(f"supervisor did not finish in {timeout} s:\n{(out or '')[-4000:]}")
+    return proc.returncode, out or ""
 
 
 def run_supervisor(config: Path, timeout: float, *args: str) -> tuple[int, str]:
@@ -239,6 +240,22 @@ def assert_in_order(evs: list[str], expected: list[str]) -> None:
 
 
 # --- hand-made inputs -----------------------------------------------------------------------------
+def job_toml(tmp_path: Path, tables: dict[str, dict], faults=()) -> Path:
+    """A job config from its tables ({"job": {...}, "heartbeat.progress": {...}}) and faults."""
+    text = "".join(toml_table(f"[{name}]", items) for name, items in tables.items())
+    text += "".join(toml_table("[[faults]]", f) for f in faults)
+    return write_job_toml(tmp_path, text)
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """A user error of `python -m supervisor ARGV` run here: exit 2 and one line, no traceback."""
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
 def write_job_toml(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "job.toml"
     path.write_text(text)

@@ -16,7 +16,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support import REPO, TINY_JOB_WORKER, events, supervisor_env, toml_table
+from tests.support import (
+    TINY_JOB_WORKER,
+    events,
+    finish_supervisor,
+    job_toml,
+    start_supervisor,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,49 +40,24 @@ JOB_TIMEOUT = 240
 def write_config(tmp_path: Path, worker: dict, restart: dict | None = None,
                  launch: dict | None = None, env: dict | None = None,
                  faults: tuple[dict, ...] = ()) -> Path:  # fmt: skip
-    text = toml_table("[job]", {"name": "h", "run_dir": str(tmp_path / "run")})
-    text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2, **(launch or {})})
-    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1", **(env or {})})
-    text += toml_table("[worker]", worker)
-    text += toml_table("[restart]", {"max_restarts": 5, "teardown_grace_s": 3.0, "backoff_s": [0],
-                                     "standby": False, **(restart or {})})  # fmt: skip
-    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 5.0})
-    text += toml_table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 60, "save": 120})
-    text += "".join(toml_table("[[faults]]", f) for f in faults)
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return path
+    return job_toml(tmp_path, {
+        "job": {"name": "h", "run_dir": str(tmp_path / "run")},
+        "launch": {"launcher": "mpiexec", "ranks_per_node": 2, **(launch or {})},
+        "launch.env": {"OMP_NUM_THREADS": "1", **(env or {})},
+        "worker": worker,
+        "restart": {"max_restarts": 5, "teardown_grace_s": 3.0, "backoff_s": [0],
+                    "standby": False, **(restart or {})},
+        "heartbeat": {"interval_s": 0.25, "timeout_s": 5.0},
+        "heartbeat.progress": {"init": 120, "load": 120, "train": 60, "save": 120},
+    }, faults)  # fmt: skip
 
 
 def start(config: Path, **popen) -> subprocess.Popen:
-    popen.setdefault("stdout", subprocess.PIPE)
-    popen.setdefault("stderr", subprocess.STDOUT)
-    return subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", str(config)],
-        cwd=REPO, env=supervisor_env(), text=True, **popen,
-    )  # fmt: skip
-
-
-def wait_for(run: Path, pred, proc: subprocess.Popen, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for e in events(run):
-            if pred(e):
-                return e
-        if proc.poll() is not None:
-            pytest.fail(f"supervisor exited ({proc.returncode}) before the awaited event")
-        time.sleep(0.05)
-    pytest.fail("timed out waiting for an event")
+    return start_supervisor(config, **popen)
 
 
 def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"supervisor did not finish in {timeout} s:\n{(out or '')[-4000:]}")
-    return proc.returncode, out or ""
+    return finish_supervisor(proc, timeout)
 
 
 def job_processes(job: str) -> list[psutil.Process]:
@@ -141,8 +122,8 @@ def test_sighup_is_a_graceful_stop_with_the_console_gone(tmp_path, mem_root):
                  start_new_session=True)  # fmt: skip
     os.close(tty.slave)
     try:
-        first = wait_for(run, lambda e: e["event"] == "first_step", proc)
-        wait_for(run, lambda e: e["event"] == "standby_launch", proc)
+        first = wait_for(run, lambda e: e["event"] == "first_step", proc, timeout=120)
+        wait_for(run, lambda e: e["event"] == "standby_launch", proc, timeout=120)
         assert b"first_step" in tty.text  # the console worked until now
         tty.hang_up()
         proc.send_signal(signal.SIGHUP)

@@ -29,10 +29,10 @@ from tests.support import (
     TINY_JOB_WORKER,
     events,
     finish_supervisor,
+    job_toml,
     mpiexec,
     rank_env,
     start_supervisor,
-    toml_table,
 )
 
 JOB_TIMEOUT = 300
@@ -101,21 +101,19 @@ class Watcher(threading.Thread):
 
 
 def write_config(tmp_path: Path, faults: list[dict], max_restarts: int = 12) -> Path:
-    text = toml_table("[job]", {"name": "hyg", "run_dir": str(tmp_path / "run")})
-    text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
-    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
-    text += toml_table("[worker]", WORKER)
     restart = {"max_restarts": max_restarts, "teardown_grace_s": 1.0, "backoff_s": [0],
                "max_same_resume": 4, "standby": False}  # fmt: skip
-    text += toml_table("[restart]", restart)
-    # 5 s: on a loaded 2-core host a starting rank's beats can pause for 3 s (its imports hold
-    # the interpreter); each such false hang costs an attempt (seen in a clean-clone run).
-    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 5.0})
-    text += toml_table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 8, "save": 120})
-    text += "".join(toml_table("[[faults]]", f) for f in faults)
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return path
+    return job_toml(tmp_path, {
+        "job": {"name": "hyg", "run_dir": str(tmp_path / "run")},
+        "launch": {"launcher": "mpiexec", "ranks_per_node": 2},
+        "launch.env": {"OMP_NUM_THREADS": "1"},
+        "worker": WORKER,
+        "restart": restart,
+        # 5 s: on a loaded 2-core host a starting rank's beats can pause for 3 s (its imports
+        # hold the interpreter); each such false hang costs an attempt (seen in a clean-clone run).
+        "heartbeat": {"interval_s": 0.25, "timeout_s": 5.0},
+        "heartbeat.progress": {"init": 120, "load": 120, "train": 8, "save": 120},
+    }, faults)  # fmt: skip
 
 
 def run_watched(config: Path) -> tuple[int, str, set[str]]:

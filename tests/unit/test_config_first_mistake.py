@@ -8,7 +8,7 @@ import pytest
 
 from supervisor import cli
 from supervisor import config as C
-from tests.support import REPO, validate
+from tests.support import REPO, one_line_error, validate
 from tests.support import write_job_toml as write
 
 DEBUG = REPO / "configs" / "debug.toml"
@@ -21,14 +21,6 @@ def demo_with(tmp_path, old: str, new: str):
     assert old in text
     text = text.replace(old, new).replace('launcher = "mpiexec"', 'launcher = "local"')
     return write(tmp_path, text.replace('run_dir = "runs/', f'run_dir = "{tmp_path}/runs/'))
-
-
-def one_line_error(capsys, argv: list[str]) -> str:
-    rc = cli.main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 def test_a_worker_key_typo_is_named_before_the_faults_that_depend_on_it(tmp_path, capsys):

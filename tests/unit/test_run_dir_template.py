@@ -8,17 +8,10 @@ from __future__ import annotations
 import pytest
 
 from supervisor import cli
+from tests.support import one_line_error
 from tests.support import write_job_toml as write
 
 LOCAL = '[launch]\nlauncher = "local"\n'
-
-
-def one_line_error(capsys, argv: list[str]) -> str:
-    rc = cli.main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 @pytest.mark.parametrize(
