@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from supervisor import protocol
+
 # Names of what MPICH (ch4 posix shared memory) and Hydra (its proxy's hwloc topology) put on a
 # node; `worker.dist.MPI_SHM_PREFIXES` names the first for the ranks.
 SHM_ROOT = "/dev/shm"
@@ -56,7 +58,7 @@ def stage_dir(worker_flags: Mapping[str, Any], env: Mapping[str, str], job_id: s
     checkpoints, or a stage dir the user named (theirs to keep; the ranks empty it at start)."""
     if not worker_flags.get("async_ckpt") or worker_flags.get("ckpt_stage_dir"):
         return None
-    return os.path.join(temp_dir(env), STAGE_PREFIX + job_id)
+    return os.path.join(temp_dir(env), STAGE_PREFIX + protocol.scratch_tag(job_id))
 
 
 def sweepable(name: str, st: os.stat_result, uid: int, prefixes: tuple[str, ...]) -> bool:

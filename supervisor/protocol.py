@@ -133,13 +133,18 @@ def mem_root(env: dict[str, str] | os._Environ) -> str:
     return MEM_ROOT_DEFAULT if os.path.isdir(MEM_ROOT_DEFAULT) else tempfile.gettempdir()
 
 
+def scratch_tag(tag: str) -> str:
+    """A job's tag as node-local scratch directories are named by it: as it is when of the form
+    a sweep knows; a tag of another form (a job id made by hand: a separator, `..`, a NUL, too
+    long) by its hash (12 hex digits), the same for every caller."""
+    if _MEM_TAG.fullmatch(tag):
+        return tag
+    return hashlib.sha1(tag.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
 def mem_dir(root: str | os.PathLike, tag: str) -> str:
-    """`<root>/es-mem-<tag>`: one directory right under `root`, of the form a sweep knows. A tag
-    of another form (a job id made by hand: a separator, `..`, a NUL, too long) is not used as
-    it is: its hash (12 hex digits) names the directory instead, the same for every caller."""
-    if not _MEM_TAG.fullmatch(tag):
-        tag = hashlib.sha1(tag.encode("utf-8", "surrogatepass")).hexdigest()[:12]
-    return os.path.join(root, MEM_PREFIX + tag)
+    """`<root>/es-mem-<tag>`: one directory right under `root`, of the form a sweep knows."""
+    return os.path.join(root, MEM_PREFIX + scratch_tag(tag))
 
 
 def hold_mem_dir(path: str | os.PathLike) -> int:

@@ -29,8 +29,16 @@ def test_each_rank_copies_only_its_own_files():
     assert own_files(names, 1) == ["__1_0.distcp"]
 
 
+def a_parent(tmp_path):
+    return default_stage_root(str(tmp_path), None).parent
+
+
 def test_stage_root_is_per_job(tmp_path):
-    assert default_stage_root(str(tmp_path), "job7").name == "es-ckpt-job7"
+    assert default_stage_root(str(tmp_path), "job7-0123abcd").name == "es-ckpt-job7-0123abcd"
+    # A job id of another form never becomes a path: one directory right under the temp dir.
+    for odd in ("a/../../b", "..", "x" * 300):
+        assert default_stage_root(str(tmp_path), odd).parent == a_parent(tmp_path)
+        assert default_stage_root(str(tmp_path), odd).name.startswith("es-ckpt-")
     a, b = default_stage_root(str(tmp_path / "a"), None), default_stage_root(str(tmp_path), None)
     assert a != b and a.parent == b.parent
 

@@ -52,11 +52,12 @@ def test_stage_dir_is_the_workers_default_under_the_supervisor(tmp_path: Path):
 
     env = {"TMPDIR": str(tmp_path)}
     flags = {"async_ckpt": True, "ckpt_dir": "/ckpt"}
-    assert hygiene.stage_dir(flags, env, "job-1") == str(tmp_path / "es-ckpt-job-1")
+    assert hygiene.stage_dir(flags, env, "job-0123abcd") == str(tmp_path / "es-ckpt-job-0123abcd")
     with pytest.MonkeyPatch.context() as mp:  # the worker's own answer, in the ranks' env
         mp.setattr(tempfile, "tempdir", None)
         mp.setenv("TMPDIR", str(tmp_path))
-        assert str(default_stage_root("/ckpt", "job-1")) == hygiene.stage_dir(flags, env, "job-1")
+        for job in ("job-0123abcd", "a/../b"):  # an odd id: both hash it alike
+            assert str(default_stage_root("/ckpt", job)) == hygiene.stage_dir(flags, env, job)
     assert hygiene.stage_dir({"async_ckpt": False}, env, "job-1") is None
     assert hygiene.stage_dir({**flags, "ckpt_stage_dir": "/scratch/x"}, env, "job-1") is None
     assert hygiene.temp_dir({"TMPDIR": str(tmp_path / "missing")}) == tempfile.gettempdir()

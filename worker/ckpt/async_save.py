@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from supervisor import protocol
 from worker.ckpt import files, naming, storage
 from worker.ckpt.checkpointer import Checkpointer
 from worker.ckpt.fanout import FanoutResult, fan_out
@@ -48,8 +49,10 @@ POLL_PAUSE_S = 0.005
 
 
 def default_stage_root(ckpt_dir: str, job_id: str | None) -> Path:
-    """Node-local scratch per job (`naming.job_tag`)."""
-    return Path(tempfile.gettempdir()) / f"es-ckpt-{naming.job_tag(ckpt_dir, job_id)}"
+    """Node-local scratch per job (`naming.job_tag`), one directory right under the temp dir
+    whatever the job id holds (`protocol.scratch_tag`)."""
+    tag = protocol.scratch_tag(naming.job_tag(ckpt_dir, job_id))
+    return Path(tempfile.gettempdir()) / f"es-ckpt-{tag}"
 
 
 class Readiness(Enum):
