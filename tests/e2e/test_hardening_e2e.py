@@ -118,8 +118,11 @@ def test_sighup_is_a_graceful_stop_with_the_console_gone(tmp_path, mem_root):
     config = write_config(tmp_path, worker, restart={"standby": True},
                           env={"ES_MEM_ROOT": str(mem_root)})  # fmt: skip
     tty = Terminal()
+    # SIGHUP as a terminal's shell leaves it (the default), even when this test runs under nohup
+    # (which the supervisor would honour: it keeps an ignored SIGHUP ignored).
     proc = start(config, stdout=tty.slave, stderr=tty.slave, stdin=subprocess.DEVNULL,
-                 start_new_session=True)  # fmt: skip
+                 start_new_session=True,
+                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # fmt: skip
     os.close(tty.slave)
     try:
         first = wait_for(run, lambda e: e["event"] == "first_step", proc, timeout=120)

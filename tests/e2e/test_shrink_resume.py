@@ -16,13 +16,12 @@ import pytest
 
 from supervisor.config import flags_from_table
 from supervisor.shrink import plan_shrink
-from tests.support import losses, rank_env, read_metrics, run_worker
+from tests.support import TINY_SIZES, losses, rank_env, read_metrics, run_worker
 from worker.ckpt import files, memory, naming
 
 pytestmark = pytest.mark.slow
 
-TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
-TINY |= {"vocab_size": 128, "seq_len": 32, "train_iters": 8, "save_interval": 4}
+TINY = {**TINY_SIZES, "train_iters": 8, "save_interval": 4}
 SEQ = TINY["seq_len"]
 
 

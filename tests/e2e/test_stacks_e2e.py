@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from supervisor.stack_text import main_thread, place_of
-from tests.support import REPO, events, toml_value
+from tests.support import REPO, TINY_JOB_WORKER, events, toml_value
 
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_TIMEOUT = 300
@@ -24,9 +24,7 @@ JOB_TIMEOUT = 300
 TABLES = {
     "launch": {"launcher": "mpiexec", "ranks_per_node": 2},
     "launch.env": {"OMP_NUM_THREADS": "1"},
-    "worker": {"model": "debug", "device": "cpu", "dim": 32, "n_layers": 2, "n_heads": 2,
-               "n_kv_heads": 1, "vocab_size": 256, "seq_len": 32, "batch_size": 2,
-               "train_iters": 16, "save_interval": 5},
+    "worker": {**TINY_JOB_WORKER, "train_iters": 16, "save_interval": 5},
     "restart": {"max_restarts": 3, "teardown_grace_s": 1.0, "backoff_s": [0], "standby": False},
     "heartbeat": {"interval_s": 0.25, "timeout_s": 3.0},
     # Longer than the liveness timeout: the SIGSTOP is judged a hang, not its peer's no progress.

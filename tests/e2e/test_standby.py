@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.support import (
+    TINY_SIZES,
     events,
     rank_pid,
     read_metrics,
@@ -30,8 +31,7 @@ def finish(proc, timeout: float = 150) -> tuple[int, str]:
     return _finish(proc, timeout)
 
 
-SIZES = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
-         "vocab_size": 128, "seq_len": 32}  # fmt: skip
+SIZES = TINY_SIZES
 LAYOUTS = {
     "fsdp2": (2, {}),
     "hsdp2x2": (4, {"replicate": 2}),
