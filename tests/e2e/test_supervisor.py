@@ -242,12 +242,13 @@ def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
         tmp_path,
         launcher="local",
         worker={"inject_rank": 0, "inject_raise_at_step": 1},  # fails inside its first step
-        restart={"max_restarts": 5, "backoff_s": [0, 30]},
+        restart={"max_restarts": 5, "backoff_s": [0, 1, 30]},
     )
     rc, out = finish(start(config))
     assert rc == 4, out
     evs = events(run)
     assert sum(e["event"] == "launch" for e in evs) == 2  # not 6, and no 30 s backoff
+    assert [e["delay_s"] for e in evs if e["event"] == "relaunch"] == [1.0]
     give_up = next(e for e in evs if e["event"] == "give_up")
     assert give_up["code_name"] == "NO_PROGRESS"
     assert give_up["reason"] == (
