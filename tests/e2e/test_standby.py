@@ -15,6 +15,8 @@ import psutil
 import pytest
 
 from tests.support import (
+    ITERS,
+    TINY,
     TINY_SIZES,
     events,
     rank_pid,
@@ -23,6 +25,7 @@ from tests.support import (
     toml_value,
     wait_for,
 )
+from tests.support import LAYOUTS as SHARED_LAYOUTS
 from tests.support import finish_supervisor as _finish
 from tests.support import start_supervisor as start
 
@@ -37,9 +40,9 @@ LAYOUTS = {
     "hsdp2x2": (4, {"replicate": 2}),
     "fsdp_tp2": (4, {"tp": 2}),
 }
-# 0.6 s a step: the standby (ready in ~8 s with 2 ranks here, ~20 s with 4) is ready well
+# 1.5 s a step, 24 steps: the standby (ready in ~8 s with 2 ranks here, ~20 s with 4) is ready well
 # before the last step; the warm attempt then runs at full speed (the fault fires once).
-PACE = {"name": "pace", "at_step": 1, "action": "slow", "target": "all", "delay_s": 0.6,
+PACE = {"name": "pace", "at_step": 1, "action": "slow", "target": "all", "delay_s": 1.5,
         "duration_s": 600}  # fmt: skip
 
 
@@ -70,13 +73,6 @@ def write_config(tmp_path, ranks: int, worker: dict, faults=(PACE,), restart=Non
     path = tmp_path / "job.toml"
     path.write_text(text)
     return path
-
-
-def flags(worker: dict) -> list[str]:
-    out = []
-    for k, v in {**SIZES, **worker}.items():
-        out += [f"--{k.replace('_', '-')}", str(v)]
-    return out
 
 
 def kill_ranks(run, attempt: int, ranks: int) -> list[int]:
@@ -127,8 +123,8 @@ def assert_no_standby_survives(run, procs: list[psutil.Process], after: str) -> 
 )  # fmt: skip
 def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, layout, before_ckpt):
     ranks, par = LAYOUTS[layout]
-    worker = {**par, "train_iters": 60, "save_interval": 1000 if before_ckpt else 5}
-    want = reference(ranks, *flags({**par, "train_iters": 60}))
+    worker = {**par, "train_iters": ITERS, "save_interval": 1000 if before_ckpt else 5}
+    want = reference(ranks, *TINY, *SHARED_LAYOUTS[layout][1], "--train-iters", str(ITERS))
 
     run = tmp_path / "run"
     proc = start(write_config(tmp_path, ranks, worker))
