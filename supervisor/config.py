@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from supervisor import protocol
 from supervisor.config_table import ConfigError, build, reject_unknown
 
 if TYPE_CHECKING:  # faults/ is imported only for a config that declares [[faults]]
@@ -39,9 +40,9 @@ DEFAULT_MODULE = "worker.train"
 TABLES = ("job", "launch", "worker", "restart", "heartbeat", "faults")
 # A job name becomes a path component (the run dir's {name}, the memory tier's and the stage
 # dir's names) and part of ES_JOB_ID, so it is a plain name: no separators, nothing to quote.
-NAME_MAX = 64
+NAME_MAX = protocol.JOB_NAME_MAX
 NAME_CHARS = 'ASCII letters, digits, ".", "_" and "-"'
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NAME = protocol.JOB_NAME
 # A node name goes into host files (`host:n`, `#` comments), Hydra's comma lists and ssh.
 HOST_MAX = 253
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -108,10 +108,17 @@ def read_lock_holder(path: str | os.PathLike) -> dict[str, Any]:
 # touches nothing else, `MEM_DIR_NAME`).
 MEM_ROOT_DEFAULT = "/dev/shm"
 MEM_PREFIX = "es-mem-"
-# A job name as config.name_problem allows it (ASCII letters, digits, ".", "_", "-", at most 64,
-# no ".."), then the job id's 8 hex digits; or a worker's own 12-digit hash.
+# A job name (config.name_problem checks it against these): ASCII letters, digits, ".", "_",
+# "-", starting with a letter or digit, at most JOB_NAME_MAX, no "..".
+JOB_NAME_MAX = 64
+_NAME_FIRST, _NAME_REST = "[A-Za-z0-9]", "[A-Za-z0-9._-]"
+JOB_NAME = re.compile(f"{_NAME_FIRST}{_NAME_REST}*", re.ASCII)
+# The tag of a job's scratch: a job name, then the job id's 8 hex digits; or a worker's own
+# 12-digit hash.
 _MEM_TAG = re.compile(
-    r"(?:(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9a-f]{8}|[0-9a-f]{12})", re.ASCII
+    rf"(?:(?!.*\.\.){_NAME_FIRST}{_NAME_REST}{{0,{JOB_NAME_MAX - 1}}}-[0-9a-f]{{8}}"
+    r"|[0-9a-f]{12})",
+    re.ASCII,
 )
 MEM_DIR_NAME = re.compile(re.escape(MEM_PREFIX) + _MEM_TAG.pattern, re.ASCII)
 
