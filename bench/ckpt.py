@@ -297,7 +297,7 @@ def ranks_main(size: int, workdir: Path, with_async: bool) -> None:
 
 
 def files_step_dir(root: Path, step: int) -> Path:
-    from worker.ckpt.naming import step_dir
+    from contracts.ckpt_files import step_dir
 
     return step_dir(root, step)
 

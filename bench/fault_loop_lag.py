@@ -21,10 +21,10 @@ import time
 
 import zmq
 
+from contracts import control_msgs
 from faults.engine import FaultEngine
 from faults.spec import JobShape, parse_all
-from supervisor import protocol
-from supervisor.heartbeat import AttemptTable
+from supervisor.watch.heartbeat import AttemptTable
 
 KEY = b"bench-key-" * 4
 JOB = "lag"
@@ -57,7 +57,7 @@ def ranks(address: str, early: range, late: range, ready, fired, done, got) -> N
 
 def _connect(ctx: zmq.Context, address: str, rank: int) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, protocol.control_identity(0, rank))
+    s.setsockopt(zmq.IDENTITY, control_msgs.control_identity(0, rank))
     s.setsockopt(zmq.LINGER, 0)
     s.connect(address)
     return s

@@ -36,10 +36,10 @@ import multiprocessing as mp
 import os
 import time
 
-from supervisor import protocol
-from supervisor.config import HeartbeatConfig, ProgressConfig
-from supervisor.decisions import judge_period
-from supervisor.heartbeat import AttemptTable, HeartbeatServer
+from contracts import messages
+from supervisor.policy.decisions import judge_period
+from supervisor.settings.config import HeartbeatConfig, ProgressConfig
+from supervisor.watch.heartbeat import AttemptTable, HeartbeatServer
 
 KEY = b"bench-key-" * 4
 JOB = "scale"
@@ -92,9 +92,9 @@ def simulate_ranks(addr: str, lo: int, hi: int, world: int, interval: float, con
     """Direct beats for ranks [lo, hi); `silence` stops rank `lo`."""
     ctx, sock = _push(addr)
     frames = [
-        protocol.encode(
+        messages.encode(
             KEY,
-            protocol.RankIdentity(JOB, 0, r, world, f"node{r // 12}", 10_000 + r).message(
+            messages.RankIdentity(JOB, 0, r, world, f"node{r // 12}", 10_000 + r).message(
                 "beat", time.time(), phase="train", step=1
             ),
         )
@@ -113,7 +113,7 @@ def simulate_nodes(addr: str, lo: int, hi: int, per: int, world: int, interval: 
     ctx, sock = _push(addr)
     cores = []
     for node in range(lo, hi):
-        ident = protocol.RankIdentity(JOB, 0, node * per, world, f"node{node}", 10_000 + node)
+        ident = messages.RankIdentity(JOB, 0, node * per, world, f"node{node}", 10_000 + node)
         cores.append(RelayCore(KEY, ident, f"node{node}"))
 
     def send_one(i: int, rnd: int) -> None:
@@ -140,7 +140,7 @@ def real_nodes(addr: str, n: int, per: int, world: int, interval: float, conn) -
     relays, feeds, idents = [], [], []
     ctx = zmq.Context()
     for node in range(n):
-        ident = protocol.RankIdentity(JOB, 0, node * per, world, f"real{node}", os.getpid())
+        ident = messages.RankIdentity(JOB, 0, node * per, world, f"real{node}", os.getpid())
         local = relay_address(KEY, JOB, 0, f"real{node}")
         beacon = ZmqBeacon(addr, KEY, ident, interval, relay=RelayCore(KEY, ident, f"real{node}"),
                            relay_addr=local)  # fmt: skip
@@ -151,14 +151,14 @@ def real_nodes(addr: str, n: int, per: int, world: int, interval: float, conn) -
         sock.connect(local)
         feeds.append(sock)
         idents += [
-            (sock, protocol.RankIdentity(JOB, 0, r, world, f"real{node}", 20_000 + r))
+            (sock, messages.RankIdentity(JOB, 0, r, world, f"real{node}", 20_000 + r))
             for r in range(node * per + 1, (node + 1) * per)
         ]
 
     def send_one(i: int, rnd: int) -> None:
         sock, ident = idents[i]
         msg = ident.message("beat", time.time(), phase="train", step=rnd + 1)
-        sock.send(protocol.encode(KEY, msg))
+        sock.send(messages.encode(KEY, msg))
         if i == 0:
             for b in relays:  # the relays' own ranks move too
                 b.phase("train", rnd + 1)

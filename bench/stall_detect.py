@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from supervisor import config as config_mod  # noqa: E402
+from supervisor.settings import config as config_mod  # noqa: E402
 
 
 def write_config(workdir: Path, mode: str, iters: int, every: int) -> Path:

@@ -39,8 +39,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from supervisor import config as config_mod  # noqa: E402
-from supervisor.events import read_events  # noqa: E402
+from supervisor.log.events import read_events  # noqa: E402
+from supervisor.settings import config as config_mod  # noqa: E402
 
 TORCH_LOG = re.compile(r"^[IWEC](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ .*?\] (.*)$")
 NOTICED = ("failed (exitcode", "closing signal", "attempts left", "Worker group FAILED")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.control import ControlServer  # noqa: F401  (the channel the faults use)
-from worker.ckpt import files as ckpt_files  # the checkpoint layout itself; no torch there
+from contracts import ckpt_files as ckpt_files  # the checkpoint layout itself; no torch there
+from supervisor.watch.control import ControlServer  # noqa: F401  (the channel the faults use)
 
 FLIP_BYTES = 64
 

@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts import ckpt_files, control_msgs
 from faults import actions
 from faults.schedule import Facts, Firing, Schedule
 from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec
-from supervisor import control as control_mod
-from supervisor import protocol
-from worker.ckpt import naming
+from supervisor.watch import control as control_mod
 
 CONTROL_RETRY_S = 0.2  # a rank whose control socket is not connected yet: retry this long
 CONTROL_RETRY_EVERY_S = 0.02
@@ -97,10 +96,10 @@ class FaultEngine:
         control: actions.ControlServer | None = None,
     ) -> FaultEngine | None:
         """The engine of a job with [[faults]] (typed specs, checked against the resolved world
-        by `supervisor.resolve`), or None without (nothing of faults/ then runs)."""
+        by `supervisor.launch.resolve`), or None without (nothing of faults/ then runs)."""
         if not cfg.faults:
             return None
-        from supervisor import launcher
+        from supervisor.launch import launcher
 
         bind, host = control_mod.bind_for(heartbeat_address)
         ckpt = cfg.worker.flags.get("ckpt_dir")
@@ -277,7 +276,7 @@ class FaultEngine:
         marker = {"step": step, "mtime": None}
         if step is not None and self.ckpt_dir is not None:
             with contextlib.suppress(OSError):
-                path = naming.marker(self.ckpt_dir, step)
+                path = ckpt_files.marker(self.ckpt_dir, step)
                 marker["mtime"] = round(path.stat().st_mtime, 6)
         return marker
 
@@ -311,7 +310,7 @@ class FaultEngine:
 
     def _command(self, spec: FaultSpec, attempt: int, rank: int) -> dict[str, Any]:
         act = spec.action
-        return protocol.control_message(
+        return control_msgs.control_message(
             self.job_id,
             attempt,
             rank,

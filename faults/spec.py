@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.config_table import ConfigError, Table, is_int
+from contracts.config_table import ConfigError, Table, is_int
 
 ACTIONS = ("kill", "term", "hang", "stall", "slow", "corrupt", "unmark")
 TIME_KEYS = ("at_s", "every_s", "mtbf_s")

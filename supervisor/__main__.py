@@ -1,7 +1,7 @@
-"""`python -m supervisor`: see supervisor.cli."""
+"""`python -m supervisor`: see supervisor.commands.cli."""
 
 import sys
 
-from supervisor.cli import main
+from supervisor.commands.cli import main
 
 sys.exit(main())

@@ -16,11 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import cli
-from supervisor import protocol as P
-from supervisor.events import read_events
-from worker.ckpt import files as ckpt_files
-from worker.ckpt import naming
+from contracts import ckpt_files as ckpt_files
+from contracts import env_names
+from supervisor.commands import cli
+from supervisor.log.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -271,7 +270,7 @@ def validate(capsys, *argv: str) -> tuple[int, str]:
 
 def fake_checkpoints(root: Path, steps=(5, 10)) -> None:
     for step in steps:
-        d = naming.step_dir(root, step)
+        d = ckpt_files.step_dir(root, step)
         d.mkdir(parents=True)
         for r in (0, 1):
             (d / f"__{r}_0.distcp").write_bytes(bytes(range(256)) * 4)
@@ -283,12 +282,12 @@ BEACON_JOB = "job-1"
 
 
 def beacon_env(monkeypatch, addr, attempt=0, interval=0.1):
-    monkeypatch.setenv(P.ENV_HEARTBEAT_ADDR, addr)
-    monkeypatch.setenv(P.ENV_HEARTBEAT_KEY, BEACON_KEY)
-    monkeypatch.setenv(P.ENV_JOB_ID, BEACON_JOB)
-    monkeypatch.setenv(P.ENV_ATTEMPT, str(attempt))
-    monkeypatch.setenv(P.ENV_HEARTBEAT_INTERVAL, str(interval))
-    monkeypatch.delenv(P.ENV_EXIT_WITH_PARENT, raising=False)
+    monkeypatch.setenv(env_names.ENV_HEARTBEAT_ADDR, addr)
+    monkeypatch.setenv(env_names.ENV_HEARTBEAT_KEY, BEACON_KEY)
+    monkeypatch.setenv(env_names.ENV_JOB_ID, BEACON_JOB)
+    monkeypatch.setenv(env_names.ENV_ATTEMPT, str(attempt))
+    monkeypatch.setenv(env_names.ENV_HEARTBEAT_INTERVAL, str(interval))
+    monkeypatch.delenv(env_names.ENV_EXIT_WITH_PARENT, raising=False)
 
 
 def make_run(tmp_path: Path, *, finished: bool) -> Path:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from supervisor import protocol
+from contracts import control_msgs, env_names, messages, stack_files
 from worker import stack_dump
 from worker.errors import UsageError
 from worker.relay import RelayCore, node_name, relay_address
@@ -56,23 +56,23 @@ class Beacon:
         """The beacon `ES_*` asks for. `local_rank`/`local_world`: this rank's place on its node
         (a relay needs more than one rank there; local rank 0 is the relay)."""
         env = os.environ
-        addr = env.get(protocol.ENV_HEARTBEAT_ADDR)
+        addr = env.get(env_names.ENV_HEARTBEAT_ADDR)
         if not addr:
             return cls()
-        identity = protocol.RankIdentity(
-            job=env.get(protocol.ENV_JOB_ID, ""),
-            attempt=int(env.get(protocol.ENV_ATTEMPT, "0")),
+        identity = messages.RankIdentity(
+            job=env.get(env_names.ENV_JOB_ID, ""),
+            attempt=int(env.get(env_names.ENV_ATTEMPT, "0")),
             rank=rank,
             world=world,
             host=socket.gethostname(),
             pid=os.getpid(),
         )
-        key = env.get(protocol.ENV_HEARTBEAT_KEY, "").encode()
-        interval = float(env.get(protocol.ENV_HEARTBEAT_INTERVAL, "1.0"))
-        if env.get(protocol.ENV_EXIT_WITH_PARENT) == "1":
+        key = env.get(env_names.ENV_HEARTBEAT_KEY, "").encode()
+        interval = float(env.get(env_names.ENV_HEARTBEAT_INTERVAL, "1.0"))
+        if env.get(env_names.ENV_EXIT_WITH_PARENT) == "1":
             _die_with_parent()
-        control = env.get(protocol.ENV_CONTROL_ADDR) or None
-        if env.get(protocol.ENV_HEARTBEAT_RELAY) == "1" and local_world > 1:
+        control = env.get(env_names.ENV_CONTROL_ADDR) or None
+        if env.get(env_names.ENV_HEARTBEAT_RELAY) == "1" and local_world > 1:
             node = node_name(env, identity.host)
             local = relay_address(key, identity.job, identity.attempt, node)
             if local_rank != 0:  # a member: everything to the node's relay
@@ -111,8 +111,8 @@ class Beacon:
         """Block until the supervisor says `go` or `exit` (returned as such), or a stop is
         requested ("stop"). Only a beacon with a control channel can be a standby."""
         raise UsageError(
-            f"a standby ({protocol.ENV_STANDBY}=1) needs {protocol.ENV_HEARTBEAT_ADDR} and "
-            f"{protocol.ENV_CONTROL_ADDR}: it waits for the supervisor's go or exit"
+            f"a standby ({env_names.ENV_STANDBY}=1) needs {env_names.ENV_HEARTBEAT_ADDR} and "
+            f"{env_names.ENV_CONTROL_ADDR}: it waits for the supervisor's go or exit"
         )
 
     @property
@@ -128,7 +128,7 @@ class ZmqBeacon(Beacon):
         self,
         addr: str,
         key: bytes,
-        identity: protocol.RankIdentity,
+        identity: messages.RankIdentity,
         interval_s: float,
         control_addr: str | None = None,
         relay: RelayCore | None = None,
@@ -153,7 +153,7 @@ class ZmqBeacon(Beacon):
         self._last_mem_sent = -float("inf")
         self._closed = False
         self._parent = os.getppid()
-        self._watch_parent = os.environ.get(protocol.ENV_EXIT_WITH_PARENT) == "1"
+        self._watch_parent = os.environ.get(env_names.ENV_EXIT_WITH_PARENT) == "1"
         self._wake_r, self._wake_w = os.pipe()  # a byte in it: the queue has something
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -199,7 +199,7 @@ class ZmqBeacon(Beacon):
     ) -> None:
         """`source`: where the state came from, `memory` or `durable`; `why`: what the memory
         tier passed over and why (a slot a rank refused), when it did."""
-        extra = {"why": str(why)[: protocol.MAX_WHY]} if why else {}
+        extra = {"why": str(why)[: messages.MAX_WHY]} if why else {}
         self._put(
             "resumed",
             step=int(step),
@@ -210,7 +210,7 @@ class ZmqBeacon(Beacon):
 
     def error(self, message: str) -> None:
         # Leave room for the envelope under the protocol's size limit.
-        self._put("error", message=str(message)[: protocol.MAX_MESSAGE_BYTES // 2])
+        self._put("error", message=str(message)[: messages.MAX_MESSAGE_BYTES // 2])
 
     def done(self, step: int) -> None:
         self._phase, self._step = "done", int(step)
@@ -346,7 +346,7 @@ class ZmqBeacon(Beacon):
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 10 * QUEUE_SIZE)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAC_LEN + protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, messages.MAC_LEN + messages.MAX_MESSAGE_BYTES)
         try:
             sock.bind(self._relay_addr)
         except zmq.ZMQError:
@@ -404,8 +404,10 @@ class ZmqBeacon(Beacon):
     def _open_control(self, ctx: Any, zmq: Any) -> Any:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, protocol.control_identity(self._id.attempt, self._id.rank))
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(
+            zmq.ROUTING_ID, control_msgs.control_identity(self._id.attempt, self._id.rank)
+        )
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * messages.MAX_MESSAGE_BYTES)
         sock.connect(self._control_addr)
         return sock
 
@@ -418,15 +420,15 @@ class ZmqBeacon(Beacon):
                 return
             i = self._id
             try:
-                cmd = protocol.decode_control(self._key, frame, i.job, i.attempt, i.rank)
-            except protocol.BadMessage:
+                cmd = control_msgs.decode_control(self._key, frame, i.job, i.attempt, i.rank)
+            except messages.BadMessage:
                 self.control_dropped += 1
                 continue
             if cmd["action"] == "signal":
-                if cmd["signal"] == protocol.STACKS_SIGNAL and not stack_dump.installed():
+                if cmd["signal"] == stack_files.STACKS_SIGNAL and not stack_dump.installed():
                     continue  # its default action would end a process without the handler
                 os.kill(os.getpid(), cmd["signal"])
-            elif cmd["action"] in protocol.STANDBY_ACTIONS:
+            elif cmd["action"] in control_msgs.STANDBY_ACTIONS:
                 self._standby.put(cmd["action"])
             else:
                 self._commands.put(cmd)
@@ -434,7 +436,7 @@ class ZmqBeacon(Beacon):
     def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:
         if self.relay is not None:
             self.relay.own(kind, fields, time.monotonic())
-        frame = protocol.encode(self._key, self._id.message(kind, t, **fields))
+        frame = messages.encode(self._key, self._id.message(kind, t, **fields))
         try:
             sock.send(frame, flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.protocol import ENV_ATTEMPT_DIR
+from contracts.env_names import ENV_ATTEMPT_DIR
 from worker.args import TrainArgs
 
 

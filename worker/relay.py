@@ -31,11 +31,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor import protocol
+from contracts import env_names, messages
 
 # Beats and the coalesced steps of ranks other than 0 are summarized; everything else is forwarded.
 SUMMARIZED = frozenset({"beat", "step"})
-node_name = protocol.node_name  # the node's name, as the launcher gives it
+node_name = env_names.node_name  # the node's name, as the launcher gives it
 
 
 def relay_address(key: bytes, job: str, attempt: int, node: str) -> str:
@@ -61,7 +61,7 @@ class RelayCore:
     """The relay's state, without sockets: frames in (`take`, `own`), summaries out (`summary`).
     The beat thread owns it; the benchmark drives the same object."""
 
-    def __init__(self, key: bytes, identity: protocol.RankIdentity, node: str) -> None:
+    def __init__(self, key: bytes, identity: messages.RankIdentity, node: str) -> None:
         self.key = key
         self.id = identity
         self.node = node
@@ -74,8 +74,8 @@ class RelayCore:
         """A frame from one of the node's ranks: verify and fold it; return it when it must be
         forwarded as it is (None: summarized, or dropped)."""
         try:
-            msg = protocol.decode(self.key, frame, self.id.job)
-        except protocol.BadMessage:
+            msg = messages.decode(self.key, frame, self.id.job)
+        except messages.BadMessage:
             self.dropped += 1
             return None
         if msg["attempt"] != self.id.attempt or msg["kind"] == "summary":
@@ -111,7 +111,7 @@ class RelayCore:
             return None
         order = sorted(self.ranks)
         recs = [self.ranks[r] for r in order]
-        phases = protocol.runs([r.phase for r in recs])
+        phases = messages.runs([r.phase for r in recs])
         late = [
             [k, round(now - r.heard, 3)] for k, r in zip(order, recs, strict=True) if not r.fresh
         ]
@@ -122,12 +122,12 @@ class RelayCore:
             "summary",
             t,
             node=self.node,
-            ranks=protocol.rank_runs(order),
-            steps=protocol.runs([r.step for r in recs]),
+            ranks=messages.rank_runs(order),
+            steps=messages.runs([r.step for r in recs]),
             phases=phases[0][0] if len(phases) == 1 else phases,
             late=late,
         )
 
     def summary_frame(self, t: float, now: float) -> bytes | None:
         msg = self.summary(t, now)
-        return None if msg is None else protocol.encode(self.key, msg)
+        return None if msg is None else messages.encode(self.key, msg)

@@ -1,4 +1,4 @@
-"""A rank's own Python stacks, on the supervisor's signal (`protocol.STACKS_SIGNAL`, SIGUSR2).
+"""A rank's own Python stacks, on the supervisor's signal (`stack_files.STACKS_SIGNAL`, SIGUSR2).
 
 `install` registers faulthandler for the signal early in the rank's life: the dump of every
 thread is written by faulthandler's C handler, so it comes even while the main thread is blocked
@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from supervisor import protocol
+from contracts import env_names, stack_files
 
 PIPE_BYTES = 1 << 20  # room for one dump of many threads without the handler's writes failing
 QUIET_S = 0.05  # a dump is over when the pipe stayed empty this long
@@ -54,24 +54,24 @@ def install(env: Mapping[str, str], rank: int) -> str:
 
 
 def _install(env: Mapping[str, str], rank: int) -> str:
-    attempt_dir = env.get(protocol.ENV_ATTEMPT_DIR)
+    attempt_dir = env.get(env_names.ENV_ATTEMPT_DIR)
     if not attempt_dir:
-        faulthandler.register(protocol.STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+        faulthandler.register(stack_files.STACKS_SIGNAL, file=sys.stderr, all_threads=True)
         return "stderr"
     read_fd, write_fd = os.pipe()  # neither is inherited by a program this rank may exec
     with contextlib.suppress(OSError, AttributeError):
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     # A full pipe loses the rest of a dump instead of blocking the rank inside the handler.
     os.set_blocking(write_fd, False)
-    faulthandler.register(protocol.STACKS_SIGNAL, file=write_fd, all_threads=True, chain=False)
-    path = protocol.stacks_path(attempt_dir, rank)
+    faulthandler.register(stack_files.STACKS_SIGNAL, file=write_fd, all_threads=True, chain=False)
+    path = stack_files.stacks_path(attempt_dir, rank)
     header = f"# rank {rank} (pid {os.getpid()} on {socket.gethostname()}): its own dump"
     try:
         threading.Thread(
             target=_copy_dumps, args=(read_fd, path, header), name="es-stacks", daemon=True
         ).start()
     except RuntimeError:
-        faulthandler.unregister(protocol.STACKS_SIGNAL)
+        faulthandler.unregister(stack_files.STACKS_SIGNAL)
         raise
     return path
 
@@ -87,7 +87,8 @@ def _copy_dumps(read_fd: int, path: str, header: str) -> None:
             return
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime())
         text = (
-            f"{header} (faulthandler, all threads, on {protocol.STACKS_SIGNAL.name}) at {stamp}\n\n"
+            f"{header} (faulthandler, all threads, on {stack_files.STACKS_SIGNAL.name})"
+            f" at {stamp}\n\n"
         ).encode() + data
         with contextlib.suppress(OSError):  # a full or read-only run dir: nothing to be done
             _write_whole(path, text)

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
-from supervisor import protocol
+from contracts import env_names
 from worker import stack_dump
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
@@ -129,16 +129,16 @@ def plan(args: TrainArgs, info: RankInfo) -> tuple[ModelConfig, Layout]:
 def standby_requested(env: Mapping[str, str]) -> bool:
     """`ES_STANDBY=1`: start as a warm standby (worker.standby), which only the supervisor's
     control channel can tell to go or exit."""
-    if env.get(protocol.ENV_STANDBY, "") != "1":
+    if env.get(env_names.ENV_STANDBY, "") != "1":
         return False
     missing = [
         name
-        for name in (protocol.ENV_HEARTBEAT_ADDR, protocol.ENV_CONTROL_ADDR)
+        for name in (env_names.ENV_HEARTBEAT_ADDR, env_names.ENV_CONTROL_ADDR)
         if not env.get(name)
     ]
     if missing:
         raise UsageError(
-            f"{protocol.ENV_STANDBY}=1 without {' and '.join(missing)}: a standby waits for the "
+            f"{env_names.ENV_STANDBY}=1 without {' and '.join(missing)}: a standby waits for the "
             "supervisor's go or exit on its control channel; unset it to train at once"
         )
     return True

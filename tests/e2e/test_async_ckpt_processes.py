@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from contracts import ckpt_files
 from tests.support import (
     ITERS,
     TINY,
@@ -20,7 +21,6 @@ from tests.support import (
     start_worker,
     tiered,
 )
-from worker.ckpt import files, naming
 
 INTERVAL, KILL_STEP = 4, 8
 COMMON = [*TINY, "--train-iters", str(ITERS), "--save-interval", str(INTERVAL)]
@@ -71,12 +71,12 @@ def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
         phase,
     )
     assert died.returncode != 0, died.stdout
-    found = {f.step: f.complete for f in files.scan(ckpt)}
+    found = {f.step: f.complete for f in ckpt_files.scan(ckpt)}
     assert max(s for s, complete in found.items() if complete) == marked, found
     if phase == "write":  # the dead attempt's local copy is still there ...
-        assert list(naming.step_dir(stage, KILL_STEP).glob("__1_*.distcp"))
+        assert list(ckpt_files.step_dir(stage, KILL_STEP).glob("__1_*.distcp"))
     if phase == "fanout":  # ... or its half-copied file, under its temporary name only
-        durable = naming.step_dir(ckpt, KILL_STEP)
+        durable = ckpt_files.step_dir(ckpt, KILL_STEP)
         assert list(durable.glob(".tmp-__1_*")) and not list(durable.glob("__1_*"))
 
     again = run_worker(2, *args)
@@ -85,7 +85,7 @@ def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
     assert_same_losses(baseline, tmp_path / "m/metrics-0.jsonl")
     # ... and gone after the next start; the finished run leaves no stage copies behind.
     assert list(stage.iterdir()) == []
-    assert all(complete for complete in {f.complete for f in files.scan(ckpt)})
+    assert all(complete for complete in {f.complete for f in ckpt_files.scan(ckpt)})
 
 
 @pytest.mark.slow
@@ -120,7 +120,7 @@ def test_slow_write_marks_before_next_save_and_stages_one_step(tmp_path):
     assert took[0] >= delay
     assert "train/ckpt_stage_seconds" in records[interval]  # the stall, on step interval + 1
 
-    files.remove([f for f in files.scan(tmp_path / "ckpt") if f.step == iters])
+    ckpt_files.remove([f for f in ckpt_files.scan(tmp_path / "ckpt") if f.step == iters])
     second = run_worker(2, *args, "--outdir", str(tmp_path / "b"))
     assert second.returncode == 0, second.stdout + second.stderr
     assert f"RESUMED from step={interval}" in second.stdout
@@ -159,5 +159,5 @@ def test_sigterm_drains_and_marks_the_stop_step(tmp_path):
     assert proc.returncode == 0, output
     stop = read_metrics(out / "metrics-0.jsonl")[-1]["step"]
     assert f"checkpoint step={stop} complete" in output
-    assert (naming.step_dir(tmp_path / "ckpt", stop) / naming.MARKER).exists()
+    assert (ckpt_files.step_dir(tmp_path / "ckpt", stop) / ckpt_files.MARKER).exists()
     assert list((tmp_path / "stage").iterdir()) == []

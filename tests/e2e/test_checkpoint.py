@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from contracts import ckpt_files
 from tests.support import (
     ITERS,
     LAYOUTS,
@@ -28,7 +29,6 @@ from tests.support import (
     tiered,
     wait_for_step,
 )
-from worker.ckpt import files, naming
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, "fsdp2"))
@@ -68,7 +68,7 @@ def test_killed_runs_resume_bit_exact_from_memory_and_from_disk(
     # The copy of step k is made before step k+1's update and sealed (checksummed, on the copy
     # thread) before the copy of k+1 starts: at most the step in flight and one copy are lost.
     assert steps[0] >= killed_at[0] - 2 and steps[2] >= killed_at[2] - 2, (steps, killed_at)
-    assert sources[1] == str(naming.step_dir(ckpt, steps[1])), outputs[2]
+    assert sources[1] == str(ckpt_files.step_dir(ckpt, steps[1])), outputs[2]
     assert steps[1] % 5 == 0 and steps[0] < steps[1] <= killed_at[1], (steps, killed_at)
     restarts = [r for r in read_metrics(out / "metrics-0.jsonl") if "train/restart_seconds" in r]
     assert [r["step"] - 1 for r in restarts] == steps
@@ -92,8 +92,8 @@ def test_kill_during_save_falls_back_to_previous(tmp_path, reference):
     ]
     died = run_worker(2, *common, "--inject-rank", "1", "--inject-kill-in-save-at-step", "8")
     assert died.returncode != 0
-    partial = naming.step_dir(tmp_path / "ckpt", 8)
-    assert any(partial.glob("*.distcp")) and not (partial / naming.MARKER).exists()
+    partial = ckpt_files.step_dir(tmp_path / "ckpt", 8)
+    assert any(partial.glob("*.distcp")) and not (partial / ckpt_files.MARKER).exists()
     again = run_worker(2, *common)
     assert again.returncode == 0, again.stderr
     assert "RESUMED from step=4" in again.stdout
@@ -131,7 +131,7 @@ def spoil(step_dir: Path, how: str, marker: Path) -> tuple[Path, str]:
         assert len(evil) < size
         path.write_bytes(evil + b"\0" * (size - len(evil)))
     else:
-        path = step_dir / naming.META
+        path = step_dir / ckpt_files.META
         meta = json.loads(path.read_text())
         meta["rng"][1] = base64.b64encode(pickle.dumps(_RunsCode(marker))).decode()
         path.write_text(json.dumps(meta))
@@ -150,7 +150,7 @@ def test_damaged_and_crafted_newest_checkpoints_are_skipped_and_never_run(tmp_pa
     assert first.returncode == 0, first.stderr
     step = 6
     for how in ("truncate", "flip", "dcp_metadata", "rng"):
-        path, said = spoil(naming.step_dir(ckpt, step), how, marker)
+        path, said = spoil(ckpt_files.step_dir(ckpt, step), how, marker)
         # crc (recorded by the run that saved it) for a flipped byte; the crafted files keep
         # their size, so only reading them tells
         verify = "crc" if how in ("truncate", "flip") else "size"
@@ -184,7 +184,7 @@ def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):
     assert proc.returncode == 0, output
     stop_step = read_metrics(out / "metrics-0.jsonl")[-1]["step"]
     assert f"stop requested: exiting after step {stop_step}" in output
-    assert (naming.step_dir(ckpt, stop_step) / naming.MARKER).exists()
+    assert (ckpt_files.step_dir(ckpt, stop_step) / ckpt_files.MARKER).exists()
     resumed = run_worker(
         2,
         *args[:-4],
@@ -218,7 +218,7 @@ def test_retention_keeps_exactly_k(tmp_path):
         str(tmp_path),
     )
     assert out.returncode == 0, out.stderr
-    assert [(f.step, f.complete) for f in files.scan(ckpt)] == [(8, True), (10, True)]
+    assert [(f.step, f.complete) for f in ckpt_files.scan(ckpt)] == [(8, True), (10, True)]
 
 
 @pytest.mark.slow
@@ -280,7 +280,9 @@ def test_resume_reshards_to_another_world(tmp_path, saved, loaded):
         "--outdir",
         str(tmp_path / "a"),
     )
-    files.remove([f for f in files.scan(ckpt) if f.step == 8])  # resume from 4 on the new world
+    ckpt_files.remove(
+        [f for f in ckpt_files.scan(ckpt) if f.step == 8]
+    )  # resume from 4 on the new world
     second = run_worker(
         r2,
         *TINY,

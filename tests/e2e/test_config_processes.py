@@ -32,6 +32,8 @@ def test_user_errors_print_one_line_without_traceback(tmp_path):
 
 
 def test_supervisor_never_imports_torch():
-    code = "import sys, supervisor.cli, supervisor.job; sys.exit('torch' in sys.modules)"
+    code = (
+        "import sys, supervisor.commands.cli, supervisor.run.job; sys.exit('torch' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], timeout=60, cwd=REPO)
     assert proc.returncode == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.events import read_events
+from supervisor.log.events import read_events
 from tests.support import REPO
 
 DEMO = REPO / "configs" / "debug.toml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.report import analyze, load_run
+from supervisor.reporting.report import analyze, load_run
 from tests.support import REPO, events
 
 VENV_BIN = str(Path(sys.executable).parent)

@@ -8,8 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from supervisor import cli
-from supervisor import config as C
+from supervisor.commands import cli
+from supervisor.settings import config as C
 from tests.support import REPO, fake_checkpoints
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -34,8 +34,8 @@ def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
     import subprocess
 
     from faults.engine import FaultEngine
-    from supervisor import launcher
-    from supervisor.heartbeat import AttemptTable
+    from supervisor.launch import launcher
+    from supervisor.watch.heartbeat import AttemptTable
 
     cfg = C.from_dict(
         {

@@ -11,7 +11,7 @@ import textwrap
 import psutil
 import pytest
 
-from supervisor import protocol as P
+from contracts import env_names
 from tests.support import beacon_env
 
 CHILD = textwrap.dedent(
@@ -37,7 +37,7 @@ PARENT = textwrap.dedent(
 def test_rank_dies_with_its_parent(monkeypatch, tmp_path):
     """ES_EXIT_WITH_PARENT: a rank whose launcher was SIGKILLed does not train on alone."""
     beacon_env(monkeypatch, "tcp://127.0.0.1:9")
-    monkeypatch.setenv(P.ENV_EXIT_WITH_PARENT, "1")
+    monkeypatch.setenv(env_names.ENV_EXIT_WITH_PARENT, "1")
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True
     )

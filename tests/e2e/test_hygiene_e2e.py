@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import protocol
+from contracts import scratch
 from tests.support import (
     REPO,
     TINY_JOB_WORKER,
@@ -134,8 +134,8 @@ def left_of(seen: set[str]) -> list[str]:
 
 def job_dirs(job_id: str) -> list[Path]:
     """The job's own named scratch: the async stage dir and the memory tier's directory."""
-    roots = {Path(tempfile.gettempdir()), Path(protocol.mem_root(os.environ))}
-    return [r / f"{prefix}{job_id}" for r in roots for prefix in ("es-ckpt-", protocol.MEM_PREFIX)]
+    roots = {Path(tempfile.gettempdir()), Path(scratch.mem_root(os.environ))}
+    return [r / f"{prefix}{job_id}" for r in roots for prefix in ("es-ckpt-", scratch.MEM_PREFIX)]
 
 
 def mine(paths: set[str], tmp_path: Path) -> set[str]:
@@ -219,7 +219,7 @@ time.sleep(120)
 
 
 def test_a_torn_down_hydra_attempt_leaves_no_topology_file(tmp_path):
-    from supervisor import launcher as L
+    from supervisor.launch import launcher as L
 
     argv = [mpiexec(), "-n", "2", sys.executable, "-c", STOPPABLE]
     plan = L.LaunchPlan("hydra", [L.ProcSpec(argv, rank_env())], 2, ["localhost"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import launcher as L
+from supervisor.launch import launcher as L
 
 # --- real processes -------------------------------------------------------------------------------
 STUBBORN = textwrap.dedent(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from contracts import ckpt_files
 from tests.support import (
     ITERS,
     TINY,
@@ -23,7 +24,7 @@ from tests.support import (
     read_metrics,
     run_worker,
 )
-from worker.ckpt import memory, naming
+from worker.ckpt import memory
 
 
 def flags(tmp_path: Path, name: str, *more: str) -> list[str]:
@@ -123,7 +124,7 @@ def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, reference, mem_root):
     again = run_worker(2, *args, env=env)
     assert again.returncode == 0, again.stderr
     assert "memory tier: no step held complete by every rank" in again.stdout
-    assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
     assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
 
 
@@ -137,7 +138,7 @@ def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(
     again = run_worker(2, *args, env=env)
     assert again.returncode == 0, again.stderr
     assert "memory tier: no step held complete by every rank (none on rank(s) 1" in again.stdout
-    assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
     assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
 
 
@@ -148,7 +149,7 @@ def test_another_world_size_resumes_from_the_durable_tier_resharded(tmp_path, me
     again = run_worker(4, *args, env=env)
     assert again.returncode == 0, again.stderr
     assert "(memory" not in again.stdout
-    assert f"RESUMED from step=4 ({naming.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
 
 
 @pytest.mark.slow
@@ -184,5 +185,5 @@ def test_an_async_save_writes_the_memory_copy_out_and_resumes_bit_exact(
     assert again.returncode == 0, again.stderr
     resumed = re.search(r"RESUMED from step=(\d+) \((\S+)\)", again.stdout)
     assert resumed and int(resumed[1]) in (4, 8), again.stdout  # written from a borrowed copy
-    assert resumed[2] == str(naming.step_dir(tmp_path / "m-ckpt", int(resumed[1])))
+    assert resumed[2] == str(ckpt_files.step_dir(tmp_path / "m-ckpt", int(resumed[1])))
     assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.decisions import ExitCode
+from contracts.exit_codes import ExitCode
 from tests.support import (
     TINY_JOB_WORKER,
     events,

@@ -9,27 +9,27 @@ import time
 
 import pytest
 
-from supervisor import ownership
-from supervisor import protocol as P
-from supervisor.config import ConfigError
+from contracts import locks
+from supervisor.host import ownership
+from supervisor.settings.config import ConfigError
 from tests.support import REPO
 
 
 def test_a_killed_holder_releases_the_lock(tmp_path):
     code = (
-        "import sys, time; from supervisor import protocol as P; "
-        f"P.lock_dir({str(tmp_path)!r}, {{'job': 'child'}}); print('locked', flush=True); "
+        "import sys, time; from contracts import locks; "
+        f"locks.lock_dir({str(tmp_path)!r}, {{'job': 'child'}}); print('locked', flush=True); "
         "time.sleep(60)"
     )
     child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                              text=True)  # fmt: skip
     try:
         assert child.stdout.readline().strip() == "locked"
-        assert P.lock_holder(tmp_path) == {"job": "child"}
+        assert locks.lock_holder(tmp_path) == {"job": "child"}
     finally:
         child.kill()
         child.wait(timeout=10)
-    assert P.lock_holder(tmp_path) is None
+    assert locks.lock_holder(tmp_path) is None
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -53,7 +53,7 @@ TINY_WORKER = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads
 
 def test_a_worker_by_hand_on_a_supervised_checkpoint_dir_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
-    fd = P.lock_dir(ckpt, {"job": "sup-1234", "host": "n1", "pid": 77})
+    fd = locks.lock_dir(ckpt, {"job": "sup-1234", "host": "n1", "pid": 77})
     try:
         cmd = [sys.executable, "-m", "worker.train", *TINY_WORKER, "--train-iters", "2",
                "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path / "out")]  # fmt: skip
@@ -80,10 +80,10 @@ def test_a_worker_run_by_hand_holds_its_checkpoint_dir(tmp_path):
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while P.lock_holder(ckpt) is None and time.monotonic() < deadline:
+        while locks.lock_holder(ckpt) is None and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
-        holder = P.lock_holder(ckpt)
+        holder = locks.lock_holder(ckpt)
         assert holder is not None and holder["pid"] == proc.pid
         with pytest.raises(ConfigError, match="checkpoint dir in use: job worker.train-"):
             ownership.claim(tmp_path / "run", str(ckpt), "sup-2", "sup")

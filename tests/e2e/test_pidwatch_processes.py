@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from supervisor.pidwatch import ExitWatch
+from supervisor.watch.pidwatch import ExitWatch
 
 
 def test_ends_are_seen_at_once_and_in_order():

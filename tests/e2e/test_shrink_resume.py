@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import flags_from_table
-from supervisor.shrink import plan_shrink
+from contracts import ckpt_files
+from supervisor.settings.config import flags_from_table
+from supervisor.settings.shrink import plan_shrink
 from tests.support import TINY_SIZES, losses, rank_env, read_metrics, run_worker
-from worker.ckpt import files, memory, naming
+from worker.ckpt import memory
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +37,16 @@ def shrink_and_resume(tmp_path: Path, table: dict, world: int, new_world: int):
     table = {**table, "ckpt_dir": str(ckpt)}
     first = run(world, table, tmp_path / "a")
     assert first.returncode == 0, first.stdout + first.stderr
-    files.remove([f for f in files.scan(ckpt) if f.step == 8])
+    ckpt_files.remove([f for f in ckpt_files.scan(ckpt) if f.step == 8])
     plan = plan_shrink(table, world, new_world)
     assert plan.problem is None, plan.problem
     second = run(new_world, {**table, **plan.flags}, tmp_path / "b")
     assert second.returncode == 0, second.stdout + second.stderr
-    assert f"RESUMED from step=4 ({naming.step_dir(ckpt, 4)})" in second.stdout
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(ckpt, 4)})" in second.stdout
     assert f"on {new_world} ranks [{plan.mesh[1]}]" in second.stdout
     got = read_metrics(tmp_path / "b/metrics-0.jsonl")
     assert [r["step"] for r in got] == [5, 6, 7, 8]  # none repeated, none skipped
-    tokens = files.read_meta(naming.step_dir(ckpt, 8))["tokens_seen"]
+    tokens = ckpt_files.read_meta(ckpt_files.step_dir(ckpt, 8))["tokens_seen"]
     assert tokens == 4 * plan.tokens_per_step[0] + 4 * plan.tokens_per_step[1]
     return plan, losses(tmp_path / "a/metrics-0.jsonl"), got
 
@@ -72,20 +73,20 @@ def test_fsdp_3_to_2_keeps_the_global_batch_and_never_takes_the_memory_tier(tmp_
     # Every rank holds a whole copy ahead of the durable step 4 (step 7's may be torn: its copy
     # runs beside step 8, which rank 1 never finished).
     assert all(steps and steps[0] >= 6 for steps in held), held
-    assert [f.step for f in files.resume_candidates(files.scan(ckpt))] == [4]
+    assert [f.step for f in ckpt_files.resume_candidates(ckpt_files.scan(ckpt))] == [4]
 
     plan = plan_shrink(table, 3, 2)
     assert plan.flags == {"batch_size": 3} and plan.batch_kept
     again = run(2, {**table, **plan.flags}, tmp_path / "b", env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "(memory" not in again.stdout
-    assert f"RESUMED from step=4 ({naming.step_dir(ckpt, 4)})" in again.stdout
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(ckpt, 4)})" in again.stdout
     got = read_metrics(tmp_path / "b/metrics-0.jsonl")
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     want = losses(tmp_path / "a/metrics-0.jsonl")  # the 3-rank run, uninterrupted up to step 7
     assert set(want) == set(range(1, 8))
     assert_close(want, got)
-    assert files.read_meta(naming.step_dir(ckpt, 8))["tokens_seen"] == 8 * 6 * SEQ
+    assert ckpt_files.read_meta(ckpt_files.step_dir(ckpt, 8))["tokens_seen"] == 8 * 6 * SEQ
 
 
 def held_steps(job_dir: Path, rank: int) -> list[int]:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from supervisor.stack_text import main_thread, place_of
+from supervisor.watch.stack_text import main_thread, place_of
 from tests.support import REPO, TINY_JOB_WORKER, events, toml_value
 
 VENV_BIN = str(Path(sys.executable).parent)

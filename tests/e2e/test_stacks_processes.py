@@ -1,7 +1,8 @@
-"""Stacks collected from real processes (`supervisor.stacks.collect`, `worker.stack_dump`): a rank
-that can run dumps its own on SIGUSR2, a SIGSTOPped one is read by py-spy, one without the handler
-is read by py-spy and not killed by a signal it cannot take; ranks that cannot be read (no pid, no
-process of ours, on another host) get a file and a line that say why."""
+"""Stacks collected from real processes (`supervisor.watch.stacks.collect`,
+`worker.stack_dump`): a rank that can run dumps its own on SIGUSR2, a SIGSTOPped one is read
+by py-spy, one without the handler is read by py-spy and not killed by a signal it cannot take;
+ranks that cannot be read (no pid, no process of ours, on another host) get a file and a line
+that say why."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import protocol, stacks
-from supervisor.control import ControlServer
-from supervisor.decisions import RankState
-from supervisor.stack_text import place_of
+from contracts import control_msgs, env_names, stack_files
+from supervisor.policy.decisions import RankState
+from supervisor.watch import stacks
+from supervisor.watch.control import ControlServer
+from supervisor.watch.stack_text import place_of
 from tests.support import REPO
 
 RANK = """
@@ -58,14 +60,14 @@ def start(
     env = {k: v for k, v in os.environ.items() if not k.startswith("ES_")}
     env["PYTHONPATH"] = str(REPO)
     if attempt_dir is not None:
-        env[protocol.ENV_ATTEMPT_DIR] = str(attempt_dir)
+        env[env_names.ENV_ATTEMPT_DIR] = str(attempt_dir)
     if control is not None:
         env.update({
-            protocol.ENV_HEARTBEAT_ADDR: "tcp://127.0.0.1:9",  # nobody listens: beats are lost
-            protocol.ENV_HEARTBEAT_KEY: KEY.decode(),
-            protocol.ENV_JOB_ID: "job",
-            protocol.ENV_ATTEMPT: "0",
-            protocol.ENV_CONTROL_ADDR: control,
+            env_names.ENV_HEARTBEAT_ADDR: "tcp://127.0.0.1:9",  # nobody listens: beats are lost
+            env_names.ENV_HEARTBEAT_KEY: KEY.decode(),
+            env_names.ENV_JOB_ID: "job",
+            env_names.ENV_ATTEMPT: "0",
+            env_names.ENV_CONTROL_ADDR: control,
         })  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, str(script), mode, str(rank)],
@@ -144,7 +146,7 @@ def test_a_rank_on_another_host_is_asked_and_writes_its_own(tmp_path, procs):
     def ask(rank: int) -> str | None:
         if rank == 1:
             return "rank not connected to the control channel"
-        os.kill(procs[0].pid, protocol.STACKS_SIGNAL)
+        os.kill(procs[0].pid, stack_files.STACKS_SIGNAL)
         return None
 
     got = asyncio.run(stacks.collect(attempt, ranks, 2, this_host="node-a", ask_remote=ask))
@@ -164,7 +166,9 @@ def test_over_the_control_channel_a_rank_dumps_its_own_and_one_without_the_handl
                   start(tmp_path, attempt, "plain", 1, server.address)]  # fmt: skip
 
         def send(rank: int, signum: int) -> str | None:
-            msg = protocol.control_message("job", 0, rank, time.time(), "signal", 0, signal=signum)
+            msg = control_msgs.control_message(
+                "job", 0, rank, time.time(), "signal", 0, signal=signum
+            )
             return server.send(0, rank, msg)
 
         deadline = time.monotonic() + READY_S
@@ -172,7 +176,7 @@ def test_over_the_control_channel_a_rank_dumps_its_own_and_one_without_the_handl
             assert time.monotonic() < deadline, "the ranks never connected"
             time.sleep(0.01)
         ranks = {r: RankState(r, 0.0, 0.0, host="node-b", pid=p.pid) for r, p in enumerate(procs)}
-        ask = lambda rank: send(rank, int(protocol.STACKS_SIGNAL))  # noqa: E731
+        ask = lambda rank: send(rank, int(stack_files.STACKS_SIGNAL))  # noqa: E731
         got = asyncio.run(
             stacks.collect(attempt, ranks, 2, this_host="node-a", ask_remote=ask, signal_wait_s=1)
         )
@@ -193,7 +197,7 @@ def test_over_the_control_channel_a_rank_dumps_its_own_and_one_without_the_handl
 def test_without_the_supervisor_the_dump_goes_to_stderr(tmp_path, procs):
     proc = start(tmp_path, None, "handler", 0)
     procs.append(proc)
-    os.kill(proc.pid, protocol.STACKS_SIGNAL)
+    os.kill(proc.pid, stack_files.STACKS_SIGNAL)
     err = b""
     while b"in <module>" not in err:  # the main thread's block ends the dump
         ready, _, _ = select.select([proc.stderr], [], [], READY_S)

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import zmq
 
-from supervisor import protocol
+from contracts import env_names, locks
 from tests.support import (
     TINY_JOB_WORKER,
     assert_in_order,
@@ -367,13 +367,13 @@ def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
 def test_the_memory_tier_s_directories_are_swept_at_start_and_removed_at_the_end(tmp_path):
     root = tmp_path / "shm"
     dead = root / "es-mem-dead-0000dead"  # a job killed outright: its directory held by nobody
-    os.close(protocol.hold_mem_dir(dead))
+    os.close(locks.hold_mem_dir(dead))
     (dead / "slot-0").write_bytes(b"x" * 64)
     alive = root / "es-mem-alive-0000aaaa"  # a job still running on this node
-    fd = protocol.hold_mem_dir(alive)
+    fd = locks.hold_mem_dir(alive)
     try:
         config = write_config(tmp_path, worker={"train_iters": 6, "mem_ckpt_interval": 1})
-        proc = start(config, extra_env={protocol.ENV_MEM_ROOT: str(root)})
+        proc = start(config, extra_env={env_names.ENV_MEM_ROOT: str(root)})
         rc, out = finish(proc, 120)
         assert rc == 0, out
         evs = events(tmp_path / "run")

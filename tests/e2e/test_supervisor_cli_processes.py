@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from supervisor import cli
+from supervisor.commands import cli
 from tests.support import REPO, make_run
 
 

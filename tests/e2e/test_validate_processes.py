@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli
+from supervisor.commands import cli
 from tests.support import REPO, validate
 
 DEMO = REPO / "configs" / "debug.toml"

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import zmq
 
-from supervisor import protocol as P
+from contracts import control_msgs, messages
 from tests.support import ITERS, TINY, losses, mpiexec, rank_env, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ class FakeSupervisor:
                 frame = self.pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = P.decode(KEY, frame, JOB)
+            msg = messages.decode(KEY, frame, JOB)
             self.messages.append((time.monotonic(), msg))
             if "phase" in msg and msg["attempt"] == self.attempt:
                 self.phase[msg["rank"]] = msg["phase"]
@@ -109,8 +109,8 @@ class FakeSupervisor:
     def tell(self, action: str, ranks: int) -> float:
         """Send `action` to every rank; returns when it was sent (monotonic)."""
         for rank in range(ranks):
-            msg = P.control_message(JOB, self.attempt, rank, time.time(), action, 0)
-            frames = [P.control_identity(self.attempt, rank), P.encode(KEY, msg)]
+            msg = control_msgs.control_message(JOB, self.attempt, rank, time.time(), action, 0)
+            frames = [control_msgs.control_identity(self.attempt, rank), messages.encode(KEY, msg)]
             deadline = time.monotonic() + 5
             while True:
                 try:

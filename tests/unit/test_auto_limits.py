@@ -10,13 +10,13 @@ import tomllib
 
 import pytest
 
-from supervisor import cli
-from supervisor import config as C
-from supervisor import decisions as D
-from supervisor import protocol as P
-from supervisor.config import AutoMaxConfig, HeartbeatConfig, ProgressConfig
-from supervisor.decisions import Limits, RankState, judge_ranks
-from supervisor.heartbeat import AttemptTable
+from contracts import messages
+from supervisor.commands import cli
+from supervisor.policy import decisions as D
+from supervisor.policy.decisions import Limits, RankState, judge_ranks
+from supervisor.settings import config as C
+from supervisor.settings.config import AutoMaxConfig, HeartbeatConfig, ProgressConfig
+from supervisor.watch.heartbeat import AttemptTable
 
 HB = HeartbeatConfig(interval_s=0.5, timeout_s=4.0, progress=ProgressConfig(train="auto"))
 JOB = "job-1"
@@ -125,7 +125,7 @@ class Ranks:
 
     def __init__(self, hb: HeartbeatConfig = HB):
         self.t = AttemptTable(attempt=1, world=2, launched_at=0.0, hb=hb)
-        self.msg = [P.RankIdentity(JOB, 1, r, 2, "h", 10 + r).message for r in (0, 1)]
+        self.msg = [messages.RankIdentity(JOB, 1, r, 2, "h", 10 + r).message for r in (0, 1)]
         self.notes: list = []
 
     def send(self, rank: int, kind: str, now: float, **fields) -> None:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli
-from supervisor import config as C
-from supervisor.decisions import ExitCode
-from supervisor.resolve import nodes_note
+from contracts.exit_codes import ExitCode
+from supervisor.commands import cli
+from supervisor.launch.resolve import nodes_note
+from supervisor.settings import config as C
 from tests.support import REPO, validate
 from worker import args as worker_args
 

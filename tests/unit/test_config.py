@@ -6,8 +6,8 @@ import tomllib
 
 import pytest
 
-from supervisor import cli
-from supervisor import config as C
+from supervisor.commands import cli
+from supervisor.settings import config as C
 from tests.support import REPO
 from tests.support import write_job_toml as write
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor import cli
-from supervisor import config as C
+from supervisor.commands import cli
+from supervisor.settings import config as C
 from tests.support import REPO, one_line_error, validate
 from tests.support import write_job_toml as write
 

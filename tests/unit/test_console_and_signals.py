@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from supervisor.console import Guarded
-from supervisor.stop import stop_signals
+from supervisor.log.console import Guarded
+from supervisor.run.stop import stop_signals
 
 
 def on_dev_null(fd: int) -> bool:

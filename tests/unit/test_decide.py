@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.config import HeartbeatConfig, ProgressConfig, RestartConfig
-from supervisor.decisions import (
+from contracts.exit_codes import ExitCode
+from supervisor.policy.decisions import (
     AttemptRecord,
-    ExitCode,
     Outcome,
     RankState,
     backoff_delay,
@@ -28,6 +27,7 @@ from supervisor.decisions import (
     standby_unusable,
     stuck_resume,
 )
+from supervisor.settings.config import HeartbeatConfig, ProgressConfig, RestartConfig
 
 HB = HeartbeatConfig(
     interval_s=1.0,

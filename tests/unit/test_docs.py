@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
+from contracts import env_names
+from contracts.exit_codes import ExitCode
 from faults import spec as fault_spec
-from supervisor import config as config_mod
-from supervisor import experiment, protocol
-from supervisor.decisions import ExitCode
+from supervisor.commands import experiment
+from supervisor.settings import config as config_mod
 from worker import args as worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def architecture() -> str:
 
 
 def test_every_environment_name_is_documented():
-    names = [v for k, v in vars(protocol).items() if k.startswith("ENV_") and isinstance(v, str)]
+    names = [v for k, v in vars(env_names).items() if k.startswith("ENV_") and isinstance(v, str)]
     text = architecture()
     missing = [n for n in names if f"`{n}`" not in text]
     assert not missing, f"docs/architecture.md lacks {missing}"

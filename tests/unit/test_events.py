@@ -8,8 +8,8 @@ import io
 import json
 import os
 
-from supervisor import cli
-from supervisor import events as E
+from supervisor.commands import cli
+from supervisor.log import events as E
 
 
 def lines(path) -> list[dict]:

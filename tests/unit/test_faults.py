@@ -10,15 +10,15 @@ import time
 import pytest
 import zmq
 
+from contracts import ckpt_files as ckpt_files
+from contracts import control_msgs, messages
 from faults import actions
 from faults.schedule import Facts, Schedule, interval, targets
 from faults.spec import JobShape, parse_all
-from supervisor import cli, protocol
-from supervisor import config as C
+from supervisor.commands import cli
+from supervisor.settings import config as C
 from tests.support import fake_checkpoints
 from worker.beat import StepFaults, ZmqBeacon
-from worker.ckpt import files as ckpt_files
-from worker.ckpt import naming
 
 SHAPE = JobShape(train_iters=100, save_interval=10, world=4, nodes=2, ranks_per_node=2)
 ALL = frozenset(range(4))
@@ -269,7 +269,7 @@ def test_targets():
 
 def test_corrupt_truncates_or_flips_a_shard_of_the_newest_checkpoint(tmp_path):
     fake_checkpoints(tmp_path)
-    d10 = naming.step_dir(tmp_path, 10)
+    d10 = ckpt_files.step_dir(tmp_path, 10)
     damage = actions.corrupt(tmp_path, "truncate", rank=1)
     assert (damage.step, damage.file, damage.bytes_before, damage.bytes_after) == (
         10, "__1_0.distcp", 1024, 512
@@ -300,10 +300,10 @@ def test_control_channel_reaches_the_rank_and_only_that_rank(monkeypatch):
     server = actions.ControlServer(key, "job", "127.0.0.1", "127.0.0.1")
     pull = zmq.Context.instance().socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
-    ident = protocol.RankIdentity("job", 3, 1, 2, "h", os.getpid())
+    ident = messages.RankIdentity("job", 3, 1, 2, "h", os.getpid())
     beacon = ZmqBeacon(f"tcp://127.0.0.1:{port}", key, ident, 0.05, server.address)
     try:
-        slow = protocol.control_message("job", 3, 1, time.time(), "slow", 0, delay_s=0.01,
+        slow = control_msgs.control_message("job", 3, 1, time.time(), "slow", 0, delay_s=0.01,
                                         duration_s=0.2)  # fmt: skip
         deadline = time.monotonic() + 10
         while (err := server.send(3, 1, slow)) is not None:
@@ -311,8 +311,8 @@ def test_control_channel_reaches_the_rank_and_only_that_rank(monkeypatch):
             time.sleep(0.01)
         assert server.send(3, 0, slow) == "rank not connected to the control channel"
         # A command for another attempt, or wrongly signed, is dropped by the rank.
-        server._sock.send_multipart([b"3/1", protocol.encode(key, {**slow, "attempt": 2})])
-        server._sock.send_multipart([b"3/1", protocol.encode(b"x" * 32, slow)])
+        server._sock.send_multipart([b"3/1", messages.encode(key, {**slow, "attempt": 2})])
+        server._sock.send_multipart([b"3/1", messages.encode(b"x" * 32, slow)])
         got = []
         while not got and time.monotonic() < deadline:
             got = beacon.commands()
@@ -346,21 +346,23 @@ def test_control_channel_reaches_the_rank_and_only_that_rank(monkeypatch):
 
 def test_control_message_checks():
     key = b"k" * 32
-    msg = protocol.control_message("job", 0, 1, 1.0, "signal", 2, signal=9)
-    frame = protocol.encode(key, msg)
-    assert protocol.decode_control(key, frame, "job", 0, 1)["signal"] == 9
+    msg = control_msgs.control_message("job", 0, 1, 1.0, "signal", 2, signal=9)
+    frame = messages.encode(key, msg)
+    assert control_msgs.decode_control(key, frame, "job", 0, 1)["signal"] == 9
     for args, reason in (
         (("job", 0, 0), "other_job"),
         (("job", 1, 1), "other_job"),
         (("other", 0, 1), "other_job"),
     ):
-        with pytest.raises(protocol.BadMessage) as err:
-            protocol.decode_control(key, frame, *args)
+        with pytest.raises(messages.BadMessage) as err:
+            control_msgs.decode_control(key, frame, *args)
         assert err.value.reason == reason
-    with pytest.raises(protocol.BadMessage):
-        protocol.decode_control(key, protocol.encode(key, {**msg, "action": "reboot"}), "job", 0, 1)
-    with pytest.raises(protocol.BadMessage):
-        protocol.decode_control(key, protocol.encode(key, {**msg, "signal": "9"}), "job", 0, 1)
+    with pytest.raises(messages.BadMessage):
+        control_msgs.decode_control(
+            key, messages.encode(key, {**msg, "action": "reboot"}), "job", 0, 1
+        )
+    with pytest.raises(messages.BadMessage):
+        control_msgs.decode_control(key, messages.encode(key, {**msg, "signal": "9"}), "job", 0, 1)
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -373,7 +375,7 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
     import asyncio
 
     from faults.engine import CONTROL_RETRY_S, FaultEngine
-    from supervisor.heartbeat import AttemptTable
+    from supervisor.watch.heartbeat import AttemptTable
 
     world, connected = 64, 48
     events = []
@@ -387,7 +389,7 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
     dealers = []
     for r in range(connected):
         s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, protocol.control_identity(0, r))
+        s.setsockopt(zmq.IDENTITY, control_msgs.control_identity(0, r))
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVTIMEO, 5000)
         s.connect(engine.control.address)
@@ -433,7 +435,9 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
         assert undelivered["ranks"] == list(range(connected, world))
         for r, s in enumerate(dealers):  # the connected ones got their command (after the probe)
             frames = [s.recv_multipart()[-1] for _ in range(2)]
-            assert protocol.decode_control(b"k" * 32, frames[1], "job", 0, r)["action"] == "stall"
+            assert (
+                control_msgs.decode_control(b"k" * 32, frames[1], "job", 0, r)["action"] == "stall"
+            )
     finally:
         engine.close()
         for s in dealers:

@@ -9,8 +9,8 @@ import time
 
 import zmq
 
-from supervisor import protocol as P
-from supervisor.heartbeat import AttemptTable, HeartbeatServer
+from contracts import env_names, messages
+from supervisor.watch.heartbeat import AttemptTable, HeartbeatServer
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
 from tests.support import beacon_env
@@ -31,7 +31,7 @@ async def collect(server, until, timeout=10.0):
 
 
 def test_no_address_means_a_silent_beacon(monkeypatch):
-    monkeypatch.delenv(P.ENV_HEARTBEAT_ADDR, raising=False)
+    monkeypatch.delenv(env_names.ENV_HEARTBEAT_ADDR, raising=False)
     b = Beacon.from_env(0, 1)
     assert type(b) is Beacon
     b.hello("init")
@@ -85,27 +85,27 @@ def test_bad_messages_dropped_counted_and_server_keeps_working(monkeypatch):
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(server.address)
-        ident = P.RankIdentity(JOB, 0, 0, 1, "h", 1)
+        ident = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
         good = ident.message("beat", time.time(), phase="train", step=1)
         body = json.dumps(good).encode()
         push.send(body)  # unsigned
-        push.send(P.sign(b"wrong key", body) + body)  # wrongly signed
+        push.send(messages.sign(b"wrong key", body) + body)  # wrongly signed
         bad_json = b'{"v": 1, "kind":'
-        push.send(P.sign(KEY.encode(), bad_json) + bad_json)  # malformed
+        push.send(messages.sign(KEY.encode(), bad_json) + bad_json)  # malformed
         # Oversized: ZeroMQ itself refuses it (MAXMSGSIZE) and cuts that peer off, before
         # a byte of it is queued for us; sent from a socket of its own.
         big_sender = ctx.socket(zmq.PUSH)
         big_sender.setsockopt(zmq.LINGER, 0)
         big_sender.connect(server.address)
-        big = json.dumps({**good, "pad": "x" * (P.MAX_MESSAGE_BYTES + 10)}).encode()
-        big_sender.send(P.sign(KEY.encode(), big) + big)
+        big = json.dumps({**good, "pad": "x" * (messages.MAX_MESSAGE_BYTES + 10)}).encode()
+        big_sender.send(messages.sign(KEY.encode(), big) + big)
         push.send(b"short")  # not even a signature's length
-        other = P.RankIdentity("other-job", 0, 0, 1, "h", 1).message(
+        other = messages.RankIdentity("other-job", 0, 0, 1, "h", 1).message(
             "beat", time.time(), phase="train", step=1
         )
-        push.send(P.encode(KEY.encode(), other))  # replayed from another job
-        push.send(P.encode(b"other job key", other))  # another job's own key
-        push.send(P.encode(KEY.encode(), good))  # and one good one
+        push.send(messages.encode(KEY.encode(), other))  # replayed from another job
+        push.send(messages.encode(b"other job key", other))  # another job's own key
+        push.send(messages.encode(KEY.encode(), good))  # and one good one
         got = await collect(server, lambda g: len(g) >= 1 and sum(server.dropped.values()) >= 6)
         await asyncio.sleep(0.2)  # had the oversized frame got through, it would be counted
         server.drain(lambda m, now: got.append(m))
@@ -137,7 +137,7 @@ def test_sends_never_block_without_a_receiver(monkeypatch):
 
 def test_attempt_table_notes_and_stale_messages():
     t = AttemptTable(attempt=1, world=2, launched_at=0.0)
-    ident = P.RankIdentity(JOB, 1, 0, 2, "h", 7)
+    ident = messages.RankIdentity(JOB, 1, 0, 2, "h", 7)
     m = ident.message
     assert [n.event for n in t.update(m("hello", 1.0, phase="init"), 1.0)] == ["rank_hello"]
     assert t.update(m("phase", 1.0, phase="train", step=10), 2.0)[0].event == "phase"
@@ -148,14 +148,14 @@ def test_attempt_table_notes_and_stale_messages():
     t.update(m("beat", 1.0, phase="train", step=12), 9.0)
     assert t.ranks[0].last_seen == 9.0 and t.ranks[0].last_progress == 4.0
     assert t.update(m("ckpt", 1.0, step=15, state="complete"), 10.0)[0].event == "ckpt_complete"
-    old = P.RankIdentity(JOB, 0, 1, 2, "h", 8).message("beat", 1.0, phase="train", step=99)
+    old = messages.RankIdentity(JOB, 0, 1, 2, "h", 8).message("beat", 1.0, phase="train", step=99)
     assert t.update(old, 11.0) == [] and t.stale == 1 and 1 not in t.ranks
     assert t.effective_resume_step() == 10 and t.max_step == 12
     assert t.local_pids("h") == [7]
 
 
 def test_a_resume_says_where_it_came_from_when_the_ranks_say():
-    m = P.RankIdentity(JOB, 1, 0, 2, "h", 7).message
+    m = messages.RankIdentity(JOB, 1, 0, 2, "h", 7).message
     t = AttemptTable(attempt=1, world=2, launched_at=0.0)
     (note,) = t.update(m("resumed", 1.0, step=12, restart_seconds=0.4, source="memory"), 1.0)
     assert note.fields == {"step": 12, "restart_seconds": 0.4, "rank": 0, "source": "memory"}
@@ -170,7 +170,7 @@ def test_a_memory_copy_counts_once_every_rank_holds_it():
     """Issue 25: a memory-tier copy is progress, as a durable checkpoint is; the newest step
     every rank said it holds (each rank says its own copies)."""
     t = AttemptTable(attempt=1, world=2, launched_at=0.0)
-    r0, r1 = (P.RankIdentity(JOB, 1, r, 2, "h", 7 + r).message for r in (0, 1))
+    r0, r1 = (messages.RankIdentity(JOB, 1, r, 2, "h", 7 + r).message for r in (0, 1))
     assert t.update(r0("ckpt", 1.0, step=4, state="memory"), 1.0) == []  # no event per copy
     assert (t.mem_complete, t.saved_step) == (None, None)  # rank 1 has said none yet
     t.update(r1("ckpt", 1.0, step=3, state="memory"), 1.0)
@@ -182,7 +182,7 @@ def test_a_memory_copy_counts_once_every_rank_holds_it():
     assert (t.ckpt_complete, t.saved_step) == (5, 5)
     t.update(r0("ckpt", 1.0, step=8, state="memory"), 1.0)
     assert (t.mem_complete, t.saved_step) == (6, 6)
-    P.validate(r0("ckpt", 1.0, step=8, state="memory"))  # a state the protocol knows
+    messages.validate(r0("ckpt", 1.0, step=8, state="memory"))  # a state the protocol knows
 
 
 def test_an_allow_list_keeps_other_hosts_from_connecting():
@@ -192,10 +192,10 @@ def test_an_allow_list_keeps_other_hosts_from_connecting():
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(server.address)
-        ident = P.RankIdentity(JOB, 0, 0, 1, "h", 1)
+        ident = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
         for _ in range(3):
-            push.send(P.encode(KEY.encode(), ident.message("beat", time.time(), phase="train",
-                                                           step=1)), zmq.NOBLOCK)  # fmt: skip
+            beat = ident.message("beat", time.time(), phase="train", step=1)
+            push.send(messages.encode(KEY.encode(), beat), zmq.NOBLOCK)
         got = await collect(server, lambda g: len(g) >= 3, timeout=1.5)
         push.close()
         ctx.term()
@@ -207,6 +207,6 @@ def test_an_allow_list_keeps_other_hosts_from_connecting():
 
 
 def test_node_addresses_has_loopback_and_the_nodes():
-    from supervisor.heartbeat import node_addresses
+    from supervisor.watch.heartbeat import node_addresses
 
     assert {"127.0.0.1", "::1"} <= set(node_addresses(["localhost", "no-such-host.invalid"]))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor import cli, launcher
+from supervisor.commands import cli
+from supervisor.launch import launcher
 from tests.support import write_job_toml as write
 
 MPI = '[launch]\nlauncher = "mpiexec"\nflavor = "hydra"\n'

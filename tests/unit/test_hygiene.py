@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import hygiene
-from supervisor.launcher import kill_order
+from supervisor.host import hygiene
+from supervisor.launch.launcher import kill_order
 from worker.dist import mpi_shm_paths, release_mpi_shm
 
 MAPS = """\

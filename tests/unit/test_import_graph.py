@@ -1,17 +1,46 @@
-"""No import circle among the project's modules, lazy (function-level) imports included.
+"""The layer rules, read with `ast` from the source (nothing is imported, and an import inside a
+function counts as much as one at the top).
 
-Read with `ast` from the source, so nothing is imported and a circle that only closes at run
-time (an import inside a function) is found too.
+- `contracts/` (what the processes and files agree on) imports only the standard library.
+- Top-level packages import one way: `supervisor` -> `faults` -> `contracts`, `worker` ->
+  `contracts`. The supervisor reaches the worker only by name (its torch-free spec, loaded in
+  `supervisor/settings/worker_spec.py`) and the fault engine only through `faults/__init__.py`.
+- Inside `supervisor/`, every module lives in a role subpackage of a layer; a module imports only
+  its own subpackage and lower layers.
+- No module over 450 lines, no class over 300; launcher kinds are compared only in the launch code.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 from tests.support import REPO
 
-PACKAGES = ("supervisor", "faults", "worker")
+PACKAGES = ("contracts", "supervisor", "faults", "worker")
+# Which top-level package may import which (besides itself).
+ALLOWED = {
+    "contracts": set(),
+    "worker": {"contracts"},
+    "faults": {"contracts"},
+    "supervisor": {"contracts", "faults"},
+}
+# supervisor/'s role subpackages, lowest first: a module imports only its own and lower layers.
+LAYERS = {
+    "log": 0,
+    "settings": 1,
+    "reporting": 1,
+    "policy": 2,
+    "launch": 3,
+    "watch": 3,
+    "host": 4,
+    "run": 5,
+    "commands": 6,
+}
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 300
+LAUNCHER_NAMES = {"mpiexec", "srun", "local"}
 
 
 def module_name(path: Path) -> str:
@@ -19,32 +48,146 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports anywhere in its body (`from a import b` counts as
-    `a.b` when that is a module, else `a`)."""
+def raw_imports(path: Path) -> list[str]:
+    """Every name imported anywhere in `path`, absolute (`from a import b` gives `a.b`)."""
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    found: set[str] = set()
+    found: list[str] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                     for a in node.names]  # fmt: skip
-        else:
-            continue
-        found |= {n for n in names if n in modules and n != here}
+            found += [f"{base}.{a.name}" for a in node.names]
     return found
 
 
+def project_files() -> list[Path]:
+    return [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+
+
 def graph() -> dict[str, set[str]]:
-    files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    """Module -> the project modules it imports (`from a import b`: `a.b` when a module, else
+    `a`)."""
+    files = project_files()
     modules = {module_name(p) for p in files}
-    return {module_name(p): imports(p, modules) for p in files}
+    out = {}
+    for p in files:
+        here = module_name(p)
+        names = {n if n in modules else n.rpartition(".")[0] for n in raw_imports(p)}
+        out[here] = {n for n in names if n in modules and n != here}
+    return out
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_contracts_import_only_the_standard_library():
+    bad = {
+        f"{module_name(p)} -> {name}"
+        for p in (REPO / "contracts").rglob("*.py")
+        for name in raw_imports(p)
+        if top(name) not in sys.stdlib_module_names and top(name) not in {"contracts", "__future__"}
+    }
+    assert not bad, sorted(bad)
+
+
+def package_edges(g: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(top(m), top(d)) for m, deps in g.items() for d in deps if top(m) != top(d)}
+
+
+def test_packages_import_one_way():
+    edges = package_edges(graph())
+    assert not {(a, b) for a, b in edges if (b, a) in edges}, "two packages import each other"
+    bad = {(a, b) for a, b in edges if b not in ALLOWED[a]}
+    assert not bad, sorted(bad)
+
+
+def test_the_supervisor_reaches_faults_only_through_its_interface():
+    bad = {
+        f"{m} -> {d}"
+        for m, deps in graph().items()
+        if top(m) == "supervisor"
+        for d in deps
+        if top(d) == "faults" and d != "faults"
+    }
+    assert not bad, sorted(bad)
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
+
+
+def test_supervisor_modules_live_in_role_subpackages():
+    loose = {
+        p.name
+        for p in (REPO / "supervisor").glob("*.py")
+        if p.name not in {"__init__.py", "__main__.py"}
+    }
+    assert not loose, f"modules outside a role subpackage: {sorted(loose)}"
+    subs = {p.name for p in (REPO / "supervisor").iterdir() if (p / "__init__.py").is_file()}
+    assert subs == set(LAYERS), "a subpackage without a layer (or a layer without a package)"
+    for sub in subs:
+        doc = ast.get_docstring(ast.parse((REPO / "supervisor" / sub / "__init__.py").read_text()))
+        assert doc and "import" in doc, (
+            f"supervisor/{sub}/__init__.py: say what lives there and what it may import"
+        )
+
+
+def test_a_lower_layer_never_imports_a_higher_one():
+    bad = set()
+    for m, deps in graph().items():
+        if top(m) != "supervisor" or (sub := layer_of(m)) is None:
+            continue
+        for d in deps:
+            if top(d) != "supervisor" or (dsub := layer_of(d)) is None or dsub == sub:
+                continue
+            if LAYERS[dsub] >= LAYERS[sub]:
+                bad.add(f"{m} ({sub}, layer {LAYERS[sub]}) -> {d} ({dsub}, layer {LAYERS[dsub]})")
+    assert not bad, sorted(bad)
+
+
+def test_the_rules_catch_what_they_forbid():
+    assert package_edges({"worker.a": {"supervisor.b"}, "supervisor.b": {"worker.a"}}) == {
+        ("worker", "supervisor"),
+        ("supervisor", "worker"),
+    }
+    assert layer_of("supervisor.run.job") == "run" and layer_of("supervisor.__main__") is None
+
+
+def test_no_module_or_class_is_too_long():
+    files = [p for p in REPO.rglob("*.py") if ".venv" not in p.parts]
+    long_modules = {
+        f"{p.relative_to(REPO)}: {n}"
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    long_classes = {
+        f"{p.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1}"
+        for p in files
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    }
+    assert not long_modules and not long_classes, sorted(long_modules | long_classes)
+
+
+def test_launcher_kinds_are_compared_only_in_the_launch_code():
+    bad = set()
+    for p in (REPO / "supervisor").rglob("*.py"):
+        if "launch" in p.relative_to(REPO).parts:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in [node.left, *node.comparators]
+                          if isinstance(c, ast.Constant)]  # fmt: skip
+                if LAUNCHER_NAMES & {c for c in consts if isinstance(c, str)}:
+                    bad.add(f"{p.relative_to(REPO)}:{node.lineno}")
+    assert not bad, sorted(bad)
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -82,11 +225,5 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_circle() -> None:
-    g = graph()
-    assert "faults.spec" in g["supervisor.config"]  # lazy imports are seen
-    assert cycles(g) == []
-
-
-def test_the_config_errors_module_is_a_leaf() -> None:
-    assert graph()["supervisor.config_table"] == set()
+def test_no_import_circle():
+    assert cycles(graph()) == []

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from supervisor import config as C
-from supervisor import protocol
-from supervisor.decisions import ExitCode
-from supervisor.events import read_events
-from supervisor.job import Job, Resolved
-from supervisor.launcher import Exit, LaunchPlan, TeardownResult
+from contracts import env_names, locks, messages
+from contracts.exit_codes import ExitCode
+from supervisor.launch.launcher import Exit, LaunchPlan, TeardownResult
+from supervisor.log.events import read_events
+from supervisor.run.job import Job, Resolved
+from supervisor.settings import config as C
 
 
 @dataclass
@@ -63,17 +63,17 @@ class FakeRunning:
 
     async def _speak(self, ctx: zmq.Context) -> None:
         env = self.plan.procs[0].env
-        key = env[protocol.ENV_HEARTBEAT_KEY].encode()
-        ident = protocol.RankIdentity(
-            env[protocol.ENV_JOB_ID], int(env[protocol.ENV_ATTEMPT]), 0, self.plan.world,
+        key = env[env_names.ENV_HEARTBEAT_KEY].encode()
+        ident = messages.RankIdentity(
+            env[env_names.ENV_JOB_ID], int(env[env_names.ENV_ATTEMPT]), 0, self.plan.world,
             socket.gethostname(), 0,
         )  # fmt: skip
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(env[protocol.ENV_HEARTBEAT_ADDR])
+        sock.connect(env[env_names.ENV_HEARTBEAT_ADDR])
         try:
             for kind, fields in self.script.says:
-                sock.send(protocol.encode(key, ident.message(kind, time.time(), **fields)))
+                sock.send(messages.encode(key, ident.message(kind, time.time(), **fields)))
             await asyncio.sleep(0.2)  # the supervisor drains its socket every 10 ms
             if self.script.rc is not None:
                 self._end(self.script.rc)
@@ -152,7 +152,7 @@ def mem_root(tmp_path, monkeypatch) -> Path:
     """Each job sweeps its node's memory root at its start: here, the test's own."""
     root = tmp_path / "shm"
     root.mkdir()
-    monkeypatch.setenv(protocol.ENV_MEM_ROOT, str(root))
+    monkeypatch.setenv(env_names.ENV_MEM_ROOT, str(root))
     return root
 
 
@@ -331,7 +331,7 @@ def test_each_attempt_keeps_its_own_table(tmp_path):
 def test_a_full_run_dir_never_stops_the_job(tmp_path, monkeypatch):
     import errno
 
-    from supervisor import events as events_mod
+    from supervisor.log import events as events_mod
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -400,11 +400,11 @@ def test_an_internal_error_removes_the_memory_dir_too(tmp_path, mem_root, monkey
 
 def test_dead_jobs_memory_dirs_are_swept_before_the_first_launch(tmp_path, mem_root):
     dead = mem_root / "es-mem-dead-0000dead"
-    fd = protocol.hold_mem_dir(dead)  # a job that died: its holder is gone
+    fd = locks.hold_mem_dir(dead)  # a job that died: its holder is gone
     os.close(fd)
     (dead / "slot").write_bytes(b"x")
     live = mem_root / "es-mem-live-0000aaaa"
-    fd = protocol.hold_mem_dir(live)  # a job alive on this node
+    fd = locks.hold_mem_dir(live)  # a job alive on this node
     try:
         fake = FakeLauncher(Script(rc=0, says=hello_steps(1, done=True)))
         code, evs = run(make_job(tmp_path, fake))  # no memory tier of its own: sweeps anyway

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from supervisor import config as C
-from supervisor import launcher as L
+from supervisor.launch import launcher as L
+from supervisor.settings import config as C
 
 
 def cfg(**launch):

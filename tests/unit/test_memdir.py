@@ -1,5 +1,5 @@
 """The memory tier's directories: the start-of-job sweep and the job's own directory, with real
-processes holding real flocks (`protocol.hold_mem_dir`), as the ranks will."""
+processes holding real flocks (`locks.hold_mem_dir`), as the ranks will."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import memdir
-from supervisor import protocol as P
+from contracts import env_names, locks, scratch
+from supervisor.host import memdir
 from tests.support import REPO
 
 HOLDER = """
 import sys, time
-from supervisor import protocol
-fd = protocol.hold_mem_dir(sys.argv[1])
+from contracts import locks
+fd = locks.hold_mem_dir(sys.argv[1])
 open(sys.argv[2], "w").close()
 time.sleep(120)
 """
@@ -50,7 +50,7 @@ def test_the_sweep_removes_only_what_no_live_process_holds(tmp_path):
         (never / "slot-0").mkdir(parents=True)
         (never / "slot-0" / "state").write_bytes(b"x" * 100)
         dead = root / "es-mem-dead-0000dead"  # held once, by a process long gone
-        fd = P.hold_mem_dir(dead)
+        fd = locks.hold_mem_dir(dead)
         (dead / "rank-0.a").write_bytes(b"y")
         os.close(fd)
         other = root / "other-dir"
@@ -65,7 +65,7 @@ def test_the_sweep_removes_only_what_no_live_process_holds(tmp_path):
 
         assert sorted(removed) == [str(never), str(dead)]
         assert not dead.exists() and not never.exists()
-        assert (live / P.LOCK_FILE).is_file()  # the live holder's dir stays
+        assert (live / locks.LOCK_FILE).is_file()  # the live holder's dir stays
         assert other.is_dir() and (root / "es-mem-a-0000ffff").is_file()
         assert (root / "es-mem-link-0000cccc").is_symlink() and (outside / "keep").is_file()
         assert memdir.sweep_abandoned(root) == []  # nothing more to take while it lives
@@ -129,7 +129,7 @@ def test_only_this_user_s_es_mem_directories_are_candidates(tmp_path):
 def test_only_directories_of_exactly_the_memory_tier_s_form_are_candidates(tmp_path, name):
     d = os.lstat(tmp_path)
     assert not memdir.sweepable(name, d, d.st_uid)
-    assert not P.MEM_DIR_NAME.fullmatch(name)
+    assert not scratch.MEM_DIR_NAME.fullmatch(name)
     assert memdir.sweepable("es-mem-" + "x" * 64 + "-0123abcd", d, d.st_uid)
 
 
@@ -147,7 +147,7 @@ def test_a_sweep_beside_directories_of_other_forms_leaves_them(tmp_path):
         dead = root / "es-mem-dead-0000dead"
         dead.mkdir()
         assert memdir.sweep_abandoned(root) == [str(dead)]
-        assert (nested / P.LOCK_FILE).is_file()
+        assert (nested / locks.LOCK_FILE).is_file()
         assert all((d / "rank-0" / "slot-0.bin").is_file() for d in others)
     finally:
         proc.kill()
@@ -207,10 +207,10 @@ def test_held_under_is_by_whole_path_components():
      "jöb-0123abcd", "a-0123abcd/../../etc"],
 )  # fmt: skip
 def test_a_path_escaping_job_id_still_names_one_directory_of_the_swept_form(tmp_path, job_id):
-    path = P.mem_dir(tmp_path, job_id)
+    path = scratch.mem_dir(tmp_path, job_id)
     assert os.path.dirname(path) == str(tmp_path)
-    assert P.MEM_DIR_NAME.fullmatch(os.path.basename(path))
-    assert P.mem_dir(tmp_path, job_id) == path  # the supervisor and the ranks agree
+    assert scratch.MEM_DIR_NAME.fullmatch(os.path.basename(path))
+    assert scratch.mem_dir(tmp_path, job_id) == path  # the supervisor and the ranks agree
     held = memdir.hold(tmp_path, job_id)
     try:
         assert held.path == path and Path(path).is_dir()
@@ -221,10 +221,10 @@ def test_a_path_escaping_job_id_still_names_one_directory_of_the_swept_form(tmp_
 
 
 def test_a_job_id_of_the_form_names_its_directory_as_it_is(tmp_path):
-    assert P.mem_dir(tmp_path, "train.v2_a-0123abcd") == str(
+    assert scratch.mem_dir(tmp_path, "train.v2_a-0123abcd") == str(
         tmp_path / "es-mem-train.v2_a-0123abcd"
     )
-    assert P.mem_dir(tmp_path, "0123456789ab") == str(tmp_path / "es-mem-0123456789ab")
+    assert scratch.mem_dir(tmp_path, "0123456789ab") == str(tmp_path / "es-mem-0123456789ab")
 
 
 def test_the_job_s_own_directory_is_held_then_removed(tmp_path):
@@ -247,11 +247,11 @@ def test_wanted_only_with_a_positive_interval():
 
 
 def test_root_follows_the_environment_the_ranks_get(monkeypatch, tmp_path):
-    monkeypatch.delenv(P.ENV_MEM_ROOT, raising=False)
+    monkeypatch.delenv(env_names.ENV_MEM_ROOT, raising=False)
     assert memdir.root({}) == "/dev/shm"
-    monkeypatch.setenv(P.ENV_MEM_ROOT, str(tmp_path))
+    monkeypatch.setenv(env_names.ENV_MEM_ROOT, str(tmp_path))
     assert memdir.root({}) == str(tmp_path)
-    assert memdir.root({P.ENV_MEM_ROOT: "/elsewhere"}) == "/elsewhere"  # [launch] env wins
+    assert memdir.root({env_names.ENV_MEM_ROOT: "/elsewhere"}) == "/elsewhere"  # [launch] env wins
 
 
 def test_root_problem_names_what_cannot_hold_the_directory(tmp_path):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor import config as config_mod
-from supervisor import launcher as L
-from supervisor.config_table import ConfigError
-from supervisor.nodes import (
+from contracts.config_table import ConfigError
+from supervisor.launch import launcher as L
+from supervisor.policy.nodes import (
     FailureFacts,
     NodePool,
     attribute,
@@ -18,6 +17,7 @@ from supervisor.nodes import (
     launcher_named_ranks,
     outside_collectives,
 )
+from supervisor.settings import config as config_mod
 
 FOUR = ("n0", "n1", "n2", "n3")
 
@@ -76,7 +76,7 @@ def test_no_node_when_the_facts_span_nodes_or_the_job_has_one():
 
 
 def test_a_peers_loss_in_a_survivors_words_is_not_its_own_error():
-    from supervisor.nodes import own_errors
+    from supervisor.policy.nodes import own_errors
 
     errors = {
         0: "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35533: "
@@ -180,7 +180,7 @@ def test_emulated_nodes_run_under_hydras_fork_launcher_with_the_smaller_worlds_f
 
 # --- the pre-launch check ---------------------------------------------------------------------
 def test_the_pre_launch_check_reads_reports_among_the_launchers_words():
-    from supervisor.node_check import MARK, judge
+    from supervisor.host.node_check import MARK, judge
 
     lines = [
         f'[0] {MARK}{{"node": "n0", "problems": []}}[0] ',  # Hydra's next prefix after it
@@ -200,7 +200,7 @@ def test_the_pre_launch_check_reads_reports_among_the_launchers_words():
 
 
 def test_a_directory_is_checked_where_it_would_be_made(tmp_path):
-    from supervisor.node_check import dirs_to_check, writable_problem
+    from supervisor.host.node_check import dirs_to_check, writable_problem
 
     assert writable_problem(str(tmp_path / "not" / "yet")) is None
     (tmp_path / "file").write_text("")

@@ -7,19 +7,20 @@ import time
 
 import pytest
 
-from supervisor import cli, ownership
-from supervisor import protocol as P
-from supervisor.config import ConfigError
+from contracts import locks
+from supervisor.commands import cli
+from supervisor.host import ownership
+from supervisor.settings.config import ConfigError
 
 
 def test_lock_names_its_holder_and_dies_with_it(tmp_path):
-    fd = P.lock_dir(tmp_path, {"job": "j-1", "host": "n7", "pid": 42})
-    assert P.lock_holder(tmp_path) == {"job": "j-1", "host": "n7", "pid": 42}
-    with pytest.raises(P.DirInUse, match=r"in use by another job \(job j-1, host n7, pid 42\)"):
-        P.lock_dir(tmp_path, {"job": "j-2"})
+    fd = locks.lock_dir(tmp_path, {"job": "j-1", "host": "n7", "pid": 42})
+    assert locks.lock_holder(tmp_path) == {"job": "j-1", "host": "n7", "pid": 42}
+    with pytest.raises(locks.DirInUse, match=r"in use by another job \(job j-1, host n7, pid 42\)"):
+        locks.lock_dir(tmp_path, {"job": "j-2"})
     os.close(fd)
-    assert P.lock_holder(tmp_path) is None  # released: the file's old words no longer count
-    os.close(P.lock_dir(tmp_path, {"job": "j-2"}))
+    assert locks.lock_holder(tmp_path) is None  # released: the file's old words no longer count
+    os.close(locks.lock_dir(tmp_path, {"job": "j-2"}))
 
 
 def test_claim_takes_run_and_checkpoint_dirs(tmp_path):
@@ -31,7 +32,7 @@ def test_claim_takes_run_and_checkpoint_dirs(tmp_path):
         with pytest.raises(ConfigError, match="checkpoint dir in use: job job-a") as info:
             ownership.claim(tmp_path / "run-b", str(ckpt), "job-b", "b")
         assert f"(pid {os.getpid()} on " in str(info.value)
-        assert P.lock_holder(tmp_path / "run-b") is None  # a refused claim keeps nothing
+        assert locks.lock_holder(tmp_path / "run-b") is None  # a refused claim keeps nothing
     finally:
         for fd in fds:
             os.close(fd)
@@ -48,7 +49,9 @@ def test_a_second_supervisor_on_the_same_run_dir_exits_2_at_once(tmp_path, capsy
     run = tmp_path / "run"
     config = tmp_path / "job.toml"
     config.write_text(f'[job]\nname = "twice"\nrun_dir = "{run}"\n[worker]\ntrain_iters = 5\n')
-    fd = P.lock_dir(run, {"job": "twice-0001", "host": "here", "pid": 4242, "since": time.time()})
+    fd = locks.lock_dir(
+        run, {"job": "twice-0001", "host": "here", "pid": 4242, "since": time.time()}
+    )
     try:
         started = time.monotonic()
         assert cli.main(["run", str(config)]) == 2

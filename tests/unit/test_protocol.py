@@ -6,24 +6,24 @@ import json
 
 import pytest
 
-from supervisor import protocol as P
+from contracts import messages
 
 KEY = b"k" * 32
-ID = P.RankIdentity(job="j", attempt=0, rank=1, world=2, host="h", pid=42)
+ID = messages.RankIdentity(job="j", attempt=0, rank=1, world=2, host="h", pid=42)
 
 
 def frames(kind="step", key=KEY, **fields):
     fields = fields or {"step": 3, "loss": 1.5, "dt": 0.1}
-    return P.encode(key, ID.message(kind, 1.0, **fields))
+    return messages.encode(key, ID.message(kind, 1.0, **fields))
 
 
 def test_round_trip():
-    msg = P.decode(KEY, frames(), job="j")
+    msg = messages.decode(KEY, frames(), job="j")
     assert msg["kind"] == "step" and msg["step"] == 3 and msg["rank"] == 1
 
 
 def body_frames(body: bytes):
-    return P.sign(KEY, body) + body
+    return messages.sign(KEY, body) + body
 
 
 @pytest.mark.parametrize(
@@ -39,34 +39,36 @@ def body_frames(body: bytes):
         (lambda: frames(kind="nope", step=1), "schema"),
         (lambda: frames(kind="ckpt", step=1, state="half"), "schema"),
         (lambda: frames(kind="step", step=True, loss=1.0, dt=0.1), "schema"),
-        (lambda: body_frames(b"x" * (P.MAX_MESSAGE_BYTES + 1)), "oversized"),
+        (lambda: body_frames(b"x" * (messages.MAX_MESSAGE_BYTES + 1)), "oversized"),
     ],
 )
 def test_bad_messages_have_a_reason(make, reason):
-    with pytest.raises(P.BadMessage) as err:
-        P.decode(KEY, make(), job="j")
+    with pytest.raises(messages.BadMessage) as err:
+        messages.decode(KEY, make(), job="j")
     assert err.value.reason == reason
 
 
 def test_other_job_and_version():
-    with pytest.raises(P.BadMessage) as err:
-        P.decode(KEY, frames(), job="another")
+    with pytest.raises(messages.BadMessage) as err:
+        messages.decode(KEY, frames(), job="another")
     assert err.value.reason == "other_job"
     msg = ID.message("beat", 1.0, phase="train", step=1)
     msg["v"] = 99
-    with pytest.raises(P.BadMessage) as err:
-        P.decode(KEY, P.encode(KEY, msg))
+    with pytest.raises(messages.BadMessage) as err:
+        messages.decode(KEY, messages.encode(KEY, msg))
     assert err.value.reason == "version"
 
 
 def test_resumed_may_say_where_from():
     plain = {"step": 10, "restart_seconds": 1.5}
-    assert "source" not in P.decode(KEY, frames("resumed", **plain), job="j")  # as before
+    assert "source" not in messages.decode(KEY, frames("resumed", **plain), job="j")  # as before
     for source in ("memory", "durable"):
-        msg = P.decode(KEY, frames("resumed", **plain, source=source), job="j")
+        msg = messages.decode(KEY, frames("resumed", **plain, source=source), job="j")
         assert msg["source"] == source
     for bad in ("disk", "", 1, None, True, ["memory"], {"memory": 1}):
-        with pytest.raises(P.BadMessage) as err:
-            P.decode(KEY, frames("resumed", **plain, source=bad), job="j")
+        with pytest.raises(messages.BadMessage) as err:
+            messages.decode(KEY, frames("resumed", **plain, source=bad), job="j")
         assert err.value.reason == "schema"
-    P.validate(ID.message("step", 1.0, step=1, loss=1.0, dt=0.1, source="x"))  # not its field
+    messages.validate(
+        ID.message("step", 1.0, step=1, loss=1.0, dt=0.1, source="x")
+    )  # not its field

@@ -9,11 +9,12 @@ import re
 
 import pytest
 
-from supervisor import cli, events
-from supervisor.plot import steps_lost
-from supervisor.report import analyze, load_run
-from supervisor.report_md import render
-from supervisor.summary import summary
+from supervisor.commands import cli
+from supervisor.log import events
+from supervisor.reporting.plot import steps_lost
+from supervisor.reporting.report import analyze, load_run
+from supervisor.reporting.report_md import render
+from supervisor.reporting.summary import summary
 from tests.support import T0, ev, make_run, rec, synthetic_events, synthetic_metrics, write_run
 
 BINARY = b"\xff\xfe\x00garbage\x80\n"

@@ -13,11 +13,11 @@ import time
 import pytest
 import zmq
 
-from supervisor import protocol as P
-from supervisor.config import HeartbeatConfig, ProgressConfig
-from supervisor.decisions import judge_ranks
-from supervisor.heartbeat import AttemptTable, HeartbeatServer
-from supervisor.relays import RELAY_AUTO_MIN_WORLD, relay_wanted
+from contracts import env_names, messages
+from supervisor.policy.decisions import judge_ranks
+from supervisor.settings.config import HeartbeatConfig, ProgressConfig
+from supervisor.watch.heartbeat import AttemptTable, HeartbeatServer
+from supervisor.watch.relays import RELAY_AUTO_MIN_WORLD, relay_wanted
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
 from tests.support import beacon_env
@@ -28,18 +28,18 @@ K = KEY.encode()
 HB = HeartbeatConfig(interval_s=1.0, timeout_s=5.0, progress=ProgressConfig(train=30.0))
 
 
-def ident(rank: int, world: int = 8, attempt: int = 0) -> P.RankIdentity:
-    return P.RankIdentity(JOB, attempt, rank, world, "host-a", 1000 + rank)
+def ident(rank: int, world: int = 8, attempt: int = 0) -> messages.RankIdentity:
+    return messages.RankIdentity(JOB, attempt, rank, world, "host-a", 1000 + rank)
 
 
 def summary(relay: int, ranks, steps, phases="train", late=(), world=8, node="n0", attempt=0):
     """A relay's summary of these ranks' steps and phases (plain lists: coded here)."""
     if not isinstance(phases, str):
-        phases = P.runs(list(phases))
+        phases = messages.runs(list(phases))
         phases = phases[0][0] if len(phases) == 1 else phases
     return ident(relay, world, attempt).message(
-        "summary", time.time(), node=node, ranks=P.rank_runs(list(ranks)),
-        steps=P.runs(list(steps)), phases=phases, late=[list(x) for x in late],
+        "summary", time.time(), node=node, ranks=messages.rank_runs(list(ranks)),
+        steps=messages.runs(list(steps)), phases=phases, late=[list(x) for x in late],
     )  # fmt: skip
 
 
@@ -48,8 +48,10 @@ def test_summary_round_trip_and_schema():
     msg = summary(0, [0, 1, 2, 5], [5, 5, 4, 4], ["train", "train", "save", "save"], [(2, 1.5)])
     assert msg["ranks"] == [[0, 3], [5, 1]] and msg["steps"] == [[5, 2], [4, 2]]
     assert msg["phases"] == [["train", 2], ["save", 2]]
-    assert P.decode(K, P.encode(K, msg), JOB) == msg
-    assert P.expand_ranks(msg["ranks"]) == [0, 1, 2, 5] and P.expand(msg["steps"]) == [5, 5, 4, 4]
+    assert messages.decode(K, messages.encode(K, msg), JOB) == msg
+    assert messages.expand_ranks(msg["ranks"]) == [0, 1, 2, 5] and messages.expand(
+        msg["steps"]
+    ) == [5, 5, 4, 4]
     bad = [
         {"ranks": []},
         {"ranks": [[0, 3], [2, 1]]},  # rank 2 twice
@@ -65,17 +67,20 @@ def test_summary_round_trip_and_schema():
         {"late": [[1, -1.0]]},
         {"late": [[1, float("nan")]]},
         {"late": [1]},
-        {"ranks": [[0, P.MAX_RELAY_RANKS + 1]], "steps": [[1, P.MAX_RELAY_RANKS + 1]]},
+        {
+            "ranks": [[0, messages.MAX_RELAY_RANKS + 1]],
+            "steps": [[1, messages.MAX_RELAY_RANKS + 1]],
+        },
         {"node": 3},
         {"steps": "5"},
     ]
     for change in bad:
         m = {**msg, **change}
-        with pytest.raises(P.BadMessage) as exc:
-            P.decode(K, P.encode(K, m), JOB)
+        with pytest.raises(messages.BadMessage) as exc:
+            messages.decode(K, messages.encode(K, m), JOB)
         assert exc.value.reason == "schema", change
-    with pytest.raises(P.BadMessage) as exc:
-        P.decode(b"other-key", P.encode(K, msg), JOB)
+    with pytest.raises(messages.BadMessage) as exc:
+        messages.decode(b"other-key", messages.encode(K, msg), JOB)
     assert exc.value.reason == "signature"
 
 
@@ -101,7 +106,7 @@ def test_relay_core_summarizes_beats_and_forwards_the_rest():
     core.own("hello", {"phase": "init"}, 0.0)
 
     def frame(rank, kind, **fields):
-        return P.encode(K, ident(rank).message(kind, time.time(), **fields))
+        return messages.encode(K, ident(rank).message(kind, time.time(), **fields))
 
     assert core.take(frame(1, "beat", phase="train", step=3), 0.1) is None
     hello = frame(2, "hello", phase="init")
@@ -110,13 +115,13 @@ def test_relay_core_summarizes_beats_and_forwards_the_rest():
     step0 = frame(0, "step", step=4, loss=1.0, dt=0.1)
     assert core.take(step0, 0.2) == step0  # rank 0's steps drive events: forwarded
     assert core.take(b"x" * 80, 0.2) is None and core.dropped == 1
-    other = P.encode(K, ident(1, attempt=3).message("beat", 0.0, phase="train", step=1))
+    other = messages.encode(K, ident(1, attempt=3).message("beat", 0.0, phase="train", step=1))
     assert core.take(other, 0.2) is None and core.dropped == 2
     core.own("beat", {"phase": "train", "step": 4}, 0.3)
     s = core.summary(time.time(), 0.5)
     assert s["ranks"] == [[0, 3]] and s["steps"] == [[4, 1], [3, 1], [4, 1]] and s["late"] == []
     assert s["phases"] == [["train", 2], ["init", 1]] and s["node"] == "n0"
-    P.validate(s)
+    messages.validate(s)
     # Next interval: only rank 1 beats; ranks 0 and 2 are late, with their ages.
     core.take(frame(1, "beat", phase="train", step=5), 1.2)
     s = core.summary(time.time(), 1.5)
@@ -260,7 +265,7 @@ def test_a_node_of_real_beacons_relays_through_its_local_rank_0(monkeypatch):
     async def main():
         server = HeartbeatServer(K, JOB)
         beacon_env(monkeypatch, server.address, interval=0.1)
-        monkeypatch.setenv(P.ENV_HEARTBEAT_RELAY, "1")
+        monkeypatch.setenv(env_names.ENV_HEARTBEAT_RELAY, "1")
         # Abstract socket names are host-wide: another test process must not share this node.
         monkeypatch.setenv("PMI_HOSTNAME", f"unit-node-{os.getpid()}")
         beacons = [Beacon.from_env(r, 3, r, 3) for r in range(3)]
@@ -308,7 +313,7 @@ def test_a_node_of_real_beacons_relays_through_its_local_rank_0(monkeypatch):
 
 def test_a_forged_frame_on_the_node_socket_is_dropped(monkeypatch):
     core = RelayCore(K, ident(0), "n0")
-    forged = P.encode(b"not-the-key", ident(1).message("beat", 0.0, phase="train", step=1))
+    forged = messages.encode(b"not-the-key", ident(1).message("beat", 0.0, phase="train", step=1))
     assert core.take(forged, 0.0) is None and core.dropped == 1 and not core.ranks
     ctx = zmq.Context()
     ctx.term()
@@ -316,11 +321,11 @@ def test_a_forged_frame_on_the_node_socket_is_dropped(monkeypatch):
 
 def test_beacon_without_relay_env_is_unchanged(monkeypatch):
     beacon_env(monkeypatch, "tcp://127.0.0.1:9")
-    monkeypatch.delenv(P.ENV_HEARTBEAT_RELAY, raising=False)
+    monkeypatch.delenv(env_names.ENV_HEARTBEAT_RELAY, raising=False)
     b = Beacon.from_env(1, 4, 1, 4)
     assert isinstance(b, ZmqBeacon) and b.relay is None and b._addr == "tcp://127.0.0.1:9"
     b.close()
-    monkeypatch.setenv(P.ENV_HEARTBEAT_RELAY, "1")
+    monkeypatch.setenv(env_names.ENV_HEARTBEAT_RELAY, "1")
     b = Beacon.from_env(0, 4, 0, 1)  # alone on its node: no relay
     assert b.relay is None
     b.close()

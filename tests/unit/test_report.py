@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.report import analyze, load_run, young_daly
-from supervisor.report_md import render, write_report
+from supervisor.reporting.report import analyze, load_run, young_daly
+from supervisor.reporting.report_md import render, write_report
 from tests.support import REPO, T0, ev, rec, synthetic_events, synthetic_metrics, write_run
 
 
@@ -128,7 +128,7 @@ def assert_png(path: Path) -> None:
 
 
 def test_shipped_experiment_configs_are_valid() -> None:
-    from supervisor import experiment
+    from supervisor.commands import experiment
 
     for name in ("restart", "agpt2b"):
         e = experiment.load(str(REPO / "configs" / "experiments" / f"{name}.toml"), [])
@@ -179,7 +179,7 @@ def test_an_attempt_dying_before_its_first_step_is_not_the_resume(tmp_path: Path
 
 
 def test_the_end_of_run_summary_is_short(run_dir: Path, monkeypatch) -> None:
-    from supervisor.summary import summary
+    from supervisor.reporting.summary import summary
 
     a, _, written = write_report(run_dir, png=False)
     monkeypatch.chdir(run_dir.parent)
@@ -242,14 +242,14 @@ def test_each_resume_says_whether_it_came_from_memory_or_the_durable_tier(tmp_pa
     md = render(a)
     assert "| 25 | 20 (memory) | cold | 5 |" in md and "| 40 | 40 (durable) | cold | 0 |" in md
 
-    from supervisor.summary import summary
+    from supervisor.reporting.summary import summary
 
     text = summary(a, [])
     assert "step 20 (memory)" in text and "step 40 (durable)" in text
 
 
 def test_a_run_without_sources_renders_as_before(run_dir: Path) -> None:
-    from supervisor.summary import summary
+    from supervisor.reporting.summary import summary
 
     a = analyze(load_run(run_dir))
     assert [f.resumed_source for f in a.failures] == [None, None]

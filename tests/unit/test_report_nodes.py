@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import status_lines
-from supervisor.events import level_of
-from supervisor.events import render as render_event
-from supervisor.report import analyze, load_run, pool_now
-from supervisor.report_md import render
-from supervisor.summary import summary
+from supervisor.commands.cli import status_lines
+from supervisor.log.events import level_of
+from supervisor.log.events import render as render_event
+from supervisor.reporting.report import analyze, load_run, pool_now
+from supervisor.reporting.report_md import render
+from supervisor.reporting.summary import summary
 from tests.support import ev, synthetic_events, synthetic_metrics, write_run
 
 WHY = "the injected fault's target"
@@ -221,7 +221,7 @@ def test_the_summary_has_a_node_column_and_a_line_per_node_event(tmp_path: Path)
 
 # --- report.png ----------------------------------------------------------------------------------
 def test_the_timeline_marks_each_failure_s_node_changes_together(tmp_path: Path) -> None:
-    from supervisor.plot import node_marks, plot
+    from supervisor.reporting.plot import node_marks, plot
 
     a = analysis(tmp_path, swap_events())
     assert node_marks(a) == [(pytest.approx(70.5 / 60), "excluded n1\nn1→n3")]

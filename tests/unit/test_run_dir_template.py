@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor import cli
+from supervisor.commands import cli
 from tests.support import one_line_error
 from tests.support import write_job_toml as write
 

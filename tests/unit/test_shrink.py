@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from supervisor.shrink import plan_shrink
+from supervisor.settings.shrink import plan_shrink
 from worker import args as worker_args
 from worker.layout import plan_layout
 

@@ -1,6 +1,6 @@
-"""Stacks read back (`supervisor.stack_text`): faulthandler's and py-spy's output, captured once
-from real processes (tests/unit/stack_dumps/README.md), as the main thread's place and the event's
-lines; and the per-rank choice of how to read a rank's stacks."""
+"""Stacks read back (`supervisor.watch.stack_text`): faulthandler's and py-spy's output,
+captured once from real processes (tests/unit/stack_dumps/README.md), as the main thread's
+place and the event's lines; and the per-rank choice of how to read a rank's stacks."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import status_lines
-from supervisor.events import render
-from supervisor.report import analyze, load_run
-from supervisor.report_md import render as render_md
-from supervisor.report_md import stacks_md
-from supervisor.stack_text import (
+from supervisor.commands.cli import status_lines
+from supervisor.log.events import render
+from supervisor.reporting.report import analyze, load_run
+from supervisor.reporting.report_md import render as render_md
+from supervisor.reporting.report_md import stacks_md
+from supervisor.reporting.summary import summary
+from supervisor.watch.stack_text import (
     Frame,
     Place,
     RankStack,
@@ -31,7 +32,6 @@ from supervisor.stack_text import (
     summary_lines,
     where,
 )
-from supervisor.summary import summary
 from tests.support import events, synthetic_events, synthetic_metrics, write_run
 
 DUMPS = Path(__file__).parent / "stack_dumps"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from supervisor import cli
+from supervisor.commands import cli
 from tests.support import make_run
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from supervisor import cli
+from supervisor.commands import cli
 
 
 def test_a_huge_value_is_cut_in_tail_and_whole_in_json(tmp_path, capsys):

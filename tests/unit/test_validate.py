@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli
-from supervisor import config as C
+from contracts import env_names
+from supervisor.commands import cli
+from supervisor.settings import config as C
 from tests.support import validate
 
 
@@ -57,7 +58,6 @@ def test_parse_toml_file_returns_the_tables(tmp_path):
 
 
 def test_a_memory_tier_needs_a_root_that_can_hold_its_directory(tmp_path, capsys, monkeypatch):
-    from supervisor import protocol
 
     (tmp_path / "file").write_text("")
     config = tmp_path / "job.toml"
@@ -65,10 +65,10 @@ def test_a_memory_tier_needs_a_root_that_can_hold_its_directory(tmp_path, capsys
         f'[job]\nname = "m"\nrun_dir = "{tmp_path / "run"}"\n[launch]\nlauncher = "local"\n'
         "[worker]\nmem_ckpt_interval = 1\n"
     )
-    monkeypatch.setenv(protocol.ENV_MEM_ROOT, str(tmp_path / "file" / "shm"))
+    monkeypatch.setenv(env_names.ENV_MEM_ROOT, str(tmp_path / "file" / "shm"))
     rc, out = validate(capsys, str(config))
     assert rc == 2 and "worker.mem_ckpt_interval" in out, out
     assert f"{tmp_path / 'file'} is not a directory" in out and "ES_MEM_ROOT" in out
-    monkeypatch.setenv(protocol.ENV_MEM_ROOT, str(tmp_path / "shm"))  # made when held
+    monkeypatch.setenv(env_names.ENV_MEM_ROOT, str(tmp_path / "shm"))  # made when held
     rc, out = validate(capsys, str(config))
     assert rc == 0, out

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from supervisor import protocol as P
+from contracts import control_msgs, env_names, messages
 from worker import startup as S
 from worker.args import parse_args, plan_run
 from worker.beat import Beacon, ZmqBeacon
@@ -46,7 +46,7 @@ def test_rng_states_round_trip():
 @pytest.fixture
 def one_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    for name in ("MASTER_ADDR", "MASTER_PORT", P.ENV_ATTEMPT_DIR):
+    for name in ("MASTER_ADDR", "MASTER_PORT", env_names.ENV_ATTEMPT_DIR):
         monkeypatch.delenv(name, raising=False)
     args = parse_args([*TINY.split(), "--outdir", str(tmp_path), "--device", "cpu"])
     cfg, layout = plan_run(args, 1)
@@ -100,12 +100,14 @@ def control():
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     r_port = router.bind_to_random_port("tcp://127.0.0.1")
     p_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    ident = P.RankIdentity("job", 4, 1, 2, "h", 1)
+    ident = messages.RankIdentity("job", 4, 1, 2, "h", 1)
     key = b"k" * 32
     beacon = ZmqBeacon(f"tcp://127.0.0.1:{p_port}", key, ident, 0.05, f"tcp://127.0.0.1:{r_port}")
 
     def send(action: str, key: bytes = key, attempt: int = 4) -> None:
-        frame = P.encode(key, P.control_message("job", attempt, 1, time.time(), action, 0))
+        frame = messages.encode(
+            key, control_msgs.control_message("job", attempt, 1, time.time(), action, 0)
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -146,12 +148,16 @@ def test_only_a_beacon_with_a_control_channel_can_wait():
 
 
 def test_standby_needs_the_supervisors_channels():
-    full = {P.ENV_STANDBY: "1", P.ENV_HEARTBEAT_ADDR: "tcp://h:1", P.ENV_CONTROL_ADDR: "tcp://h:2"}
+    full = {
+        env_names.ENV_STANDBY: "1",
+        env_names.ENV_HEARTBEAT_ADDR: "tcp://h:1",
+        env_names.ENV_CONTROL_ADDR: "tcp://h:2",
+    }
     assert standby_requested(full)
     assert not standby_requested({})
-    assert not standby_requested({**full, P.ENV_STANDBY: "0"})
+    assert not standby_requested({**full, env_names.ENV_STANDBY: "0"})
     with pytest.raises(UsageError, match="ES_STANDBY=1 without ES_CONTROL_ADDR"):
-        standby_requested({k: v for k, v in full.items() if k != P.ENV_CONTROL_ADDR})
+        standby_requested({k: v for k, v in full.items() if k != env_names.ENV_CONTROL_ADDR})
 
 
 def test_a_warm_start_counts_its_restart_from_go(monkeypatch):

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts import ckpt_files
 from worker.args import parse_args
-from worker.ckpt import files, naming
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError
@@ -106,11 +106,11 @@ def test_batches_are_a_pure_function_of_seed_step_and_rank():
 
 
 def _make(root, step, complete):
-    d = naming.step_dir(root, step)
+    d = ckpt_files.step_dir(root, step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(b"x" * step)
     if complete:
-        files.mark_complete(d, {"files": files.record_files(d)})
+        ckpt_files.mark_complete(d, {"files": ckpt_files.record_files(d)})
     return d
 
 
@@ -124,48 +124,48 @@ def test_resume_order_and_retention(tmp_path):
         (60, False),
     ]:
         _make(tmp_path, step, complete)
-    found = files.scan(tmp_path)
-    assert [f.step for f in files.resume_candidates(found)] == [50, 40, 30, 10]
-    doomed = files.retention_plan(found, keep=2)
+    found = ckpt_files.scan(tmp_path)
+    assert [f.step for f in ckpt_files.resume_candidates(found)] == [50, 40, 30, 10]
+    doomed = ckpt_files.retention_plan(found, keep=2)
     # Complete beyond the newest 2, incomplete older than the newest complete; 60 may be in flight.
     assert [f.step for f in doomed] == [10, 20, 30]
-    files.remove(doomed)
-    assert [f.step for f in files.scan(tmp_path)] == [40, 50, 60]
-    assert [f.step for f in files.retention_plan(files.scan(tmp_path), keep=1)] == [40]
+    ckpt_files.remove(doomed)
+    assert [f.step for f in ckpt_files.scan(tmp_path)] == [40, 50, 60]
+    assert [f.step for f in ckpt_files.retention_plan(ckpt_files.scan(tmp_path), keep=1)] == [40]
     # Never the newest complete, whatever keep says.
-    assert 50 not in [f.step for f in files.retention_plan(files.scan(tmp_path), keep=0)]
+    assert 50 not in [f.step for f in ckpt_files.retention_plan(ckpt_files.scan(tmp_path), keep=0)]
 
 
 def test_stale_marker_never_vouches_for_a_reused_directory(tmp_path):
     d = _make(tmp_path, 5, complete=True)
-    files.prepare_step_dir(d)
-    assert not (d / naming.MARKER).exists() and list(d.iterdir()) == []
-    assert files.resume_candidates(files.scan(tmp_path)) == []
+    ckpt_files.prepare_step_dir(d)
+    assert not (d / ckpt_files.MARKER).exists() and list(d.iterdir()) == []
+    assert ckpt_files.resume_candidates(ckpt_files.scan(tmp_path)) == []
     # the old contents were set aside in one rename, for deletion after the next marker
-    (aside,) = tmp_path.glob(f"{files.SET_ASIDE}*")
-    assert [f.step for f in files.scan(tmp_path)] == [5]
-    files.remove_set_aside(tmp_path)
+    (aside,) = tmp_path.glob(f"{ckpt_files.SET_ASIDE}*")
+    assert [f.step for f in ckpt_files.scan(tmp_path)] == [5]
+    ckpt_files.remove_set_aside(tmp_path)
     assert not aside.exists() and d.is_dir()
 
 
 def test_verify_names_what_failed(tmp_path):
     d = _make(tmp_path, 8, complete=False)
-    record = files.record_files(d, {"__0_0.distcp": files.file_crc(d / "__0_0.distcp")})
-    assert files.verify_problem(d, record) is None
+    record = ckpt_files.record_files(d, {"__0_0.distcp": ckpt_files.file_crc(d / "__0_0.distcp")})
+    assert ckpt_files.verify_problem(d, record) is None
     (d / "__0_0.distcp").write_bytes(b"y" * 8)  # same size, other bytes
-    assert "fails its checksum" in files.verify_problem(d, record)
-    assert files.verify_problem(d, record, check_crc=False) is None
+    assert "fails its checksum" in ckpt_files.verify_problem(d, record)
+    assert ckpt_files.verify_problem(d, record, check_crc=False) is None
     (d / "__0_0.distcp").write_bytes(b"y" * 3)
-    assert "has 3 bytes, 8 recorded" in files.verify_problem(d, record)
+    assert "has 3 bytes, 8 recorded" in ckpt_files.verify_problem(d, record)
     (d / "__0_0.distcp").unlink()
-    assert "missing" in files.verify_problem(d, record)
+    assert "missing" in ckpt_files.verify_problem(d, record)
 
 
 def test_step_dir_names_parse_back():
-    assert naming.parse_step(naming.step_dir(Path("/c"), 120).name) == 120
-    assert naming.marker(Path("/c"), 7) == Path("/c/step-7/.complete")
+    assert ckpt_files.parse_step(ckpt_files.step_dir(Path("/c"), 120).name) == 120
+    assert ckpt_files.marker(Path("/c"), 7) == Path("/c/step-7/.complete")
     for other in ("step-", "step-1a", "step-3.tmp", ".set-aside-step-4-ab", "steps-5"):
-        assert naming.parse_step(other) is None
+        assert ckpt_files.parse_step(other) is None
 
 
 def test_hooks_do_nothing_without_inject_flags():

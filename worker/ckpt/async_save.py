@@ -38,8 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from supervisor import protocol
-from worker.ckpt import files, naming, storage
+from contracts import ckpt_files, scratch
+from worker.ckpt import storage
 from worker.ckpt.checkpointer import Checkpointer
 from worker.ckpt.fanout import FanoutResult, fan_out
 from worker.ckpt.staging import Loan, ReusedStager
@@ -49,9 +49,9 @@ POLL_PAUSE_S = 0.005
 
 
 def default_stage_root(ckpt_dir: str, job_id: str | None) -> Path:
-    """Node-local scratch per job (`naming.job_tag`), one directory right under the temp dir
-    whatever the job id holds (`protocol.scratch_tag`)."""
-    tag = protocol.scratch_tag(naming.job_tag(ckpt_dir, job_id))
+    """Node-local scratch per job (`ckpt_files.job_tag`), one directory right under the temp dir
+    whatever the job id holds (`scratch.scratch_tag`)."""
+    tag = scratch.scratch_tag(ckpt_files.job_tag(ckpt_dir, job_id))
     return Path(tempfile.gettempdir()) / f"es-ckpt-{tag}"
 
 
@@ -185,15 +185,15 @@ class AsyncCheckpointer:
         drained = self.drain()
         waited = time.perf_counter()
         self._step = step
-        stage = naming.step_dir(self.stage_root, step)
+        stage = ckpt_files.step_dir(self.stage_root, step)
         if self.local_rank == 0 and stage.exists():
             shutil.rmtree(stage)
         marks = [time.perf_counter()]
-        durable = naming.step_dir(self.base.root, step)
+        durable = ckpt_files.step_dir(self.base.root, step)
         if self.base.rank == 0:
             # No barrier needed before other ranks write here: their fan-out starts after
             # DCP's write, whose collectives rank 0 joins only after this line.
-            files.prepare_step_dir(durable, sync_parent=False)
+            ckpt_files.prepare_step_dir(durable, sync_parent=False)
         marks.append(time.perf_counter())
         # This step's RNG and scheduler, now; every rank's RNG reaches rank 0 at finalize.
         meta = self.base.describe(step, tokens_seen, data, gather=False)
@@ -261,7 +261,7 @@ class AsyncCheckpointer:
             midway=lambda: self.hooks.in_async_phase("fanout", step),
         )
         if self.base.rank == 0:
-            files.fsync_dir(durable.parent)  # the step dir's own entry, before any marker
+            ckpt_files.fsync_dir(durable.parent)  # the step dir's own entry, before any marker
         return result
 
     def _write_stage(self, snapshot: dict, stage: Path, step: int, padded) -> None:

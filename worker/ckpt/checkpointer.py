@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from contracts import ckpt_files
 from worker import collectives
-from worker.ckpt import files, naming, rng, safe_load, storage
+from worker.ckpt import rng, safe_load, storage
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.resume import RunIdentity, start_reading
 from worker.errors import UsageError
@@ -104,14 +105,14 @@ class Checkpointer:
         """A save that cannot complete (its storage is full): its partial files and what was
         set aside go at once, since the disk needs the room; older checkpoints stay."""
         if self.rank == 0:
-            files.remove_step_dir(naming.step_dir(self.root, step))
-            files.remove_set_aside(self.root)
+            ckpt_files.remove_step_dir(ckpt_files.step_dir(self.root, step))
+            ckpt_files.remove_set_aside(self.root)
 
     def prepare(self, step: int) -> Path:
         """Empty the step directory (a stale marker first) before any rank writes into it."""
-        directory = naming.step_dir(self.root, step)
+        directory = ckpt_files.step_dir(self.root, step)
         if self.rank == 0:
-            files.prepare_step_dir(directory)
+            ckpt_files.prepare_step_dir(directory)
         dist.barrier()
         return directory
 
@@ -156,14 +157,18 @@ class Checkpointer:
             crcs = self._checksums(directory) if local_crcs is None else self._merge(local_crcs)
         dist.barrier()
         if self.rank == 0:
-            files.fsync_dir(directory)
-            meta = {**meta, "saved_at": time.time(), "files": files.record_files(directory, crcs)}
-            files.mark_complete(directory, meta)
-            doomed = files.retention_plan(files.scan(self.root), self.keep)
+            ckpt_files.fsync_dir(directory)
+            meta = {
+                **meta,
+                "saved_at": time.time(),
+                "files": ckpt_files.record_files(directory, crcs),
+            }
+            ckpt_files.mark_complete(directory, meta)
+            doomed = ckpt_files.retention_plan(ckpt_files.scan(self.root), self.keep)
 
             def tidy() -> None:
-                files.remove(doomed)
-                files.remove_set_aside(self.root)
+                ckpt_files.remove(doomed)
+                ckpt_files.remove_set_aside(self.root)
 
             retire(tidy)
         self.last_saved_step = meta["step"]
@@ -175,7 +180,7 @@ class Checkpointer:
         """Each rank checksums every world-th file, so the cost is spread like the writes."""
         names = sorted(p.name for p in directory.iterdir() if p.is_file())
         return self._merge(
-            {n: files.file_crc(directory / n) for n in names[self.rank :: self.world]}
+            {n: ckpt_files.file_crc(directory / n) for n in names[self.rank :: self.world]}
         )
 
     def _merge(self, mine: dict[str, int]) -> dict[str, int]:
@@ -184,7 +189,7 @@ class Checkpointer:
     # ---- resuming ---------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, directory: Path) -> Resumed:
-        meta = files.read_meta(directory)
+        meta = ckpt_files.read_meta(directory)
         if meta["model_fingerprint"] != self.identity.model_fingerprint:
             raise UsageError(
                 f"checkpoint {directory} is of another model ({meta['model']}); this run builds "
@@ -211,6 +216,6 @@ class Checkpointer:
         self.scheduler.load_state_dict(meta["scheduler"])
         rngs = meta.get("rng") or []
         if self.rank < len(rngs) and meta["world"] == self.world:
-            rng.restore(rngs[self.rank], f"{directory / naming.META} (rank {self.rank})")
+            rng.restore(rngs[self.rank], f"{directory / ckpt_files.META} (rank {self.rank})")
         self.last_saved_step = meta["step"]
         return Resumed(step=meta["step"], tokens_seen=meta["tokens_seen"], path=directory)

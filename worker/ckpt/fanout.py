@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.ckpt import files
+from contracts import ckpt_files
 
 DCP_METADATA = ".metadata"
 COPY_CHUNK = 16 << 20
@@ -86,7 +86,7 @@ def copy_file_durably(
         os.link(src, tmp)
         with tmp.open("rb+") as out:
             if with_crc:
-                crc = files.file_crc(tmp)
+                crc = ckpt_files.file_crc(tmp)
             midway()
             os.fsync(out.fileno())
         os.replace(tmp, dst)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from supervisor.protocol import ENV_JOB_ID
+from contracts.env_names import ENV_JOB_ID
 from worker.args import TrainArgs
 from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from supervisor import protocol
+from contracts import locks, scratch
 from worker import collectives
 from worker.ckpt import rng
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
@@ -122,14 +122,14 @@ class MemoryChoice:
 
 
 def job_dir(env: dict[str, str] | os._Environ, tag: str) -> Path:
-    return Path(protocol.mem_dir(protocol.mem_root(env), tag))
+    return Path(scratch.mem_dir(scratch.mem_root(env), tag))
 
 
 def hold(directory: Path) -> None:
     """Hold the job's directory (shared) for this process's life: no sweep removes it meanwhile."""
     key = str(directory)
     if key not in _held:
-        _held[key] = protocol.hold_mem_dir(directory)
+        _held[key] = locks.hold_mem_dir(directory)
 
 
 def release(directory: Path) -> None:
@@ -650,7 +650,7 @@ class MemoryTier:
         if remove:
             forget(self.directory, self.expect.rank)
             release(self.directory)
-            fd = protocol.take_if_abandoned(self.directory)
+            fd = locks.take_if_abandoned(self.directory)
             if fd is not None:
                 shutil.rmtree(self.directory, ignore_errors=True)
                 os.close(fd)

@@ -1,4 +1,4 @@
-"""One job per checkpoint dir, from the worker's side (`supervisor.protocol.lock_dir`).
+"""One job per checkpoint dir, from the worker's side (`contracts.locks.lock_dir`).
 
 A supervisor holds its checkpoint dir's lock for the job's life; a worker started by hand on
 that directory would resume from the job's checkpoints and its retention would delete them
@@ -12,7 +12,7 @@ import os
 import socket
 from pathlib import Path
 
-from supervisor import protocol
+from contracts import env_names, locks
 from worker.errors import UsageError
 
 _held: list[int] = []  # the lock's descriptor, open for the process's life
@@ -20,20 +20,20 @@ _held: list[int] = []  # the lock's descriptor, open for the process's life
 
 def refuse_if_owned(ckpt_dir: Path) -> None:
     """Before any collective: a UsageError when another job owns `ckpt_dir`."""
-    holder = protocol.lock_holder(ckpt_dir)
-    if holder is not None and holder.get("job") != os.environ.get(protocol.ENV_JOB_ID):
+    holder = locks.lock_holder(ckpt_dir)
+    if holder is not None and holder.get("job") != os.environ.get(env_names.ENV_JOB_ID):
         raise UsageError(_in_use(ckpt_dir, holder))
 
 
 def hold_if_alone(ckpt_dir: Path, rank: int) -> None:
     """Rank 0 of a run without a supervisor takes the lock; call it once every rank has passed
     `refuse_if_owned` (after the process group formed), so no peer finds its own job's lock."""
-    if rank != 0 or os.environ.get(protocol.ENV_JOB_ID) or _held:
+    if rank != 0 or os.environ.get(env_names.ENV_JOB_ID) or _held:
         return
     me = {"job": f"worker.train-{os.getpid()}", "host": socket.gethostname(), "pid": os.getpid()}
     try:
-        _held.append(protocol.lock_dir(ckpt_dir, me))
-    except protocol.DirInUse as exc:
+        _held.append(locks.lock_dir(ckpt_dir, me))
+    except locks.DirInUse as exc:
         raise UsageError(_in_use(ckpt_dir, exc.holder)) from None
 
 

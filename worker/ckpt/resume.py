@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor import protocol
+from contracts import ckpt_files, env_names
 from worker import collectives
 from worker.args import TrainArgs
 from worker.beat import Beacon
-from worker.ckpt import files, memory, naming, rng, safe_load, storage
+from worker.ckpt import memory, rng, safe_load, storage
 
 DCP_METADATA = ".metadata"
 
@@ -63,7 +63,9 @@ def choose(
         say=say,
     )
     if isinstance(chosen.source, Path):
-        start_reading(chosen.source, files.read_meta(chosen.source), rank=rank, identity=identity)
+        start_reading(
+            chosen.source, ckpt_files.read_meta(chosen.source), rank=rank, identity=identity
+        )
     return chosen
 
 
@@ -82,7 +84,7 @@ def choose_tiers(
     if memory_at is not None:  # before the durable tier is read: it may not be needed
         newest_durable = None
         if rank == 0:
-            candidates = files.resume_candidates(files.scan(root))
+            candidates = ckpt_files.resume_candidates(ckpt_files.scan(root))
             newest_durable = candidates[0].step if candidates else None
         in_memory, passed = choose_memory(*memory_at, newest_durable, say)
         why = told(why, passed)
@@ -103,7 +105,7 @@ def told(why: str | None, more: str | None) -> str | None:
 
 
 def memory_dir(args: TrainArgs) -> Path:
-    tag = naming.job_tag(args.ckpt_dir, os.environ.get(protocol.ENV_JOB_ID))
+    tag = ckpt_files.job_tag(args.ckpt_dir, os.environ.get(env_names.ENV_JOB_ID))
     return memory.job_dir(os.environ, tag)
 
 
@@ -113,7 +115,7 @@ def memory_expect(
     """What this rank's memory slots must match; None without the memory tier."""
     if not args.mem_ckpt_interval:
         return None
-    tag = naming.job_tag(args.ckpt_dir, os.environ.get(protocol.ENV_JOB_ID))
+    tag = ckpt_files.job_tag(args.ckpt_dir, os.environ.get(env_names.ENV_JOB_ID))
     return memory.Expect(
         job=tag,
         rank=rank,
@@ -175,7 +177,7 @@ def choose_checkpoint(
     one is reported and the one before tried); every rank learns the choice."""
     choice = None
     if rank == 0:
-        for found in files.resume_candidates(files.scan(root)):
+        for found in ckpt_files.resume_candidates(ckpt_files.scan(root)):
             problem = _problem(found.path, verify == "crc")
             if problem is None:
                 choice = str(found.path)
@@ -187,10 +189,10 @@ def choose_checkpoint(
 
 def _problem(directory: Path, check_crc: bool) -> str | None:
     try:
-        meta = files.read_meta(directory)
+        meta = ckpt_files.read_meta(directory)
     except (OSError, ValueError) as exc:
-        return f"unreadable {naming.META}: {exc}"
-    problem = files.verify_problem(directory, meta.get("files", {}), check_crc)
+        return f"unreadable {ckpt_files.META}: {exc}"
+    problem = ckpt_files.verify_problem(directory, meta.get("files", {}), check_crc)
     if problem is None:
         problem = _unsafe(directory, meta)
     return problem
@@ -204,9 +206,9 @@ def _unsafe(directory: Path, meta: dict[str, Any]) -> str | None:
             safe_load.load_metadata(directory / DCP_METADATA)
         records = meta.get("rng") or []
         if not isinstance(records, list):
-            raise safe_load.UnsafeCheckpoint(f"{directory / naming.META}: rng is not a list")
+            raise safe_load.UnsafeCheckpoint(f"{directory / ckpt_files.META}: rng is not a list")
         for rank, record in enumerate(records):
-            rng.parse(record, f"{directory / naming.META} (rank {rank})")
+            rng.parse(record, f"{directory / ckpt_files.META} (rank {rank})")
     except (OSError, safe_load.UnsafeCheckpoint) as exc:
         return f"refused, it is not a checkpoint's content: {exc}"
     return None

@@ -1,0 +1,92 @@
+"""Supervisor -> ranks: control messages (fault injection, standby go / exit), signed like the
+heartbeat's and addressed to one rank of one attempt.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadMessage, _exact, sign
+
+# --- supervisor -> ranks: control (fault injection, standby) -------------------------------------
+# signal: the rank signals itself (`signal` = the number); stall: it blocks inside its next step
+# while its beat thread keeps beating; slow: it sleeps `delay_s` per step for `duration_s`.
+# go / exit: a standby rank resumes and trains / ends (`fault` is 0 for both).
+CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "go", "exit"})
+STANDBY_ACTIONS = frozenset({"go", "exit"})
+CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "v": int,
+    "job": str,
+    "attempt": int,
+    "rank": int,
+    "t": NUMBER,
+    "kind": str,
+    "action": str,
+    "fault": int,
+    "signal": int,
+    "delay_s": NUMBER,
+    "duration_s": NUMBER,
+}
+_CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
+
+
+def control_identity(attempt: int, rank: int) -> bytes:
+    """The routing id of a rank's control socket: unique per attempt, so a straggler of an
+    earlier attempt is never sent another attempt's command."""
+    return f"{attempt}/{rank}".encode()
+
+
+def control_message(
+    job: str,
+    attempt: int,
+    rank: int,
+    t: float,
+    action: str,
+    fault: int,
+    signal: int = 0,
+    delay_s: float = 0.0,
+    duration_s: float = 0.0,
+) -> dict[str, Any]:
+    return {
+        "v": VERSION,
+        "job": job,
+        "attempt": attempt,
+        "rank": rank,
+        "t": t,
+        "kind": "control",
+        "action": action,
+        "fault": fault,
+        "signal": signal,
+        "delay_s": float(delay_s),
+        "duration_s": float(duration_s),
+    }
+
+
+def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) -> dict[str, Any]:
+    """Check a control frame (signed like the heartbeat's) is for this very rank; else raise."""
+    if not MAC_LEN < len(frame) <= MAC_LEN + MAX_MESSAGE_BYTES:
+        raise BadMessage(f"a control frame of {len(frame)} bytes", "frames")
+    mac, body = frame[:MAC_LEN], frame[MAC_LEN:]
+    if not hmac.compare_digest(sign(key, body), mac):
+        raise BadMessage("bad signature", "signature")
+    try:
+        message = json.loads(body.decode())
+    except ValueError as exc:
+        raise BadMessage(f"not JSON: {exc}", "json") from None
+    if not isinstance(message, dict):
+        raise BadMessage("not a JSON object", "json")
+    try:
+        for name, exact in _CONTROL_EXACT:
+            if message[name].__class__ not in exact:
+                raise BadMessage(f"field {name!r} of the wrong type")
+    except KeyError as exc:
+        raise BadMessage(f"field {exc} missing") from None
+    if message["v"] != VERSION or message["kind"] != "control":
+        raise BadMessage("not a control message of this version", "version")
+    if message["action"] not in CONTROL_ACTIONS:
+        raise BadMessage(f"unknown control action {message['action']!r}")
+    if (message["job"], message["attempt"], message["rank"]) != (job, attempt, rank):
+        raise BadMessage("a control message for another rank, attempt or job", "other_job")
+    return message

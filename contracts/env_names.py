@@ -1,0 +1,44 @@
+"""The environment the supervisor sets for each rank (and the node name a rank goes by).
+
+Read by the worker, set by the supervisor's launch plan: the one list of `ES_*` names.
+"""
+
+from __future__ import annotations
+
+import os
+
+# --- supervisor -> ranks: environment ---------------------------------------------------------
+ENV_JOB_ID = "ES_JOB_ID"
+ENV_ATTEMPT = "ES_ATTEMPT"
+ENV_HEARTBEAT_ADDR = "ES_HEARTBEAT_ADDR"
+ENV_HEARTBEAT_KEY = "ES_HEARTBEAT_KEY"
+ENV_ATTEMPT_DIR = "ES_ATTEMPT_DIR"
+# Optional: seconds between liveness beats (the supervisor passes its [heartbeat] interval_s).
+ENV_HEARTBEAT_INTERVAL = "ES_HEARTBEAT_INTERVAL"
+# Optional: "1" asks each rank to die with its parent (PR_SET_PDEATHSIG, and a parent-pid watch
+# in the beat thread), so that a supervisor killed with SIGKILL leaves no rank behind.
+ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
+# Optional: "1" starts the ranks as a warm standby ([restart] standby): they prepare everything a
+# resume does not need (imports, process group, model, optimizer, one warm-up forward and
+# backward), say phase `standby`, and wait for a signed `go` (resume and train as attempt
+# ES_ATTEMPT) or `exit` on the control channel, which is then always set.
+ENV_STANDBY = "ES_STANDBY"
+# Optional: where the memory checkpoint tier keeps its node-local directories (default /dev/shm).
+ENV_MEM_ROOT = "ES_MEM_ROOT"
+# Optional: "1" makes local rank 0 of each node (with more than one rank on it) its node's relay:
+# the node's other ranks send to it over a node-local socket, and it forwards one signed `summary`
+# of their beats and steps per interval instead of each rank's beats ([heartbeat] relay).
+ENV_HEARTBEAT_RELAY = "ES_HEARTBEAT_RELAY"
+
+# Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER). Set when the job
+# declares faults or keeps a standby; a rank connects a DEALER whose routing id is
+# `control_identity(...)`.
+ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
+
+# The launcher's own name for a rank's node (Hydra's emulated nodes run on one host under
+# several names), else the host name: what relays and the pre-launch node check go by.
+NODE_NAME_VARS = ("PMI_HOSTNAME", "SLURMD_NODENAME")
+
+
+def node_name(env: dict[str, str] | os._Environ, hostname: str) -> str:
+    return next((env[v] for v in NODE_NAME_VARS if env.get(v)), hostname)

@@ -1,0 +1,647 @@
+"""Start an attempt's ranks with a real launcher, watch its exit, and tear it down.
+
+Three launchers: `mpiexec` (MPICH Hydra or Cray PALS), `srun`, and `local` (N ranks on this host,
+no MPI, torchrun-style variables). Building the command is pure (`build_plan`); acting on it is
+`Launched`: processes in their own session, output pumped to `output.log` with a rank prefix,
+exits reported the moment `waitpid` returns (a thread per process, not a polling loop), and
+teardown that ends by checking with psutil that nothing of the attempt is left on this host.
+
+The supervisor marks itself a child subreaper, so ranks orphaned by a dying launcher become its
+children and teardown still finds them; each launched process gets PR_SET_PDEATHSIG, and each
+rank is asked (ES_EXIT_WITH_PARENT) to die with its parent, so a supervisor killed with SIGKILL
+takes its ranks along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import itertools
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from contracts.config_table import ConfigError
+from contracts.env_names import ENV_HEARTBEAT_KEY
+from supervisor.settings.config import Config, LaunchConfig, flags_from_table
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+# How each launcher passes a graceful stop on to its ranks (the worker saves on TERM and USR1).
+STOP_SIGNALS = {
+    "hydra": signal.SIGUSR1,
+    "pals": signal.SIGTERM,
+    "srun": signal.SIGUSR1,
+    "local": signal.SIGTERM,
+}
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+class LauncherMissing(ConfigError):
+    """The configured launcher program is not on this host."""
+
+
+# --- nodes ----------------------------------------------------------------------------------------
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def is_this_host(name: str) -> bool:
+    return name in _LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}
+
+
+def resolve_nodes(la: LaunchConfig, environ: Mapping[str, str], source: str) -> list[str]:
+    """The attempt's hosts, fixed for the whole job (the same nodes on every attempt)."""
+    if la.launcher == "local":
+        if isinstance(la.nodes, list) and not all(is_this_host(n) for n in la.nodes):
+            raise ConfigError(source, "launch.nodes", "the local launcher runs on this host only")
+        return [this_host()]
+    if la.hostfile:
+        return _read_hostfile(Path(la.hostfile), source, "launch.hostfile")
+    if isinstance(la.nodes, list):
+        return list(la.nodes)
+    if environ.get("PBS_NODEFILE"):
+        return _read_hostfile(Path(environ["PBS_NODEFILE"]), source, "launch.nodes")
+    if environ.get("SLURM_JOB_NODELIST"):
+        return _slurm_hosts(environ["SLURM_JOB_NODELIST"], source)
+    return [this_host()]
+
+
+def _read_hostfile(path: Path, source: str, key: str) -> list[str]:
+    try:
+        lines = path.read_bytes().decode().split("\n")
+    except OSError as exc:
+        raise ConfigError(source, key, f"cannot read host file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        message = f"host file {path} is not UTF-8 text (byte {exc.start}); give one host a line"
+        raise ConfigError(source, key, message) from None
+    hosts: list[str] = []
+    for n, line in enumerate(lines, 1):
+        fields = line.split("#")[0].split()  # "host", "host:4" or "host slots=4"; "# ..." none
+        if not fields:
+            continue
+        name = fields[0].split(":")[0]
+        if not name:
+            message = f"host file {path} line {n}: no host name in {line.strip()[:40]!r}"
+            raise ConfigError(source, key, message)
+        if name not in hosts:
+            hosts.append(name)
+    if not hosts:
+        raise ConfigError(source, key, f"host file {path} lists no hosts")
+    return hosts
+
+
+def _slurm_hosts(nodelist: str, source: str) -> list[str]:
+    if "[" not in nodelist:
+        return [h for h in nodelist.split(",") if h]
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        out = subprocess.run(
+            [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()
+    raise ConfigError(
+        source,
+        "launch.nodes",
+        f"cannot expand SLURM_JOB_NODELIST={nodelist!r} without scontrol; "
+        "list the nodes explicitly",
+    )
+
+
+# --- the command ----------------------------------------------------------------------------------
+@dataclass
+class ProcSpec:
+    """One process to start: its argv, its environment additions, and its output prefix."""
+
+    argv: list[str]
+    env: dict[str, str]
+    label: str = ""
+    rank: int | None = None
+
+
+@dataclass
+class LaunchPlan:
+    launcher: str  # local | hydra | pals | srun
+    procs: list[ProcSpec]
+    world: int
+    nodes: list[str]
+    stop_signal: signal.Signals = signal.SIGTERM
+
+    def text(self) -> str:
+        """The command for command.txt and --dry-run (the HMAC key is never written)."""
+        lines = []
+        for p in self.procs:
+            shown = {k: ("<secret>" if k == ENV_HEARTBEAT_KEY else v) for k, v in p.env.items()}
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(shown.items()))
+            lines.append(f"{env} {shlex.join(p.argv)}".strip())
+        return "\n".join(lines) + "\n"
+
+
+def find_executable(cfg: Config) -> str:
+    """The launcher program's path, or LauncherMissing naming it."""
+    la = cfg.launch
+    if la.launcher == "local":
+        return python_of(la)
+    name = la.executable or la.launcher
+    path = shutil.which(name)
+    if not path:
+        key = "launch.executable" if la.executable else "launch.launcher"
+        raise LauncherMissing(cfg.source, key, f"launcher program {name!r} not found on PATH")
+    return path
+
+
+def python_of(la: LaunchConfig) -> str:
+    return la.python or sys.executable
+
+
+def detect_flavor(executable: str) -> str:
+    """MPICH Hydra or Cray PALS, from `mpiexec --version`."""
+    try:
+        out = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    if "HYDRA" in text.upper():
+        return "hydra"
+    if "PALS" in text.upper() or "CRAY" in text.upper():
+        return "pals"
+    return "unknown"
+
+
+def worker_argv(cfg: Config, overrides: Mapping[str, object] | None = None) -> list[str]:
+    """The rank's command; `overrides`: worker flags that differ from [worker] (a shrink)."""
+    flags = flags_from_table({**cfg.worker.flags, **overrides}) if overrides else cfg.worker_flags()
+    return [python_of(cfg.launch), "-m", cfg.worker.module, *flags]
+
+
+def build_plan(
+    cfg: Config,
+    nodes: list[str],
+    executable: str,
+    flavor: str,
+    env: dict[str, str],
+    run_dir: Path,
+    hostfile: Path | None = None,
+    master_port: int = 0,
+    overrides: Mapping[str, object] | None = None,
+) -> LaunchPlan:
+    """The processes of one attempt on `nodes` (the active ones). `env` is the contract
+    environment plus [launch] env."""
+    la = cfg.launch
+    rpn = la.ranks_per_node
+    world = rpn * len(nodes)
+    worker = worker_argv(cfg, overrides)
+    if la.launcher == "local":
+        procs = []
+        for r in range(world):
+            rank_env = {
+                **env,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+            }
+            rank_env.setdefault("OMP_NUM_THREADS", "1")
+            procs.append(ProcSpec(list(worker), rank_env, label=f"[{r}] ", rank=r))
+        return LaunchPlan("local", procs, world, nodes, STOP_SIGNALS["local"])
+    multi = len(nodes) > 1 or not is_this_host(nodes[0])
+    if la.launcher == "srun":
+        argv = [
+            executable,
+            f"--nodes={len(nodes)}",
+            f"--ntasks={world}",
+            f"--ntasks-per-node={rpn}",
+            f"--nodelist={','.join(nodes)}",
+            "--label",
+            "--kill-on-bad-exit=1",
+            "--export=ALL",
+            *(["--overlap"] if cfg.restart.standby else []),  # the standby's step shares CPUs
+            *la.args,
+            *worker,
+        ]
+        return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["srun"])
+    if flavor == "pals":
+        hosts = ["--hostfile", str(hostfile)] if hostfile and multi else []
+        argv = [
+            executable,
+            "-n",
+            str(world),
+            "--ppn",
+            str(rpn),
+            *hosts,
+            "--envall",
+            "--label",
+            *la.args,
+            *worker,
+        ]
+        return LaunchPlan("pals", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["pals"])
+    hosts = ["-f", str(hostfile)] if hostfile and multi else []
+    if la.emulate_nodes:  # each name its own proxy and local ranks, all on this host
+        hosts = ["-launcher", "fork", "-hosts", ",".join(nodes)]
+    argv = [
+        executable,
+        "-n",
+        str(world),
+        "-ppn",
+        str(rpn),
+        *hosts,
+        "-genvall",
+        "-prepend-rank",
+        *la.args,
+        *worker,
+    ]
+    return LaunchPlan("hydra", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["hydra"])
+
+
+_HYDRA_PREFIX = re.compile(rb"\[(\d+)\] ")
+
+
+class HydraLines:
+    """Whole lines out of Hydra's `-prepend-rank` stream. Hydra prefixes every chunk a rank
+    writes, not every line, so a rank that writes half a line at a time makes `[1] abc[1] def`,
+    and other ranks' chunks land in between. Each rank's pieces are joined until its newline."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.pending: dict[bytes, bytearray] = {}
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        """One line as read from the launcher; the whole lines it completes, prefixed."""
+        marks = [m for m in _HYDRA_PREFIX.finditer(raw) if int(m.group(1)) < self.world]
+        if not marks or marks[0].start() != 0:
+            return [raw]  # the launcher's own words
+        out: list[bytes] = []
+        for m, nxt in zip(marks, [*marks[1:], None], strict=True):
+            rank = m.group(1)
+            buf = self.pending.setdefault(rank, bytearray())
+            buf += raw[m.end() : nxt.start() if nxt else len(raw)]
+            while b"\n" in buf:
+                line, _, rest = bytes(buf).partition(b"\n")
+                out.append(b"[" + rank + b"] " + line + b"\n")
+                buf[:] = rest
+        return out
+
+    def flush(self) -> list[bytes]:
+        """What ranks wrote without a final newline, once the stream ended."""
+        out = [b"[" + r + b"] " + bytes(b) + b"\n" for r, b in self.pending.items() if b]
+        self.pending.clear()
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- acting -------------------------------------------------------------------------------------
+class ProcessLauncher:
+    """The real launcher of a job's attempts (the job loop takes any object of this shape, so
+    its tests can run it against a fake that starts no process)."""
+
+    def prepare(self) -> None:
+        """Once per job, before the first attempt."""
+        become_subreaper()
+
+    async def start(
+        self,
+        plan: LaunchPlan,
+        output: Path,
+        cwd: str | None,
+        on_rank_exit: Callable[[int, int], None],
+    ) -> Launched:
+        return await Launched.start(plan, output, cwd, on_rank_exit)
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants (ranks whose launcher died) become our children, so we find them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Exit:
+    returncode: int
+    rank: int | None  # the local rank that ended the attempt; None for a launcher
+    mono: float  # when waitpid returned
+
+
+@dataclass
+class TeardownResult:
+    terminated: int
+    killed: int
+    survivors: list[int]
+    seconds: float
+
+
+# Every attempt started and not yet torn down: a teardown looking for its attempt's orphans among
+# our descendants must not take another attempt's processes (a warm standby runs beside the
+# attempt being torn down; Hydra's proxies and ranks each start their own session, so a session
+# does not tell them apart: their process trees do).
+_LIVE: weakref.WeakSet[Launched] = weakref.WeakSet()
+
+
+@dataclass(eq=False)  # by identity: held in _LIVE
+class Launched:
+    """The running processes of one attempt."""
+
+    plan: LaunchPlan
+    popens: list[subprocess.Popen]
+    started: float  # monotonic
+    started_wall: float
+    on_rank_exit: Callable[[int, int], None] | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=400))
+    exits: dict[int, int] = field(default_factory=dict)
+    _known: dict[int, psutil.Process] = field(default_factory=dict)
+    _future: asyncio.Future | None = None
+    _output_done: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    async def start(
+        cls,
+        plan: LaunchPlan,
+        output: Path,
+        cwd: str | None = None,
+        on_rank_exit: Callable[[int, int], None] | None = None,
+    ) -> Launched:
+        loop = asyncio.get_running_loop()
+        try:
+            log = open(output, "ab", buffering=0)  # noqa: SIM115 - closed by the last pump
+        except OSError:  # a full or read-only run dir: the ranks run all the same
+            log = open(os.devnull, "ab", buffering=0)  # noqa: SIM115
+        lock = threading.Lock()
+        popens: list[subprocess.Popen] = []
+        started, started_wall = time.monotonic(), time.time()
+        try:
+            for spec in plan.procs:
+                popen = subprocess.Popen(
+                    spec.argv,
+                    env={**os.environ, **spec.env},
+                    cwd=cwd or None,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own session and group: killpg reaches all
+                    preexec_fn=_child_setup,
+                )
+                popens.append(popen)
+        except OSError:
+            for p in popens:
+                _kill_group(p.pid, signal.SIGKILL)
+            log.close()
+            raise
+        self = cls(plan, popens, started, started_wall, on_rank_exit)
+        _LIVE.add(self)
+        self._future = loop.create_future()
+        pumps = [len(popens)]
+        for i, popen in enumerate(popens):
+            spec = plan.procs[i]
+            threading.Thread(
+                target=self._pump,
+                args=(popen, spec.label, log, lock, pumps),
+                daemon=True,
+                name=f"es-out-{i}",
+            ).start()
+            threading.Thread(
+                target=self._reap, args=(loop, i, popen), daemon=True, name=f"es-wait-{i}"
+            ).start()
+        self.refresh()
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.popens]
+
+    def _tree(self) -> set[int]:
+        """The pids of this attempt's processes we know of or can see now."""
+        pids = {*self.pids, *self._known}
+        for pid in self.pids:
+            with contextlib.suppress(psutil.Error):
+                pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        return pids
+
+    async def output_read(self, timeout: float) -> None:
+        """Wait (up to `timeout`) until every line the ended processes wrote has been read:
+        a rank's last words may still be in its pipe when its exit is seen."""
+        await asyncio.get_running_loop().run_in_executor(None, self._output_done.wait, timeout)
+
+    async def wait(self) -> Exit:
+        """The first failing exit, or 0 once every process ended cleanly."""
+        assert self._future is not None
+        return await asyncio.shield(self._future)
+
+    def _reap(self, loop: asyncio.AbstractEventLoop, i: int, popen: subprocess.Popen) -> None:
+        rc = popen.wait()
+        now = time.monotonic()
+        try:
+            loop.call_soon_threadsafe(self._exited, i, rc, now)
+        except RuntimeError:
+            pass  # the loop is gone: the supervisor is exiting
+
+    def _exited(self, i: int, rc: int, now: float) -> None:
+        rank = self.plan.procs[i].rank
+        self.exits[i] = rc
+        if rank is not None and self.on_rank_exit:
+            self.on_rank_exit(rank, rc)
+        fut = self._future
+        if fut is None or fut.done():
+            return
+        if rc != 0:
+            fut.set_result(Exit(rc, rank, now))
+        elif len(self.exits) == len(self.popens):
+            fut.set_result(Exit(0, None, now))
+
+    def _pump(self, popen: subprocess.Popen, label: str, log, lock, pumps: list[int]) -> None:
+        prefix = label.encode()
+        hydra = HydraLines(self.plan.world) if self.plan.launcher == "hydra" else None
+        assert popen.stdout is not None
+        for raw in itertools.chain(iter(popen.stdout.readline, b""), [None]):
+            if raw is None:  # the end: what ranks left without a newline
+                lines = hydra.flush() if hydra else []
+            else:
+                lines = hydra.feed(raw) if hydra else [raw]
+            for line in lines:
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with lock, contextlib.suppress(OSError):  # a full disk: keep draining
+                    log.write(prefix + line)
+                self.tail.append(label + line.decode(errors="replace").rstrip("\n"))
+        popen.stdout.close()
+        with lock:
+            pumps[0] -= 1
+            if pumps[0] == 0:
+                log.close()
+                self._output_done.set()
+
+    def refresh(self, extra: list[int] = ()) -> None:
+        """Remember every process of this attempt we can see now (teardown kills them all)."""
+        roots = [*self.pids, *extra]
+        for pid in roots:
+            try:
+                proc = psutil.Process(pid)
+                if pid in extra and proc.create_time() < self.started_wall - 1:
+                    continue  # a recycled pid, not ours
+                self._known.setdefault(pid, proc)
+                for child in proc.children(recursive=True):
+                    self._known.setdefault(child.pid, child)
+            except psutil.Error:
+                continue
+
+    def signal_stop(self) -> None:
+        """Ask the ranks to checkpoint and exit (through the launcher where there is one)."""
+        sig = self.plan.stop_signal
+        for p in self.popens:
+            if p.returncode is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    async def teardown(self, grace: float, extra: list[int] = ()) -> TeardownResult:
+        """SIGTERM to the groups and every known process, `grace` s, SIGKILL, then verify."""
+        t0 = time.monotonic()
+        self.refresh(list(extra))
+        procs = self._alive(include_orphans=True)
+        terminated = len(procs)
+        for pid in self.pids:
+            _kill_group(pid, signal.SIGTERM)
+        for proc in procs:
+            _signal(proc, signal.SIGTERM)
+        killed = 0
+        if procs:
+            _, alive = await asyncio.to_thread(psutil.wait_procs, procs, timeout=grace)
+            await self._kill_ranks_first(alive)
+            for pid in self.pids:
+                _kill_group(pid, signal.SIGKILL)
+            killed = len(alive)
+            if alive:
+                await asyncio.to_thread(psutil.wait_procs, alive, timeout=5)
+        # Our own children: wait for the reaper threads so exit codes are collected.
+        for p in self.popens:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(p.wait), 5)
+            except TimeoutError:
+                pass
+        reap_orphans(exclude=set(self.pids))
+        survivors = [p.pid for p in self._alive(include_orphans=True)]
+        if not survivors:
+            _LIVE.discard(self)
+        return TeardownResult(terminated, killed, survivors, time.monotonic() - t0)
+
+    async def _kill_ranks_first(self, alive: list[psutil.Process]) -> None:
+        """SIGKILL what outlived the grace, the launcher's own processes last (`kill_order`)."""
+        parents: dict[int, int] = {}
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                parents[proc.pid] = proc.ppid()
+        by_pid = {proc.pid: proc for proc in alive}
+        now, spared = kill_order(parents, self.launcher_pids)
+        for proc in [by_pid[pid] for pid in now] + [p for p in alive if p.pid not in parents]:
+            _signal(proc, signal.SIGKILL)
+        if spared:
+            wait = [by_pid[pid] for pid in spared]
+            _, left = await asyncio.to_thread(psutil.wait_procs, wait, timeout=LAUNCHER_EXIT_S)
+            for proc in left:
+                _signal(proc, signal.SIGKILL)
+
+    @property
+    def launcher_pids(self) -> list[int]:
+        """The processes we started that are a launcher (mpiexec, srun), not a rank."""
+        return [
+            p.pid for p, spec in zip(self.popens, self.plan.procs, strict=True) if spec.rank is None
+        ]
+
+    def _alive(self, include_orphans: bool) -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        for pid, proc in self._known.items():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    found[pid] = proc
+            except psutil.Error:
+                continue
+        if include_orphans:
+            others = {pid for run in list(_LIVE) if run is not self for pid in run._tree()}
+            try:
+                for child in psutil.Process().children(recursive=True):
+                    if child.status() != psutil.STATUS_ZOMBIE and child.pid not in found:
+                        if child.create_time() >= self.started_wall - 1:
+                            if child.pid not in others:
+                                found[child.pid] = child
+            except psutil.Error:
+                pass
+        return list(found.values())
+
+
+# After its ranks are killed, how long a launcher gets to end by itself before it is killed too.
+LAUNCHER_EXIT_S = 3.0
+
+
+def kill_order(
+    parents: Mapping[int, int], launchers: Collection[int]
+) -> tuple[list[int], list[int]]:
+    """Pure: of the processes that outlived the teardown's grace (pid -> parent pid), those to
+    SIGKILL at once (the ranks, and anything else) and those spared for LAUNCHER_EXIT_S to end
+    by themselves once the ranks are gone: a launcher (`launchers`) and its own children
+    (Hydra's proxies, ssh). Hydra's proxy SIGKILLed leaves `/tmp/hydra_hwloc_xmlfile_*` on
+    its node (one per killed attempt, issue 17); once its ranks are dead it exits and removes
+    it. A SIGSTOPped or stalled rank keeps them all alive past the grace."""
+    spared = sorted(p for p, ppid in parents.items() if p in launchers or ppid in launchers)
+    return sorted(p for p in parents if p not in spared), spared
+
+
+def reap_orphans(exclude: set[int]) -> None:
+    """Collect zombies reparented to us (we are a subreaper), never our Popen children."""
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for child in children:
+        if child.pid in exclude:
+            continue
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            continue
+
+
+def _kill_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass

@@ -1,0 +1,180 @@
+"""What `run` fixes once for the whole job: run dir, nodes, launcher program and flavor.
+
+Every attempt launches the job's active nodes with the same command (until a node is excluded:
+a spare takes its place, or with a shrink the world gets smaller and the worker flags follow);
+`validate` and `--dry-run` resolve too, so that whatever can only be checked once the nodes are
+known (a fault's target rank) is caught before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.launch import launcher
+from supervisor.policy.nodes import NodePool
+from supervisor.settings import config as config_mod
+from supervisor.settings.config import Config
+
+
+@dataclass
+class Resolved:
+    """The job as it runs: every node it was given (`nodes`, spares included), which of them run
+    the ranks now (`pool`), and the worker flags a smaller world needs (`worker_overrides`)."""
+
+    cfg: Config
+    run_dir: Path
+    nodes: list[str]
+    executable: str
+    flavor: str
+    pool: NodePool = field(init=False)
+    worker_overrides: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(
+        default_factory=list
+    )  # what resolving chose that the user may not expect
+
+    def __post_init__(self) -> None:
+        self.pool = NodePool.split(self.nodes, self.cfg.launch.spares)
+
+    @property
+    def active(self) -> list[str]:
+        return list(self.pool.active)
+
+    @property
+    def world(self) -> int:
+        return len(self.pool.active) * self.cfg.launch.ranks_per_node
+
+    def hostfile(self) -> Path:
+        return self.run_dir / "hostfile"
+
+    def write_hostfile(self) -> None:
+        """The active nodes, one per line (the launcher's -f / --hostfile)."""
+        self.hostfile().write_text("".join(f"{n}\n" for n in self.pool.active))
+
+    def plan(self, env: dict[str, str], master_port: int = 0) -> launcher.LaunchPlan:
+        return launcher.build_plan(
+            self.cfg,
+            self.active,
+            self.executable,
+            self.flavor,
+            env,
+            self.run_dir,
+            self.hostfile(),
+            master_port,
+            self.worker_overrides,
+        )
+
+    def dry_run_text(self, label: str) -> str:
+        """What `--dry-run` prints: the resolved config and the first attempt's launch command
+        (the job's secrets and its address as placeholders)."""
+        env = {
+            "ES_JOB_ID": "<job>",
+            "ES_ATTEMPT": "0",
+            "ES_HEARTBEAT_ADDR": "<addr>",
+            "ES_HEARTBEAT_KEY": "<secret>",
+            "ES_ATTEMPT_DIR": str(self.run_dir / "attempts" / "000"),
+        }
+        return (
+            f"# resolved config ({label})\n{config_mod.dumps(self.resolved_dict())}\n"
+            f"# launch command (attempt 0)\n{self.plan({**self.cfg.launch.env, **env}).text()}"
+        )
+
+    def summary(self) -> str:
+        """`mpiexec [hydra], 1 node(s) x 2 ranks = 2, worker worker.train` (validate's ok)."""
+        la = self.cfg.launch
+        return (
+            f"{la.launcher} [{self.flavor}], {len(self.nodes)} node(s) x {la.ranks_per_node} "
+            f"ranks = {self.world}, worker {self.cfg.worker.module}"
+        )
+
+    def resolved_dict(self) -> dict[str, Any]:
+        d = config_mod.to_dict(self.cfg)
+        d["job"]["run_dir"] = str(self.run_dir)
+        d["launch"]["nodes"] = list(self.nodes)
+        d["launch"]["executable"] = self.executable
+        if self.cfg.launch.launcher == "mpiexec":
+            d["launch"]["flavor"] = self.flavor
+        return d
+
+
+def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
+    """Fix run dir, nodes, launcher and its flavor; raise ConfigError / LauncherMissing."""
+    environ = dict(os.environ if environ is None else environ)
+    run_dir = config_mod.expand_run_dir(cfg)
+    flags = cfg.worker.flags
+    flags.setdefault("ckpt_dir", str(run_dir / "ckpt"))
+    for key, value in flags.items():
+        if isinstance(value, str):
+            flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)
+    nodes = launcher.resolve_nodes(cfg.launch, environ, cfg.source)
+    for node in nodes:  # from a host file or the batch job: checked as a list in the config is
+        problem = config_mod.host_problem(node)
+        if problem:
+            key = "launch.hostfile" if cfg.launch.hostfile else "launch.nodes"
+            raise config_mod.ConfigError(
+                cfg.source, key, f"{problem} (from {_nodes_source(cfg.launch, environ)})"
+            )
+    note = nodes_note(cfg.launch, environ, nodes)
+    executable = launcher.find_executable(cfg)
+    flavor = "local"
+    if cfg.launch.launcher == "srun":
+        flavor = "srun"
+    elif cfg.launch.launcher == "mpiexec":
+        flavor = cfg.launch.flavor
+        if flavor == "auto":
+            flavor = launcher.detect_flavor(executable)
+            if flavor == "unknown":
+                raise config_mod.ConfigError(
+                    cfg.source,
+                    "launch.flavor",
+                    f'cannot tell the flavor of {executable}; set "hydra" or "pals"',
+                )
+    if cfg.launch.emulate_nodes and flavor != "hydra":
+        raise config_mod.ConfigError(
+            cfg.source,
+            "launch.emulate_nodes",
+            f"emulated nodes need MPICH Hydra's fork launcher; {executable} is {flavor}",
+        )
+    if cfg.launch.spares >= len(nodes):
+        raise config_mod.ConfigError(
+            cfg.source,
+            "launch.spares",
+            f"{cfg.launch.spares} spare(s) leave none of the {len(nodes)} node(s) to run on",
+        )
+    if cfg.restart.min_nodes > len(nodes) - cfg.launch.spares:
+        raise config_mod.ConfigError(
+            cfg.source,
+            "restart.min_nodes",
+            f"{cfg.restart.min_nodes} is more than the {len(nodes) - cfg.launch.spares} "
+            "node(s) the job starts on",
+        )
+    if cfg.faults:  # faults/: a rank or node beyond the resolved world is a config error too
+        from faults.spec import check_world, shape_of
+
+        check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes) - cfg.launch.spares))
+    return Resolved(cfg, run_dir, nodes, executable, flavor, notes=[note] if note else [])
+
+
+def _nodes_source(la: config_mod.LaunchConfig, environ: dict[str, str]) -> str:
+    if la.hostfile:
+        return la.hostfile
+    if isinstance(la.nodes, list):
+        return "the list"
+    return "PBS_NODEFILE" if environ.get("PBS_NODEFILE") else "SLURM_JOB_NODELIST"
+
+
+def nodes_note(
+    la: config_mod.LaunchConfig, environ: dict[str, str], nodes: list[str]
+) -> str | None:
+    """A note when `nodes = "auto"` found no batch job's node list and fell back to this host:
+    a multi-node config validated on a login node or laptop would else say ok for one node."""
+    if la.launcher == "local" or la.hostfile or isinstance(la.nodes, list):
+        return None
+    if environ.get("PBS_NODEFILE") or environ.get("SLURM_JOB_NODELIST"):
+        return None
+    return (
+        f'launch.nodes = "auto": no PBS_NODEFILE or SLURM_JOB_NODELIST here, so the job runs '
+        f"on this host only ({', '.join(nodes)})"
+    )

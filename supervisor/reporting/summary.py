@@ -1,0 +1,138 @@
+"""The few lines `run` prints when a job ends: what failed, what each failure cost, goodput,
+and where the full report is. Read in ten seconds; `report.md` keeps every table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from supervisor.reporting.report import Analysis, Failure, NodeEvent
+
+
+def summary(a: Analysis, written: list[Path]) -> str:
+    t = a.totals
+    state = t.end if t.finished else "in progress"
+    lines = [
+        "",
+        f"== {a.name}: {state} at step {_n(t.final_step)} in {_duration(t.wall_s)}, "
+        f"goodput {t.goodput:.0%} ==",
+    ]
+    lines += [f"Note: {note}" for note in a.notes]
+    if not a.failures:
+        lines.append("No failures.")
+    else:
+        injected = sum(f.fault for f in a.failures)
+        lines.append(
+            f"{_count(len(a.failures), 'failure')} ({injected} injected), "
+            f"{_count(t.restarts, 'relaunch', 'es')}, {_count(t.lost_steps, 'step')} lost, "
+            f"{t.downtime_s:.1f} s of downtime:"
+        )
+        header = ["#", "failure", "detected by", "in", "relaunch", "downtime", "lost", "resumed"]
+        rows = [_row(i + 1, f) for i, f in enumerate(a.failures)]
+        if a.shows_nodes:  # the node each failure was laid on, after the failure
+            header.insert(2, "node")
+            for r, f in zip(rows, a.failures, strict=True):
+                r.insert(2, f.node or "–")
+        lines += _columns(header, rows)
+        lines += [
+            f"  #{i + 1} stacks: {'; '.join(f.stacks) or 'none collected'}"
+            for i, f in enumerate(a.failures)
+            if f.stacks_dir is not None
+        ]
+    if a.shows_nodes:
+        lines += [_node_line(n) for n in a.node_events]
+    c = a.checkpoints
+    if c.saves:
+        lines.append(
+            f"Checkpoints: {len(c.saves)} saves ({a.mode}), training stalled "
+            f"{_s(c.stall_median_s)} per save (median)."
+        )
+    m = a.memory
+    if m is not None:
+        lines.append(
+            f"Memory tier: {m.copies} cop{'y' if m.copies == 1 else 'ies'}, "
+            f"training stalled {m.stall_total_s:.1f} s in all ({m.stall_median_s * 1000:.0f} ms "
+            f"per copy, median); a copy took {_ms(m.copy_median_s)} (median)."
+        )
+    lines.append("Report: " + ", ".join(_shown(p) for p in written))
+    lines.append(f"Look closer: python -m supervisor tail|status|report {_shown(a.run_dir)}")
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    """Relative to the working directory where it lies below it: short enough to copy."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _row(i: int, f: Failure) -> list[str]:
+    cause = f.cause.removeprefix("fault ").removeprefix("natural: ")
+    return [
+        str(i),
+        cause if len(cause) <= 48 else cause[:47] + "…",
+        f.detected_by,
+        _s(f.detection_s),
+        f.relaunch or "–",
+        _s(f.downtime_s),
+        _n(f.lost_steps),
+        _resumed(f),
+    ]
+
+
+def _node_line(n: NodeEvent) -> str:
+    """`Nodes: n0, n1, n2 (spare n3)` for the start, then a line per change after a failure."""
+    if n.kind == "start":
+        spares = f" (spare {', '.join(n.spares)})" if n.spares else ""
+        return f"Nodes: {', '.join(n.nodes)}{spares}"
+    what = n.short
+    if n.kind == "excluded" and n.count:
+        what += f" ({_count(n.count, 'failure')} laid on it)"
+    elif n.kind == "excluded" and n.reason:
+        what += f" ({n.reason})"
+    elif n.kind == "swapped":
+        what = f"spare {n.into} in for {n.node}"
+    elif n.kind == "shrink":
+        what += f" ({', '.join(n.nodes)})"
+        if n.world is not None:
+            what += f", world {n.world[0]} → {n.world[1]}"
+        what += "".join(f", {k} = {v}" for k, v in n.flags.items())
+        if n.batch_kept is not None:
+            what += ", global batch kept" if n.batch_kept else ", global batch changed"
+    elif n.kind == "stop" and n.reason:
+        what += f": {n.reason}"
+    when = "before the first launch" if n.attempt is None else f"after attempt {n.attempt}"
+    return f"  {when}: {what}"
+
+
+def _resumed(f: Failure) -> str:
+    if f.resumed_from is None:
+        return "–"
+    source = f" ({f.resumed_source})" if f.resumed_source else ""
+    return f"step {f.resumed_from}{source}"
+
+
+def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in [header, *rows]]  # fmt: skip
+
+
+def _s(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f} s"
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v * 1000:.0f} ms"
+
+
+def _n(v: int | None) -> str:
+    return "–" if v is None else str(v)
+
+
+def _count(n: int, word: str, plural: str = "s") -> str:
+    return f"{n} {word}{'' if n == 1 else plural}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
