@@ -25,6 +25,7 @@ from worker.beat import Beacon
 from worker.ckpt import owner, resume
 from worker.ckpt.checkpointer import Resumed
 from worker.ckpt.manager import CheckpointManager, create_manager
+from worker.ckpt.settings import CkptSettings
 from worker.data import SyntheticData, TokenFileData
 from worker.dist import RankInfo, init_process_group, select_device, set_threads
 from worker.hooks import Hooks
@@ -50,6 +51,24 @@ class Setup:
     beacon: Beacon
     say: Callable[..., None]  # prints on rank 0 only
     startup: Startup
+
+    @property
+    def ckpt(self) -> CkptSettings:
+        return ckpt_settings(self.args)
+
+
+def ckpt_settings(args: TrainArgs) -> CkptSettings:
+    """What the checkpoint code needs of the run's flags."""
+    return CkptSettings(
+        ckpt_dir=args.ckpt_dir,
+        keep=args.ckpt_keep,
+        verify=args.ckpt_verify,
+        start_fresh=args.no_resume,
+        async_save=args.async_ckpt,
+        stage_dir=args.ckpt_stage_dir,
+        mem_interval=args.mem_ckpt_interval,
+        timeout_s=args.pg_timeout,
+    )
 
 
 @dataclass
@@ -148,7 +167,7 @@ def choose(setup: Setup, group: Group) -> resume.Chosen:
     """Collective: the checkpoint to resume (None: start fresh); its files start to be read."""
     info = setup.info
     chosen = resume.choose(
-        setup.args, info.rank, group.identity, setup.beacon, setup.say, info.host
+        setup.ckpt, info.rank, group.identity, setup.beacon, setup.say, info.host
     )
     setup.startup.mark("choose")
     return chosen
@@ -185,7 +204,7 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
     its own groups: only once the run really goes), the load of `chosen`, the manager started."""
     args, info = setup.args, setup.info
     ckpt = create_manager(
-        args,
+        setup.ckpt,
         info,
         identity=group.identity,
         device_type=group.device_type,

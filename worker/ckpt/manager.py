@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from contracts.env_names import ENV_JOB_ID
-from worker.args import TrainArgs
 from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
 from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
 from worker.ckpt.resume import Chosen, RunIdentity
+from worker.ckpt.settings import CkptSettings
 from worker.dist import RankInfo
 from worker.hooks import Hooks
 from worker.metrics import MetricsLog
@@ -61,7 +61,7 @@ class CheckpointManager:
 
 
 def create_manager(
-    args: TrainArgs,
+    settings: CkptSettings,
     info: RankInfo,
     *,
     identity: RunIdentity,
@@ -74,40 +74,40 @@ def create_manager(
     say: Callable[..., None],
     hooks: Hooks,
 ) -> CheckpointManager:
-    if not args.ckpt_dir:
+    if not settings.ckpt_dir:
         return CheckpointManager()
     base = Checkpointer(
-        Path(args.ckpt_dir),
+        Path(settings.ckpt_dir),
         rank=info.rank,
         world=info.world,
         device_type=device_type,
         identity=identity,
-        keep=args.ckpt_keep,
-        verify=args.ckpt_verify,
+        keep=settings.keep,
+        verify=settings.verify,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         hooks=hooks,
     )
     memory_tier = None
-    expect = resume.memory_expect(args, info.rank, identity, info.host)
+    expect = resume.memory_expect(settings, info.rank, identity, info.host)
     if expect is not None:
         memory_tier = MemoryTier(
-            resume.memory_dir(args),
+            resume.memory_dir(settings),
             expect,
-            interval=args.mem_ckpt_interval,
+            interval=settings.mem_interval,
             local_world=info.local_world,
             model=model,
             optimizer=optimizer,
             describe=base.describe,
             hooks=hooks,
         )
-    if not args.async_ckpt:
+    if not settings.async_save:
         return SyncManager(base, metrics, beacon, say, memory_tier)
     stage_root = (
-        Path(args.ckpt_stage_dir)
-        if args.ckpt_stage_dir
-        else default_stage_root(args.ckpt_dir, os.environ.get(ENV_JOB_ID))
+        Path(settings.stage_dir)
+        if settings.stage_dir
+        else default_stage_root(settings.ckpt_dir, os.environ.get(ENV_JOB_ID))
     )
     return AsyncManager(
         base,
@@ -117,7 +117,7 @@ def create_manager(
         memory_tier,
         stage_root=stage_root,
         local_rank=info.local_rank,
-        timeout_s=args.pg_timeout,
+        timeout_s=settings.timeout_s,
         hooks=hooks,
     )
 

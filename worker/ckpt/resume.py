@@ -15,9 +15,9 @@ from typing import Any
 
 from contracts import ckpt_files, env_names
 from worker import collectives
-from worker.args import TrainArgs
 from worker.beat import Beacon
 from worker.ckpt import memory, rng, safe_load, storage
+from worker.ckpt.settings import CkptSettings
 
 DCP_METADATA = ".metadata"
 
@@ -43,23 +43,28 @@ class Chosen:
 
 
 def choose(
-    args: TrainArgs, rank: int, identity: RunIdentity, beacon: Beacon, say: Callable, host: str
+    settings: CkptSettings,
+    rank: int,
+    identity: RunIdentity,
+    beacon: Beacon,
+    say: Callable,
+    host: str,
 ) -> Chosen:
     """Collective: the checkpoint to resume from (a durable step dir, or every rank's own memory
     slot of one step), None to start fresh; a durable one's files start to be read at once."""
-    if not args.ckpt_dir:
+    if not settings.ckpt_dir:
         return Chosen(None)
-    expect = memory_expect(args, rank, identity, host)
-    if args.no_resume:
+    expect = memory_expect(settings, rank, identity, host)
+    if settings.start_fresh:
         if expect is not None:  # a fresh timeline: never resume the old one's memory later
-            memory.forget(memory_dir(args), rank)
+            memory.forget(memory_dir(settings), rank)
         return Chosen(None)
     beacon.phase("load", 0)
     chosen = choose_tiers(
-        Path(args.ckpt_dir),
+        Path(settings.ckpt_dir),
         rank=rank,
-        verify=args.ckpt_verify,
-        memory_at=(memory_dir(args), expect) if expect is not None else None,
+        verify=settings.verify,
+        memory_at=(memory_dir(settings), expect) if expect is not None else None,
         say=say,
     )
     if isinstance(chosen.source, Path):
@@ -104,18 +109,18 @@ def told(why: str | None, more: str | None) -> str | None:
     return f"{why}; {more}" if why else more
 
 
-def memory_dir(args: TrainArgs) -> Path:
-    tag = ckpt_files.job_tag(args.ckpt_dir, os.environ.get(env_names.ENV_JOB_ID))
+def memory_dir(settings: CkptSettings) -> Path:
+    tag = ckpt_files.job_tag(settings.ckpt_dir, os.environ.get(env_names.ENV_JOB_ID))
     return memory.job_dir(os.environ, tag)
 
 
 def memory_expect(
-    args: TrainArgs, rank: int, identity: RunIdentity, host: str
+    settings: CkptSettings, rank: int, identity: RunIdentity, host: str
 ) -> memory.Expect | None:
     """What this rank's memory slots must match; None without the memory tier."""
-    if not args.mem_ckpt_interval:
+    if not settings.mem_interval:
         return None
-    tag = ckpt_files.job_tag(args.ckpt_dir, os.environ.get(env_names.ENV_JOB_ID))
+    tag = ckpt_files.job_tag(settings.ckpt_dir, os.environ.get(env_names.ENV_JOB_ID))
     return memory.Expect(
         job=tag,
         rank=rank,
