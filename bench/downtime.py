@@ -18,7 +18,7 @@ events.jsonl (and rank 0's metrics):
   relaunch   the launcher's exit seen -> the next attempt launched (cold) or told to go (warm)
   how        warm | cold, as the job's `relaunch` event says
   lost       steps lost: the newest step done before the kill minus the step resumed from
-             (supervisor.reporting.report's per-failure figure)
+             (supervisor.reporting.analysis's per-failure figure)
   from       memory | durable: where the resume came from (the `resumed` event's `source`)
   cost       kill -> the first step PAST the newest step done before the kill (rank 0's metrics
              record of it): what the kill cost, the lost steps' recompute included
@@ -54,7 +54,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from supervisor.log.events import read_events  # noqa: E402
-from supervisor.reporting.report import Failure, analyze, load_run  # noqa: E402
+from supervisor.reporting.analysis import analyze  # noqa: E402
+from supervisor.reporting.load import load_run  # noqa: E402
+from supervisor.reporting.model import Failure  # noqa: E402
 from supervisor.settings import config as config_mod  # noqa: E402
 
 SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len",

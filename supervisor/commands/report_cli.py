@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from contracts.exit_codes import ExitCode
-from supervisor.reporting.report import NotARunDir
+from supervisor.reporting.load import NotARunDir
 
 
 def main(args: argparse.Namespace) -> int:

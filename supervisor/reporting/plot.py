@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.reporting.report import Analysis
+from supervisor.reporting.model import Analysis
 
 RUN_COLOR = "tab:blue"
 BASE_COLOR = "0.55"

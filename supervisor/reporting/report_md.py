@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.reporting.report import Analysis, Failure, NodeEvent
+from supervisor.reporting.model import Analysis, Failure, NodeEvent
 
 
 def _s(v: float | None, digits: int = 2) -> str:
@@ -284,7 +284,8 @@ def write_report(
     png: bool = True,
 ) -> tuple[Analysis, str, list[Path]]:
     """Analyse a run (against a baseline), write report.md (and report.png) into `out`."""
-    from supervisor.reporting.report import analyze, load_run
+    from supervisor.reporting.analysis import analyze
+    from supervisor.reporting.load import load_run
 
     data = load_run(run_dir)
     base = load_run(baseline) if baseline is not None else None

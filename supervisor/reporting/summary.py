@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.reporting.report import Analysis, Failure, NodeEvent
+from supervisor.reporting.model import Analysis, Failure, NodeEvent
 
 
 def summary(a: Analysis, written: list[Path]) -> str:

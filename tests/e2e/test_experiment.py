@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.reporting.report import analyze, load_run
+from supervisor.reporting.analysis import analyze
+from supervisor.reporting.load import load_run
 from tests.support import REPO, events
 
 VENV_BIN = str(Path(sys.executable).parent)

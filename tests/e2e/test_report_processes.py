@@ -42,7 +42,8 @@ def test_cli_experiment_bad_config_is_exit_2(tmp_path: Path) -> None:
 def test_run_and_status_do_not_import_the_report() -> None:
     code = (
         "import sys, supervisor.commands.cli as c; c.build_parser(); "
-        "assert not {'matplotlib', 'supervisor.reporting.report', 'supervisor.reporting.plot'}"
+        "assert not {'matplotlib', 'supervisor.reporting.load', 'supervisor.reporting.analysis',"
+        " 'supervisor.reporting.plot'}"
         " & set(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -11,7 +11,7 @@ import tomllib
 import pytest
 
 from contracts import messages
-from supervisor.commands import cli
+from supervisor.commands import status
 from supervisor.policy import decisions as D
 from supervisor.policy.decisions import Limits, RankState, judge_ranks
 from supervisor.settings import config as C
@@ -247,10 +247,10 @@ def test_status_shows_the_auto_limits_in_force():
         {"event": "auto_limit", "attempt": 1, "limit": "train", "seconds": 1.53,
          "p99_step_s": 0.12, "p99_beat_gap_s": 0.52, "samples": 180},
     ]  # fmt: skip
-    lines = cli.limits_lines(events, resolved)
+    lines = status.limits_lines(events, resolved)
     assert lines[0] == ("limits:   timeout_s 10 s (auto: its maximum until learned)") and lines[
         1
     ].strip() == (
         "train 1.53 s (auto, phase train; from p99_step_s 0.12, p99_beat_gap_s 0.52, samples 180)"
     )
-    assert cli.limits_lines(events, {"heartbeat": {"timeout_s": 4}}) == []
+    assert status.limits_lines(events, {"heartbeat": {"timeout_s": 4}}) == []

@@ -10,9 +10,11 @@ import re
 import pytest
 
 from supervisor.commands import cli
+from supervisor.commands.status import step_line
 from supervisor.log import events
+from supervisor.reporting.analysis import analyze
+from supervisor.reporting.load import load_run
 from supervisor.reporting.plot import steps_lost
-from supervisor.reporting.report import analyze, load_run
 from supervisor.reporting.report_md import render
 from supervisor.reporting.summary import summary
 from tests.support import T0, ev, make_run, rec, synthetic_events, synthetic_metrics, write_run
@@ -149,11 +151,11 @@ def test_status_step_is_never_older_than_the_newest_checkpoint(tmp_path, capsys)
 
 
 def test_step_line():
-    assert cli.step_line({}, None) is None
-    assert cli.step_line({}, 20) == "20 (the newest checkpoint)"
-    assert cli.step_line({0: 95, 1: 85}, 80) == "85 (attempt 1; attempt 0 had reached 95)"
-    assert cli.step_line({0: 95, 1: 85}, 90) == "90 (the newest checkpoint; attempt 1 reached 85)"
-    assert cli.step_line({0: 23}, 20) == "23 (attempt 0)"
+    assert step_line({}, None) is None
+    assert step_line({}, 20) == "20 (the newest checkpoint)"
+    assert step_line({0: 95, 1: 85}, 80) == "85 (attempt 1; attempt 0 had reached 95)"
+    assert step_line({0: 95, 1: 85}, 90) == "90 (the newest checkpoint; attempt 1 reached 85)"
+    assert step_line({0: 23}, 20) == "23 (attempt 0)"
 
 
 # --- report: the memory tier and the plot's words -------------------------------------------------

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.reporting.report import analyze, load_run, young_daly
+from supervisor.reporting.analysis import analyze, young_daly
+from supervisor.reporting.load import load_run
 from supervisor.reporting.report_md import render, write_report
 from tests.support import REPO, T0, ev, rec, synthetic_events, synthetic_metrics, write_run
 

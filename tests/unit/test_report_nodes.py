@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.commands.cli import status_lines
+from supervisor.commands.status import status_lines
 from supervisor.log.events import level_of
 from supervisor.log.events import render as render_event
-from supervisor.reporting.report import analyze, load_run, pool_now
+from supervisor.reporting.analysis import analyze, pool_now
+from supervisor.reporting.load import load_run
 from supervisor.reporting.report_md import render
 from supervisor.reporting.summary import summary
 from tests.support import ev, synthetic_events, synthetic_metrics, write_run

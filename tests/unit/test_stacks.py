@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.commands.cli import status_lines
+from supervisor.commands.status import status_lines
 from supervisor.log.events import render
-from supervisor.reporting.report import analyze, load_run
+from supervisor.reporting.analysis import analyze
+from supervisor.reporting.load import load_run
 from supervisor.reporting.report_md import render as render_md
 from supervisor.reporting.report_md import stacks_md
 from supervisor.reporting.summary import summary

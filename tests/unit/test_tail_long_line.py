@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from supervisor.commands import cli
+from supervisor.commands import cli, tail
 
 
 def test_a_huge_value_is_cut_in_tail_and_whole_in_json(tmp_path, capsys):
@@ -16,7 +16,7 @@ def test_a_huge_value_is_cut_in_tail_and_whole_in_json(tmp_path, capsys):
     assert cli.main(["tail", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     longest = max(len(line) for line in out.splitlines())
-    assert longest < cli.TAIL_LINE_MAX + 100, longest
+    assert longest < tail.TAIL_LINE_MAX + 100, longest
     assert "more characters; --json shows the line whole" in out
     assert cli.main(["tail", "--json", str(tmp_path)]) == 0
     assert "a" * 100_000 in capsys.readouterr().out

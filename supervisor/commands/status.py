@@ -1,0 +1,239 @@
+"""`status`: where a run stands, from its events, its resolved config, the newest records of
+its metrics and its checkpoint dir. Reads only: a running job is never touched."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+from contracts import ckpt_files, locks
+from contracts.exit_codes import ExitCode
+from supervisor.commands.tail import events_path
+from supervisor.log import events as events_mod
+from supervisor.settings import config as config_mod
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    path, missing = events_path(args.run_dir)
+    run_dir = Path(args.run_dir)
+    read = events_mod.load_events(path)
+    events = read.events
+    for note in (missing, read.note()):
+        if note:
+            print(f"note: {note}")
+    try:
+        resolved = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        resolved = {}
+    resolved = {k: v for k, v in resolved.items() if isinstance(v, dict)}  # tables only
+    for line in status_lines(events, resolved, run_dir):
+        print(line)
+    return ExitCode.DONE
+
+
+def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]:
+    """The status report (pure over the events and the resolved config, plus a ckpt scan)."""
+    starts = [e for e in events if e.get("event") == "start"]
+    # An attempt starts cold (`launch`) or as a standby told to go (`standby_go`).
+    launches = [e for e in events if e.get("event") in ("launch", "standby_go")]
+    ends = [e for e in events if e.get("event") == "supervisor_exit"]
+    max_restarts = resolved.get("restart", {}).get("max_restarts")
+    max_restarts = max_restarts if isinstance(max_restarts, int) else None
+    restarts = sum(1 for e in events if e.get("event") == "relaunch")
+    last_start = starts[-1] if starts else {}
+    name = resolved.get("job", {}).get("name", "?")
+    holder = locks.lock_holder(run_dir)  # the supervisor that owns the run dir now
+    if holder is not None:
+        state = f"running (supervisor pid {holder.get('pid')} on {holder.get('host')})"
+    elif ends and (not starts or ends[-1].get("ts", 0) >= last_start.get("ts", 0)):
+        end = ends[-1]
+        state = f"finished: {end.get('code_name')} (exit {end.get('code')}): {end.get('reason')}"
+    elif last_start and _alive(last_start.get("pid")):
+        state = f"running (supervisor pid {last_start.get('pid')})"
+    elif last_start:
+        state = "ended without a final event (the supervisor was killed?)"
+    elif events or any((run_dir / "attempts").glob("[0-9]*")):
+        state = "not running (the events that would say how it ended are lost)"
+    else:
+        state = "not started"
+    out = [f"run:      {run_dir}", f"job:      {name}", f"state:    {state}"]
+    reopened = sum(1 for e in events if e.get("event") == "events_reopened")
+    if reopened:
+        out.append(f"events:   events.jsonl was recreated {reopened} time(s): earlier events lost")
+    left = "?" if max_restarts is None else max(0, max_restarts - restarts)
+    out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
+    out += nodes_lines(events)
+    ckpt_step, ckpt = _newest_checkpoint(resolved, events)
+    step = step_line(steps_seen(events, run_dir), ckpt_step)
+    if step:
+        out.append(f"step:     {step}")
+    out.append(f"checkpoint: {ckpt}")
+    out += limits_lines(events, resolved)
+    # A graceful stop (the user's SIGINT/SIGTERM) is no failure.
+    failures = [
+        e
+        for e in events
+        if e.get("event") == "attempt_end" and e.get("outcome") not in ("success", "stopped")
+    ]
+    if failures:
+        f = failures[-1]
+        source = f" ({f['resume_source']})" if isinstance(f.get("resume_source"), str) else ""
+        out.append(
+            f"last failure: attempt {f.get('attempt')}: {f.get('detail')} "
+            f"(detected by {f.get('detected_by')}; resumed from {f.get('resume_step')}{source}, "
+            f"reached {f.get('max_step')})"
+        )
+        out += stacks_lines(events, f.get("attempt"))
+    else:
+        out.append("last failure: none")
+    return out
+
+
+def nodes_lines(events: list[dict]) -> list[str]:
+    """`nodes: active …; spares …; excluded n1 (2 failures)`, from the newest start and the node
+    events after it; nothing for a job that never had more than one node, a spare or one out."""
+    # Not for `run`: it reads no report until the end.
+    from supervisor.reporting.analysis import pool_now
+
+    pool = pool_now(events)
+    if pool is None:
+        return []
+    active, spares, excluded = pool
+    if len(active) <= 1 and not spares and not excluded:
+        return []
+    out = [f"{n} ({c} failure{'' if c == 1 else 's'})" if c else n for n, c in excluded.items()]
+    return [
+        f"nodes:    active {', '.join(active) or 'none'}; spares {', '.join(spares) or 'none'}; "
+        f"excluded {', '.join(out) or 'none'}"
+    ]
+
+
+def limits_lines(events: list[dict], resolved: dict) -> list[str]:
+    """The "auto" limits in force in the newest attempt: learned (`auto_limit` events), or
+    still at their maximum. Nothing when the config has none."""
+    hb = resolved.get("heartbeat", {})
+    progress, cap = hb.get("progress", {}), hb.get("auto_max", {})
+    progress = progress if isinstance(progress, dict) else {}
+    defaults = config_mod.AutoMaxConfig()
+    asked = [("timeout_s", hb.get("timeout_s"))] + [(p, progress.get(p)) for p in ("train", "save")]
+    names = [name for name, value in asked if value == config_mod.AUTO]
+    if not names:
+        return []
+    launches = [e for e in events if e.get("event") in ("launch", "standby_go")]
+    newest = launches[-1].get("attempt") if launches else None
+    learned = {
+        e.get("limit"): e
+        for e in events
+        if e.get("event") == "auto_limit" and e.get("attempt") == newest and newest is not None
+    }
+    out = []
+    for name in names:
+        e = learned.get(name)
+        if e is None:
+            most = cap.get(name, getattr(defaults, name)) if isinstance(cap, dict) else None
+            shown = f"{most:g}" if isinstance(most, (int, float)) else "?"
+            out.append(f"{name} {shown} s (auto: its maximum until learned)")
+            continue
+        basis = ", ".join(
+            f"{k} {e[k]:g}" for k in ("p99_step_s", "p99_beat_gap_s", "longest_save_s", "samples")
+            if isinstance(e.get(k), (int, float))
+        )  # fmt: skip
+        where = "while training" if name == "timeout_s" else f"phase {name}"
+        seconds = e.get("seconds")
+        shown = f"{seconds:g}" if isinstance(seconds, (int, float)) else "?"
+        out.append(f"{name} {shown} s (auto, {where}; from {basis})")
+    return [("limits:   " if i == 0 else "          ") + line for i, line in enumerate(out)]
+
+
+def stacks_lines(events: list[dict], attempt: object) -> list[str]:
+    """The stacks a hang or no progress of `attempt` left (where, and a line per rank)."""
+    found = [
+        e
+        for e in events
+        if e.get("event") in ("hang", "no_progress") and e.get("attempt") == attempt
+    ]
+    if not found or "stacks_dir" not in found[-1]:
+        return []
+    e = found[-1]
+    out = [f"  stacks: {e['stacks_dir']}"]
+    if e.get("stacks_error"):
+        out.append(f"    not collected: {e['stacks_error']}")
+    lines = e.get("stacks")
+    if isinstance(lines, list):
+        out += [f"    {line}" for line in lines if isinstance(line, str)]
+    return out
+
+
+def steps_seen(events: list[dict], run_dir: Path) -> dict[int, int]:
+    """The newest step each attempt is known to have reached: from any event that names a step
+    (`attempt_end`'s max_step too) and the last record of each of its metrics files (one a
+    step: progress events come seconds apart, and a standby's newer attempt has none yet)."""
+    seen: dict[int, int] = {}
+
+    def saw(attempt: object, step: object) -> None:
+        if isinstance(attempt, int) and isinstance(step, int) and not isinstance(step, bool):
+            seen[attempt] = max(step, seen.get(attempt, step))
+
+    for e in events:
+        saw(e.get("attempt"), e.get("step"))
+        if e.get("event") == "attempt_end":
+            saw(e.get("attempt"), e.get("max_step"))
+    for adir in (run_dir / "attempts").glob("[0-9]*"):
+        # Rank 0 steps with every rank; the others' files (--metrics-all-ranks: one a rank)
+        # are read only when it has none.
+        files = [adir / "metrics-0.jsonl"] if (adir / "metrics-0.jsonl").is_file() else []
+        for path in files or adir.glob("metrics-*.jsonl"):
+            if adir.name.isdigit():
+                saw(int(adir.name), _last_metrics_record(path).get("step"))
+    return seen
+
+
+def step_line(seen: dict[int, int], ckpt_step: int | None) -> str | None:
+    """`85 (attempt 3)`: the newest attempt that stepped and its newest step, never older than
+    the newest complete checkpoint (the ranks resume from it), and what an earlier attempt
+    reached beyond it (the steps a failure lost)."""
+    if not seen:
+        return None if ckpt_step is None else f"{ckpt_step} (the newest checkpoint)"
+    attempt = max(seen)
+    step = seen[attempt]
+    if ckpt_step is not None and ckpt_step > step:
+        return f"{ckpt_step} (the newest checkpoint; attempt {attempt} reached {step})"
+    further = max(seen.values())
+    if further > step:
+        earlier = max(a for a, s in seen.items() if s == further)
+        return f"{step} (attempt {attempt}; attempt {earlier} had reached {further})"
+    return f"{step} (attempt {attempt})"
+
+
+def _last_metrics_record(path: Path) -> dict:
+    """The last whole JSON line of a metrics file (read from its end: it may be large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return {}
+    return next(events_mod.json_objects(reversed(lines)), {})
+
+
+def _newest_checkpoint(resolved: dict, events: list[dict]) -> tuple[int | None, str]:
+    """(step, how status shows it) of the newest complete checkpoint: from the checkpoint dir,
+    else the `ckpt_complete` events."""
+    ckpt_dir = resolved.get("worker", {}).get("ckpt_dir")
+    if isinstance(ckpt_dir, str) and ckpt_dir and Path(ckpt_dir).is_dir():
+        found = ckpt_files.resume_candidates(ckpt_files.scan(Path(ckpt_dir)))
+        if found:
+            return found[0].step, f"step {found[0].step} ({ckpt_dir}/{found[0].path.name})"
+    marks = [e["step"] for e in events if e.get("event") == "ckpt_complete" and "step" in e]
+    marks = [m for m in marks if isinstance(m, int)]
+    return (max(marks), f"step {max(marks)} (from events)") if marks else (None, "none")
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return False
+    import psutil
+
+    return psutil.pid_exists(pid)
