@@ -10,6 +10,8 @@ from worker.errors import UsageError
 from worker.layout import Layout, check_model_fits, plan_layout
 from worker.presets import PRESETS, ModelConfig, resolve_config
 
+PROG = "python -m worker.train"
+
 
 @dataclass(frozen=True)
 class TrainArgs:
@@ -79,9 +81,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
+def refusal(exc: UsageError) -> str:
+    """The worker's one-line refusal without the program's name and the pointer to --help: the
+    words another message quotes."""
+    return str(exc).removeprefix(f"{PROG}: ").removesuffix(" (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="python -m worker.train",
+        prog=PROG,
         description="One rank of a training job. The supervisor starts it with the config's "
         "[worker] table as these flags (ezpz fsdp_tp's names where they overlap).",
         formatter_class=_DefaultsFormatter,
@@ -324,12 +332,3 @@ def plan_run(a: TrainArgs, world: int) -> tuple[ModelConfig, Layout]:
     check_model_fits(layout, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
     return cfg, layout
 
-
-def flag_kinds(parser: argparse.ArgumentParser) -> dict[str, bool]:
-    """Every `--flag` of the parser by its dest, True where it is a switch (takes no value):
-    what a config's `[worker]` table is checked against."""
-    kinds = {}
-    for action in parser._actions:  # argparse keeps no public list of its options
-        if action.option_strings and action.dest != "help":
-            kinds[action.dest] = action.nargs == 0
-    return kinds

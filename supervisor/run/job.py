@@ -306,20 +306,21 @@ class Job:
 
     def _shrink(self, pool: nodes.NodePool, after_attempt: int | None) -> str | None:
         """The job goes on with `pool`'s fewer nodes: the worker flags that world needs (the
-        global batch kept where the sizes divide, `shrink.plan_shrink`), and the fault schedule
+        global batch kept where the sizes divide, `spec.plan_shrink`), and the fault schedule
         told. Why it cannot, or None."""
-        from supervisor.settings import shrink
+        from supervisor.settings import worker_spec
 
         rpn = self.cfg.launch.ranks_per_node
         first = (len(self.r.nodes) - self.cfg.launch.spares) * rpn  # planned from the first world
-        if self.cfg.worker.module != "worker.train":  # its flags are its own: passed unchanged
+        spec = worker_spec.load(self.cfg.worker.module)
+        if spec is None:  # no spec plans its flags: passed unchanged
             world = len(pool.active) * rpn
             self.emit(
                 "shrink", attempt=after_attempt, nodes=list(pool.active), world=[first, world]
             )
             self.faults.resize(world)
             return None
-        plan = shrink.plan_shrink(self.cfg.worker.flags, first, len(pool.active) * rpn)
+        plan = spec.plan_shrink(self.cfg.worker_flags(), first, len(pool.active) * rpn)
         if plan.problem is not None:
             return f"cannot go on with {len(pool.active)} node(s): {plan.problem}"
         self.emit("shrink", attempt=after_attempt, nodes=list(pool.active), **plan.event())

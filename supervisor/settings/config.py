@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from contracts import scratch
 from contracts.config_table import ConfigError, build, reject_unknown
+from supervisor.settings import worker_spec
 
 if TYPE_CHECKING:  # faults/ is imported only for a config that declares [[faults]]
     from faults.spec import FaultSpec
@@ -305,28 +306,24 @@ def _worker(raw: Any, source: str) -> WorkerConfig:
 
 def check_worker_keys(cfg: Config) -> None:
     """Every `[worker]` key is a flag of the worker (a switch given true/false, a value flag a
-    value) and the worker's own parser takes the values (`worker.args` is torch-free). A custom
-    worker module's flags are passed as given."""
-    if cfg.worker.module != DEFAULT_MODULE:
+    value) and the worker's own parser takes the values (its spec: `worker_spec`). A worker
+    module without a spec has its flags passed as given."""
+    spec = worker_spec.load(cfg.worker.module)
+    if spec is None:
         return
-    from worker import args as worker_args
-    from worker.errors import UsageError
-
-    kinds = worker_args.flag_kinds(worker_args.build_parser())
+    kinds = spec.flag_kinds()
     for key, value in cfg.worker.flags.items():
-        problem = worker_key_problem(key, value, kinds)
+        problem = worker_key_problem(key, value, kinds, cfg.worker.module)
         if problem:
             raise ConfigError(cfg.source, f"worker.{key}", problem)
     resolved = {"ckpt_dir": "{run_dir}/ckpt", **cfg.worker.flags}  # resolve's default
-    try:
-        worker_args.parse_args(flags_from_table(resolved))
-    except UsageError as exc:
-        raise worker_error(cfg, exc) from None
+    refusal = spec.flags_problem(flags_from_table(resolved))
+    if refusal is not None:
+        raise worker_error(cfg, refusal)
 
 
-def worker_error(cfg: Config, exc: Exception) -> ConfigError:
+def worker_error(cfg: Config, message: str) -> ConfigError:
     """The worker's own one-line refusal as a ConfigError on the `[worker]` key it names."""
-    message = str(exc).removeprefix("python -m worker.train: ").removesuffix(" (see --help)")
     flag = {k: "--" + k.replace("_", "-") for k in cfg.worker.flags}
     named = [
         (message.find(f), k) for k, f in flag.items() if re.search(re.escape(f) + r"\b", message)
@@ -335,13 +332,14 @@ def worker_error(cfg: Config, exc: Exception) -> ConfigError:
     return ConfigError(cfg.source, where, f"{message} (the worker's own check)")
 
 
-def worker_key_problem(key: str, value: object, kinds: dict[str, bool]) -> str | None:
-    """Why `key = value` is no flag of the worker (None: it is); `kinds`: flag -> is a switch."""
+def worker_key_problem(key: str, value: object, kinds: dict[str, bool], module: str) -> str | None:
+    """Why `key = value` is no flag of the worker `module` (None: it is); `kinds`: flag -> is a
+    switch."""
     flag = "--" + key.replace("_", "-")
     if key not in kinds:
         close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]} (--{close[0].replace('_', '-')})?" if close else ""
-        return f"the worker has no flag {flag}{hint} (python -m worker.train --help)"
+        return f"the worker has no flag {flag}{hint} (python -m {module} --help)"
     if kinds[key] and not isinstance(value, bool):
         return f"{flag} is a switch: expected true or false"
     if not kinds[key] and isinstance(value, bool):

@@ -1,29 +1,27 @@
-"""`[worker]` checked against the worker's own parser before anything launches.
+"""`[worker]` checked against the worker's own spec before anything launches.
 
 A typo (`save_intervl`), an unknown preset or a negative interval would otherwise surface only
-after every rank had started, imported torch and failed. `worker.args` and what it imports are
-torch-free, so this costs the supervisor milliseconds.
+after every rank had started, imported torch and failed. The spec (`worker_spec`) is torch-free,
+so this costs the supervisor milliseconds.
 """
 
 from __future__ import annotations
 
+from supervisor.settings import worker_spec
 from supervisor.settings.config import DEFAULT_MODULE, Config, check_worker_keys, worker_error
 
 
 def check(cfg: Config, world: int) -> str | None:
-    """Raise ConfigError naming the key and the fix; return a note when the worker is a custom
-    module whose flags can only be checked for their shape."""
-    if cfg.worker.module != DEFAULT_MODULE:
+    """Raise ConfigError naming the key and the fix; return a note when the worker module has no
+    spec, so that its flags can only be checked for their shape."""
+    spec = worker_spec.load(cfg.worker.module)
+    if spec is None:
         return (
             f"worker.module {cfg.worker.module!r} is not {DEFAULT_MODULE}: its flags are passed "
             "as given (checked for their shape only)"
         )
-    from worker import args as worker_args
-    from worker.errors import UsageError
-
     check_worker_keys(cfg)  # done by config.from_dict too; a Config built by hand is checked here
-    try:
-        worker_args.plan_run(worker_args.parse_args(cfg.worker_flags()), world)
-    except UsageError as exc:
-        raise worker_error(cfg, exc) from None
+    refusal = spec.run_problem(cfg.worker_flags(), world)
+    if refusal is not None:
+        raise worker_error(cfg, refusal)
     return None

@@ -16,9 +16,9 @@ import pytest
 
 from contracts import ckpt_files
 from supervisor.settings.config import flags_from_table
-from supervisor.settings.shrink import plan_shrink
 from tests.support import TINY_SIZES, losses, rank_env, read_metrics, run_worker
 from worker.ckpt import memory
+from worker.spec import plan_shrink
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def shrink_and_resume(tmp_path: Path, table: dict, world: int, new_world: int):
     first = run(world, table, tmp_path / "a")
     assert first.returncode == 0, first.stdout + first.stderr
     ckpt_files.remove([f for f in ckpt_files.scan(ckpt) if f.step == 8])
-    plan = plan_shrink(table, world, new_world)
+    plan = plan_shrink(flags_from_table(table), world, new_world)
     assert plan.problem is None, plan.problem
     second = run(new_world, {**table, **plan.flags}, tmp_path / "b")
     assert second.returncode == 0, second.stdout + second.stderr
@@ -75,7 +75,7 @@ def test_fsdp_3_to_2_keeps_the_global_batch_and_never_takes_the_memory_tier(tmp_
     assert all(steps and steps[0] >= 6 for steps in held), held
     assert [f.step for f in ckpt_files.resume_candidates(ckpt_files.scan(ckpt))] == [4]
 
-    plan = plan_shrink(table, 3, 2)
+    plan = plan_shrink(flags_from_table(table), 3, 2)
     assert plan.flags == {"batch_size": 3} and plan.batch_kept
     again = run(2, {**table, **plan.flags}, tmp_path / "b", env=env)
     assert again.returncode == 0, again.stdout + again.stderr

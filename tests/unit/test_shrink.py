@@ -6,11 +6,18 @@ import json
 
 import pytest
 
-from supervisor.settings.shrink import plan_shrink
+from supervisor.settings import worker_spec
+from supervisor.settings.config import flags_from_table
 from worker import args as worker_args
 from worker.layout import plan_layout
 
 TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "seq_len": 32}
+SPEC = worker_spec.load("worker.train")
+
+
+def plan_shrink(table: dict, world: int, new_world: int):
+    """The plan for a `[worker]` table, asked for as the supervisor asks (its flags)."""
+    return SPEC.plan_shrink(flags_from_table(table), world, new_world)
 
 
 def test_fsdp_3_to_2_raises_the_batch_and_keeps_the_global_batch():

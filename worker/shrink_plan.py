@@ -1,12 +1,13 @@
 """What the worker's flags become when a job relaunches on fewer ranks (`[restart] shrink`).
 
-Pure and torch-free: the supervisor plans the smaller world before it launches anything, with
-the worker's own checks, so a plan the worker would refuse is a `problem`, not a failed attempt.
-Tensor parallelism is kept (its groups live inside a node and the model is split by it); the
-data-parallel degree shrinks, and the global batch (sequences per step, every data-parallel rank
-taking `batch_size` of them: `worker.data.batch`) is kept by more sequences per rank where the
-sizes divide. The worker has no gradient accumulation (it would change the normal path's
-arithmetic), so where they do not divide the global batch changes and the plan says so.
+Pure and torch-free: the supervisor plans the smaller world (through `worker.spec`) before it
+launches anything, with the worker's own checks, so a plan the worker would refuse is a
+`problem`, not a failed attempt. Tensor parallelism is kept (its groups live inside a node and
+the model is split by it); the data-parallel degree shrinks, and the global batch (sequences per
+step, every data-parallel rank taking `batch_size` of them: `worker.data.batch`) is kept by more
+sequences per rank where the sizes divide. The worker has no gradient accumulation (it would
+change the normal path's arithmetic), so where they do not divide the global batch changes and
+the plan says so.
 
 Always planned from the job's ORIGINAL flags and world: a job that shrinks twice is planned
 from the first world again, never from a plan of a plan.
@@ -14,11 +15,10 @@ from the first world again, never from a plan of a plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.settings.config import flags_from_table
 from worker import args as worker_args
 from worker.errors import UsageError
 
@@ -29,7 +29,7 @@ class ShrinkPlan:
 
     world: int
     new_world: int
-    flags: dict[str, Any] = field(default_factory=dict)  # only the overrides of [worker]
+    flags: dict[str, Any] = field(default_factory=dict)  # overrides, by [worker] key (flag dest)
     changes: tuple[str, ...] = ()
     batch_kept: bool = True  # global batch in tokens per step unchanged
     global_batch: tuple[int, int] = (0, 0)  # sequences per step, before and after
@@ -51,16 +51,16 @@ class ShrinkPlan:
         }
 
 
-def plan_shrink(flags: Mapping[str, Any], world: int, new_world: int) -> ShrinkPlan:
-    """The overrides of the `[worker]` table `flags` (underscored keys; absent: the worker's
-    defaults) for `new_world` ranks of a job planned for `world` ranks."""
-    base = dict(flags)
+def plan_shrink(argv: Sequence[str], world: int, new_world: int) -> ShrinkPlan:
+    """The overrides of the worker's flags `argv` (absent flags: the worker's defaults) for
+    `new_world` ranks of a job planned for `world` ranks."""
+    base = list(argv)
     try:
-        args = _parse(base)
+        args = worker_args.parse_args(base)
         cfg, old = worker_args.plan_run(args, world)
     except UsageError as exc:
-        why = f"the job's [worker] flags do not plan on its own {world} ranks: {_text(exc)}"
-        return ShrinkPlan(world, new_world, problem=why)
+        why = f"the job's [worker] flags do not plan on its own {world} ranks: "
+        return ShrinkPlan(world, new_world, problem=why + worker_args.refusal(exc))
     old_batch = old.dp * args.batch_size
     before = ShrinkPlan(
         world,
@@ -111,9 +111,9 @@ def plan_shrink(flags: Mapping[str, Any], world: int, new_world: int) -> ShrinkP
             f"(batch_size {batch_size} kept; the learning-rate schedule is per step)"
         )
     try:  # the worker's own checks, on exactly what the relaunch will pass
-        _, new = worker_args.plan_run(_parse({**base, **overrides}), new_world)
+        _, new = worker_args.plan_run(worker_args.parse_args(base + _flags(overrides)), new_world)
     except UsageError as exc:
-        return _refused(before, f"the worker refuses {new_world} ranks: {_text(exc)}")
+        return _refused(before, f"the worker refuses {new_world} ranks: {worker_args.refusal(exc)}")
     return ShrinkPlan(
         world,
         new_world,
@@ -126,12 +126,9 @@ def plan_shrink(flags: Mapping[str, Any], world: int, new_world: int) -> ShrinkP
     )
 
 
-def _parse(table: dict[str, Any]) -> worker_args.TrainArgs:
-    return worker_args.parse_args(flags_from_table(table))
-
-
-def _text(exc: UsageError) -> str:
-    return str(exc).removeprefix("python -m worker.train: ").removesuffix(" (see --help)")
+def _flags(overrides: dict[str, int]) -> list[str]:
+    """The overrides as flags after the job's own: the last of a flag given twice wins."""
+    return [part for k, v in overrides.items() for part in ("--" + k.replace("_", "-"), str(v))]
 
 
 def _refused(before: ShrinkPlan, problem: str) -> ShrinkPlan:
