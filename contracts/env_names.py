@@ -35,6 +35,10 @@ ENV_HEARTBEAT_RELAY = "ES_HEARTBEAT_RELAY"
 # `control_identity(...)`.
 ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
 
+# Tests only: the failure points to arm in the ranks and the pre-launch node check
+# (`contracts.inject`), e.g. "rank=1,raise_at_step=5".
+ENV_INJECT = "ES_INJECT"
+
 # The launcher's own name for a rank's node (Hydra's emulated nodes run on one host under
 # several names), else the host name: what relays and the pre-launch node check go by.
 NODE_NAME_VARS = ("PMI_HOSTNAME", "SLURMD_NODENAME")

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from contracts import ckpt_files as ckpt_files
-from contracts import env_names
+from contracts import env_names, inject
 from supervisor.commands import cli
 from supervisor.log.events import read_events
 
@@ -55,6 +55,12 @@ def mpiexec() -> str:
     if not found:
         pytest.skip("mpiexec not found")
     return found
+
+
+def inject_env(**points) -> dict[str, str]:
+    """The environment that arms these test-only failure points (contracts.inject) in a job's
+    ranks and its pre-launch node check: `inject_env(rank=1, raise_at_step=3)`."""
+    return {env_names.ENV_INJECT: inject.spec(**points)}
 
 
 def rank_env(**extra: str) -> dict[str, str]:

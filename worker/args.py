@@ -50,14 +50,6 @@ class TrainArgs:
     ckpt_stage_dir: str | None
     mem_ckpt_interval: int
     metrics_all_ranks: bool
-    inject_rank: int
-    inject_raise_at_step: int | None
-    inject_stall_at_step: int | None
-    inject_kill_in_save_at_step: int | None
-    inject_kill_async_phase: str | None
-    inject_ckpt_delay_s: float
-    inject_disk_full_at_step: int | None
-    inject_kill_in_mem_copy_at_step: int | None
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -200,50 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         "under $ES_MEM_ROOT or /dev/shm), which outlives the ranks: a relaunch on the same "
         "nodes resumes from it when it is newer than the newest durable checkpoint (0: off)",
     )
-    i = p.add_argument_group("fault injection (tests)")
-    i.add_argument(
-        "--inject-rank", type=int, default=0, help="the rank the --inject-* faults happen on"
-    )
-    i.add_argument(
-        "--inject-raise-at-step", type=int, default=None, help="raise an error in this step"
-    )
-    i.add_argument(
-        "--inject-stall-at-step",
-        type=int,
-        default=None,
-        help="block inside this step for good (the beat thread goes on)",
-    )
-    i.add_argument(
-        "--inject-kill-in-save-at-step",
-        type=int,
-        default=None,
-        help="SIGKILL the rank after its shards are written, before the marker",
-    )
-    i.add_argument(
-        "--inject-kill-async-phase",
-        choices=("stage", "write", "fanout", "marker", "after-marker"),
-        default=None,
-        help="with --async-ckpt: where in the save of --inject-kill-in-save-at-step to SIGKILL",
-    )
-    i.add_argument(
-        "--inject-ckpt-delay-s",
-        type=float,
-        default=0.0,
-        help="with --async-ckpt: the background write and fan-out start this long after the "
-        "stage, on every rank (a slow file system; training meanwhile changes the state)",
-    )
-    i.add_argument(
-        "--inject-disk-full-at-step",
-        type=int,
-        default=None,
-        help="the save of this step fails as on a full disk (ENOSPC writing the shard)",
-    )
-    i.add_argument(
-        "--inject-kill-in-mem-copy-at-step",
-        type=int,
-        default=None,
-        help="SIGKILL the rank in the middle of the memory copy of this step",
-    )
     return p
 
 
@@ -276,7 +224,6 @@ def check_args(a: TrainArgs) -> None:
     at_least_zero = {
         "--lr": a.lr,
         "--weight-decay": a.weight_decay,
-        "--inject-ckpt-delay-s": a.inject_ckpt_delay_s,
     }
     for flag, value in at_least_zero.items():
         if not (math.isfinite(value) and value >= 0):
@@ -290,10 +237,6 @@ def check_args(a: TrainArgs) -> None:
         raise UsageError(f"--warmup-iters must be 0 or more, got {a.warmup_iters}")
     if a.save_interval < 0:
         raise UsageError(f"--save-interval must be 0 (off) or positive, got {a.save_interval}")
-    if a.inject_kill_async_phase and not (a.async_ckpt and a.inject_kill_in_save_at_step):
-        raise UsageError(
-            "--inject-kill-async-phase needs --async-ckpt and --inject-kill-in-save-at-step"
-        )
     if a.mem_ckpt_interval < 0:
         raise UsageError(
             f"--mem-ckpt-interval must be 0 (off) or positive, got {a.mem_ckpt_interval}"
@@ -331,4 +274,3 @@ def plan_run(a: TrainArgs, world: int) -> tuple[ModelConfig, Layout]:
     layout = plan_layout(world, a.tp, a.replicate)
     check_model_fits(layout, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
     return cfg, layout
-

@@ -14,7 +14,7 @@ import gc
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class Setup:
     beacon: Beacon
     say: Callable[..., None]  # prints on rank 0 only
     startup: Startup
+    hooks: Hooks = field(default_factory=Hooks)  # where a test makes this rank fail
 
     @property
     def ckpt(self) -> CkptSettings:
@@ -196,7 +197,7 @@ def build_state(setup: Setup, group: Group) -> State:
     # collection walked it all for 0.2-0.33 s here (once inside a checkpoint load, stalling
     # that rank and so every rank). Frozen, later collections skip it.
     gc.freeze()
-    return State(model, optimizer, scheduler, source, metrics, Hooks.from_args(args, info.rank))
+    return State(model, optimizer, scheduler, source, metrics, setup.hooks)
 
 
 def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen) -> Training:

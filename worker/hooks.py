@@ -1,8 +1,10 @@
-"""Test hooks: where a rank fails on purpose when a test asks (the `--inject-*` flags).
+"""Test hooks: where a rank fails on purpose when a test arms a point in `ES_INJECT`
+(contracts.inject).
 
 The training loop and the checkpoint code call a `Hooks`; this base class does nothing, so a
-run without those flags carries no test code on its path. `Hooks.from_args` builds the one that
-acts. Faults the supervisor sends (faults/) take another road: `beat.StepFaults`.
+run that arms nothing carries no test code on its path. `from_env` reads the variable once, at
+start, and builds the one that acts. Faults the supervisor sends (faults/) take another road:
+`beat.StepFaults`.
 
 No torch here.
 """
@@ -13,70 +15,56 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from worker.args import TrainArgs
+from contracts import inject
+from contracts.env_names import ENV_INJECT
+from contracts.inject import AsyncPhase
+from worker.ckpt.fail_points import NoFailPoints
+from worker.errors import UsageError
 
-# Where in an async save a rank can be killed, in the order they happen.
-AsyncPhase = Literal["stage", "write", "fanout", "marker", "after-marker"]
 
-
-class Hooks:
-    """The do-nothing hooks of a run without `--inject-*` flags."""
-
-    write_delay_s: float = 0.0  # an async save's background write starts this late
-
-    @staticmethod
-    def from_args(args: TrainArgs, rank: int) -> Hooks:
-        asked = (
-            args.inject_raise_at_step,
-            args.inject_stall_at_step,
-            args.inject_kill_in_save_at_step,
-            args.inject_kill_async_phase,
-            args.inject_disk_full_at_step,
-            args.inject_kill_in_mem_copy_at_step,
-        )
-        if all(a is None for a in asked) and not args.inject_ckpt_delay_s:
-            return Hooks()
-        return InjectedFaults(
-            armed=rank == args.inject_rank,
-            raise_at_step=args.inject_raise_at_step,
-            stall_at_step=args.inject_stall_at_step,
-            kill_in_save_at_step=args.inject_kill_in_save_at_step,
-            kill_async_phase=args.inject_kill_async_phase,
-            write_delay_s=args.inject_ckpt_delay_s,
-            disk_full_at_step=args.inject_disk_full_at_step,
-            kill_in_mem_copy_at_step=args.inject_kill_in_mem_copy_at_step,
-        )
+class Hooks(NoFailPoints):
+    """The do-nothing hooks of a run that arms no point."""
 
     def in_step(self, step: int) -> None:
         """At the start of every step."""
 
-    def after_write(self, step: int) -> None:
-        """A sync save: this rank's shards are written, the marker is not."""
 
-    def in_async_phase(self, phase: AsyncPhase, step: int) -> None:
-        """An async save of `step` has reached `phase` (on the thread that runs it)."""
-
-    def before_shard(self, step: int, path: Path) -> None:
-        """The save of `step` is about to write this rank's shard file `path`."""
-
-    def in_memory_copy(self, step: int) -> None:
-        """The memory copy of `step` has copied the bytes but not sealed its slot."""
+def from_env(env: Mapping[str, str], rank: int, async_ckpt: bool) -> Hooks:
+    """This rank's hooks from `ES_INJECT` in `env`; UsageError (exit 2) on a bad value."""
+    try:
+        points = inject.read(env)
+    except inject.InjectError as exc:
+        raise UsageError(str(exc)) from None
+    if points.kill_async_phase and not async_ckpt:
+        raise UsageError(f"{ENV_INJECT}: kill_async_phase needs --async-ckpt")
+    if not points.arms_the_worker():
+        return Hooks()
+    return InjectedFaults(
+        armed=rank == points.rank,
+        raise_at_step=points.raise_at_step,
+        stall_at_step=points.stall_at_step,
+        kill_in_save_at_step=points.kill_in_save_at_step,
+        kill_async_phase=points.kill_async_phase,
+        write_delay_s=points.ckpt_delay_s,
+        disk_full_at_step=points.disk_full_at_step,
+        kill_in_mem_copy_at_step=points.kill_in_mem_copy_at_step,
+    )
 
 
 @dataclass(frozen=True)
 class InjectedFaults(Hooks):
-    """Fail, stall or SIGKILL the armed rank (`--inject-rank`) at the steps the flags name;
+    """Fail, stall or SIGKILL the armed rank (the point `rank`) at the steps the points name;
     the write delay holds on every rank (a slow file system is everyone's)."""
 
     armed: bool
     raise_at_step: int | None = None
     stall_at_step: int | None = None
     kill_in_save_at_step: int | None = None
-    kill_async_phase: str | None = None
+    kill_async_phase: AsyncPhase | None = None
     write_delay_s: float = 0.0
     disk_full_at_step: int | None = None
     kill_in_mem_copy_at_step: int | None = None

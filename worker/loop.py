@@ -18,6 +18,7 @@ from worker.beat import Beacon, StepFaults
 from worker.build import Setup, Training, build
 from worker.data import batch
 from worker.dist import RankInfo
+from worker.hooks import Hooks
 from worker.layout import Layout
 from worker.metrics import human_line
 from worker.parallel import clip_grad_norm
@@ -35,10 +36,11 @@ def run(
     say: Callable[..., None],
     stop_requested: Callable[[], bool],
     standby: bool = False,
+    hooks: Hooks | None = None,
 ) -> int:
     startup = Startup()
     startup.mark("imports")
-    setup = Setup(args, info, cfg, layout, beacon, say, startup)
+    setup = Setup(args, info, cfg, layout, beacon, say, startup, hooks or Hooks())
     if not standby:
         t = build(setup)
     else:

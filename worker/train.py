@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from contracts import env_names
+from worker import hooks as test_hooks
 from worker import stack_dump
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     say = print if info.rank == 0 else (lambda *a, **k: None)
     try:
         args = parse_args(argv)
+        hooks = test_hooks.from_env(os.environ, info.rank, args.async_ckpt)
         check_paths(args)
         cfg, layout = plan(args, info)
         standby = standby_requested(os.environ)
@@ -83,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from worker import loop  # torch: slow, so only once the flags are known to be good
 
-        return loop.run(args, info, cfg, layout, beacon, say, lambda: stop.requested, standby)
+        return loop.run(
+            args, info, cfg, layout, beacon, say, lambda: stop.requested, standby, hooks
+        )
     except UsageError as exc:
         say_once(info, exc)
         beacon.error(str(exc))

@@ -15,7 +15,9 @@ from tests.support import (
     ITERS,
     TINY,
     assert_same_losses,
+    inject_env,
     losses,
+    rank_env,
     read_metrics,
     run_worker,
     start_worker,
@@ -60,16 +62,8 @@ def test_kill_in_each_phase_resumes_bit_exact(tmp_path, baseline, phase):
     rank, marked = KILLS[phase]
     args = async_args(tmp_path)
     ckpt, stage = tmp_path / "ckpt", tmp_path / "stage"
-    died = run_worker(
-        2,
-        *args,
-        "--inject-rank",
-        str(rank),
-        "--inject-kill-in-save-at-step",
-        str(KILL_STEP),
-        "--inject-kill-async-phase",
-        phase,
-    )
+    kill = inject_env(rank=rank, kill_in_save_at_step=KILL_STEP, kill_async_phase=phase)
+    died = run_worker(2, *args, env=rank_env(**kill))
     assert died.returncode != 0, died.stdout
     found = {f.step: f.complete for f in ckpt_files.scan(ckpt)}
     assert max(s for s, complete in found.items() if complete) == marked, found
@@ -108,9 +102,8 @@ def test_slow_write_marks_before_next_save_and_stages_one_step(tmp_path):
         "--log-every",
         "30",
     ]
-    first = run_worker(
-        2, *args, "--outdir", str(tmp_path / "a"), "--inject-ckpt-delay-s", str(delay)
-    )
+    slow = rank_env(**inject_env(ckpt_delay_s=delay))
+    first = run_worker(2, *args, "--outdir", str(tmp_path / "a"), env=slow)
     assert first.returncode == 0, first.stdout + first.stderr
     marked = re.search(rf"checkpoint step={interval} complete at step=(\d+)", first.stdout)
     assert marked, first.stdout

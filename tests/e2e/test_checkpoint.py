@@ -21,6 +21,7 @@ from tests.support import (
     LAYOUTS,
     TINY,
     assert_same_losses,
+    inject_env,
     kill_every_rank,
     rank_env,
     read_metrics,
@@ -90,7 +91,8 @@ def test_kill_during_save_falls_back_to_previous(tmp_path, reference):
         "--ckpt-dir",
         str(tmp_path / "ckpt"),
     ]
-    died = run_worker(2, *common, "--inject-rank", "1", "--inject-kill-in-save-at-step", "8")
+    kill = inject_env(rank=1, kill_in_save_at_step=8)
+    died = run_worker(2, *common, env=rank_env(**kill))
     assert died.returncode != 0
     partial = ckpt_files.step_dir(tmp_path / "ckpt", 8)
     assert any(partial.glob("*.distcp")) and not (partial / ckpt_files.MARKER).exists()

@@ -20,6 +20,7 @@ from tests.support import (
     ITERS,
     TINY,
     assert_same_losses,
+    inject_env,
     rank_env,
     read_metrics,
     run_worker,
@@ -75,9 +76,8 @@ def the_job_dir(root: Path) -> Path:
 def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, reference, mem_root):
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args = flags(tmp_path, "m")
-    died = run_worker(
-        2, *args, "--inject-rank", "1", "--inject-kill-in-mem-copy-at-step", "6", env=env
-    )
+    kill = inject_env(rank=1, kill_in_mem_copy_at_step=6)
+    died = run_worker(2, *args, env={**env, **kill})
     assert died.returncode != 0
     directory = the_job_dir(mem_root)
     slots = [slot_state(directory, 1, s) for s in range(2)]
@@ -95,7 +95,7 @@ def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
     (its copy was waited for before step 7's update) and step 7 complete or torn (its copy
     may have been cut short)."""
     args = flags(tmp_path, "m")
-    died = run_worker(2, *args, "--inject-rank", "1", "--inject-raise-at-step", "8", env=env)
+    died = run_worker(2, *args, env={**env, **inject_env(rank=1, raise_at_step=8)})
     assert died.returncode != 0
     return args, the_job_dir(Path(env["ES_MEM_ROOT"]))
 
@@ -108,9 +108,8 @@ def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, reference, mem_root):
     be memory step 6)."""
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args = flags(tmp_path, "m")
-    died = run_worker(
-        2, *args, "--inject-rank", "1", "--inject-kill-in-mem-copy-at-step", "7", env=env
-    )
+    kill = inject_env(rank=1, kill_in_mem_copy_at_step=7)
+    died = run_worker(2, *args, env={**env, **kill})
     assert died.returncode != 0
     directory = the_job_dir(mem_root)
     assert {(s.step, s.torn) for s in (slot_state(directory, 1, i) for i in range(2))} >= {
@@ -156,9 +155,8 @@ def test_another_world_size_resumes_from_the_durable_tier_resharded(tmp_path, me
 def test_no_resume_ignores_and_forgets_the_memory_tier(tmp_path, mem_root):
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args, directory = _fail_at_step_8(tmp_path, env)
-    fresh = run_worker(
-        2, *args, "--no-resume", "--inject-rank", "1", "--inject-raise-at-step", "3", env=env
-    )
+    crash = inject_env(rank=1, raise_at_step=3)
+    fresh = run_worker(2, *args, "--no-resume", env={**env, **crash})
     assert fresh.returncode != 0
     assert "RESUMED" not in fresh.stdout
     held = {json.loads(p.read_text())["step"] for p in directory.glob("rank-*/slot-*.json")}
@@ -173,7 +171,7 @@ def test_an_async_save_writes_the_memory_copy_out_and_resumes_bit_exact(
     second staging copy); the durable checkpoint so written resumes bit for bit."""
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     args = [*flags(tmp_path, "m"), "--async-ckpt"]
-    died = run_worker(2, *args, "--inject-rank", "1", "--inject-raise-at-step", "10", env=env)
+    died = run_worker(2, *args, env={**env, **inject_env(rank=1, raise_at_step=10)})
     assert died.returncode != 0
     records = read_metrics(tmp_path / "m/metrics-0.jsonl")
     staged = [

@@ -25,6 +25,7 @@ from tests.support import (
     TINY_JOB_WORKER,
     events,
     finish_supervisor,
+    inject_env,
     read_metrics,
     run_supervisor,
     start_supervisor,
@@ -157,7 +158,7 @@ def test_a_node_that_fails_the_pre_launch_check_never_runs_a_rank(tmp_path):
     launch = {
         "nodes": ["n0", "n1", "n2", "n3"],
         "spares": 1,
-        "env": {"ES_INJECT_NODE_CHECK_FAIL": "n2"},
+        "env": inject_env(node_check_fail=["n2"]),
     }
     short = {**WORKER, "train_iters": 4}
     rc, out = run_supervisor(job_config(tmp_path, launch, {}, [], short), JOB_TIMEOUT)

@@ -16,7 +16,7 @@ import pytest
 
 from contracts import ckpt_files
 from supervisor.settings.config import flags_from_table
-from tests.support import TINY_SIZES, losses, rank_env, read_metrics, run_worker
+from tests.support import TINY_SIZES, inject_env, losses, rank_env, read_metrics, run_worker
 from worker.ckpt import memory
 from worker.spec import plan_shrink
 
@@ -64,9 +64,8 @@ def test_fsdp_3_to_2_keeps_the_global_batch_and_never_takes_the_memory_tier(tmp_
     env = rank_env(ES_MEM_ROOT=str(mem_root))
     ckpt = tmp_path / "ckpt"
     table = {**TINY, "batch_size": 2, "ckpt_dir": str(ckpt), "mem_ckpt_interval": 1}
-    died = run(
-        3, table, tmp_path / "a", "--inject-rank", "1", "--inject-raise-at-step", "8", env=env
-    )
+    crash = {**env, **inject_env(rank=1, raise_at_step=8)}
+    died = run(3, table, tmp_path / "a", env=crash)
     assert died.returncode != 0
     (job_dir,) = mem_root.glob("es-mem-*")
     held = [held_steps(job_dir, rank) for rank in range(3)]

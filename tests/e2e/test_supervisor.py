@@ -21,6 +21,7 @@ from tests.support import (
     TINY_JOB_WORKER,
     assert_in_order,
     events,
+    inject_env,
     names,
     rank_pid,
     supervisor_cli,
@@ -42,7 +43,8 @@ TINY = {**TINY_JOB_WORKER, "train_iters": 30, "save_interval": 5}
 
 
 def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, heartbeat=None,
-                 progress=None) -> Path:  # fmt: skip
+                 progress=None, inject=None) -> Path:  # fmt: skip
+    """A job config; `inject`: the test-only failure points to arm in its ranks."""
     tables = {
         "job": {"name": "t", "run_dir": str(tmp_path / "run")},
         "launch": {"launcher": launcher, "ranks_per_node": 2},
@@ -57,6 +59,8 @@ def write_config(tmp_path: Path, launcher="mpiexec", worker=None, restart=None, 
         "heartbeat": {"interval_s": 0.25, "timeout_s": 3.0, **(heartbeat or {})},
         "heartbeat.progress": {"init": 60, "load": 60, "train": 30, "save": 60, **(progress or {})},
     }
+    if inject:
+        tables["launch.env"] = inject_env(**inject)
     text = "".join(
         f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in t.items()) + "\n"
         for name, t in tables.items()
@@ -161,7 +165,8 @@ def test_stall_inside_a_step_is_a_progress_loss(tmp_path):
     config = write_config(
         tmp_path,
         launcher="local",
-        worker={"inject_rank": 1, "inject_stall_at_step": 3, "save_interval": 0},
+        worker={"save_interval": 0},
+        inject={"rank": 1, "stall_at_step": 3},
         restart={"max_restarts": 0},
         progress={"train": 2.5},
     )
@@ -223,7 +228,7 @@ def test_budget_exhausted(tmp_path):
     config = write_config(
         tmp_path,
         launcher="local",
-        worker={"inject_rank": 0, "inject_raise_at_step": 3},
+        inject={"rank": 0, "raise_at_step": 3},
         restart={"max_restarts": 0},
     )
     rc, out = finish(start(config))
@@ -241,7 +246,7 @@ def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
     config = write_config(
         tmp_path,
         launcher="local",
-        worker={"inject_rank": 0, "inject_raise_at_step": 1},  # fails inside its first step
+        inject={"rank": 0, "raise_at_step": 1},  # fails inside its first step
         restart={"max_restarts": 5, "backoff_s": [0, 1, 30]},
     )
     rc, out = finish(start(config))
@@ -261,10 +266,11 @@ def test_the_same_error_before_the_first_step_twice_ends_the_job(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_checkpoint_disk_ends_the_job_in_one_line(tmp_path, mode):
     run = tmp_path / "run"
-    worker = {"inject_rank": 0, "inject_disk_full_at_step": 10}  # ENOSPC writing the shard
+    worker = {}
     if mode == "async":
         worker.update(async_ckpt=True, ckpt_stage_dir=str(tmp_path / "stage"))
-    rc, out = finish(start(write_config(tmp_path, worker=worker)))
+    disk_full = {"rank": 0, "disk_full_at_step": 10}  # ENOSPC writing the shard
+    rc, out = finish(start(write_config(tmp_path, worker=worker, inject=disk_full)))
     assert rc == 2, out
     evs = events(run)
     assert sum(e["event"] == "launch" for e in evs) == 1  # no relaunch can make room

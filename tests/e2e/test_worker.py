@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from tests.support import ITERS, REPO, TINY, losses, rank_env, read_metrics, run_worker
+from tests.support import (
+    ITERS,
+    REPO,
+    TINY,
+    inject_env,
+    losses,
+    rank_env,
+    read_metrics,
+    run_worker,
+)
 
 
 @pytest.mark.slow
@@ -48,13 +57,10 @@ def test_raising_rank_brings_job_down(tmp_path):
         *TINY,
         "--train-iters",
         "1000",
-        "--inject-rank",
-        "1",
-        "--inject-raise-at-step",
-        "3",
         "--outdir",
         str(tmp_path),
         timeout=90,
+        env=rank_env(**inject_env(rank=1, raise_at_step=3)),
     )
     elapsed = time.monotonic() - started
     assert out.returncode != 0
@@ -91,6 +97,24 @@ def test_bad_input_is_one_clear_line(tmp_path, flags, message):
     env = rank_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
     out = subprocess.run(
         [sys.executable, "-m", "worker.train", *TINY, "--outdir", str(tmp_path), *flags],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert_one_clear_line(out, message)
+
+
+BAD_INJECT = [
+    ("bogus=1", "ES_INJECT: unknown point 'bogus'"),
+    ("raise_at_step=x", "ES_INJECT: raise_at_step='x' is not a step"),
+    ("kill_in_save_at_step=3,kill_async_phase=write", "kill_async_phase needs --async-ckpt"),
+]
+
+
+@pytest.mark.parametrize("points,message", BAD_INJECT)
+def test_bad_inject_is_one_clear_line(tmp_path, points, message):
+    """A test's failure points are input too: a bad one is refused like a bad flag."""
+    env = rank_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", ES_INJECT=points)
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.train", *TINY, "--outdir", str(tmp_path)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert_one_clear_line(out, message)

@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from contracts import control_msgs, messages
-from tests.support import ITERS, TINY, losses, mpiexec, rank_env, read_metrics
+from tests.support import ITERS, TINY, inject_env, losses, mpiexec, rank_env, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +68,15 @@ class FakeSupervisor:
             ES_ATTEMPT_DIR=str(attempt_dir),
         )
 
-    def launch(self, ranks: int, attempt_dir: Path, *flags: str) -> subprocess.Popen:
+    def launch(
+        self, ranks: int, attempt_dir: Path, *flags: str, inject: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         self.attempt += 1
         self.phase.clear()
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "worker.train", *flags]
         return subprocess.Popen(
             cmd,
-            env=self.env(attempt_dir),
+            env={**self.env(attempt_dir), **(inject or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -176,8 +178,8 @@ def test_go_trains_the_uninterrupted_run_fresh_and_resumed(tmp_path, sup, refere
     baseline = reference(ranks, *TINY, "--train-iters", str(ITERS))
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt")]
 
-    crash = ["--inject-rank", "1", "--inject-raise-at-step", str(crash_at)]
-    proc = sup.launch(ranks, tmp_path / "a1", *common, *ckpt, *crash)
+    crash = inject_env(rank=1, raise_at_step=crash_at)
+    proc = sup.launch(ranks, tmp_path / "a1", *common, *ckpt, inject=crash)
     sup.wait_all("standby", ranks, proc, READY_TIMEOUT)
     assert not read_metrics(tmp_path / "a1" / "metrics-0.jsonl")  # nothing trained yet
     sup.tell("go", ranks)

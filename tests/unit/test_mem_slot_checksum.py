@@ -79,7 +79,7 @@ def write_slot(directory: Path, slot: int, step: int, data: torch.Tensor, expect
     """A sealed slot holding `data` as two tensors and padding, as the copy thread seals it."""
     bin_path, json_path = memory.slot_paths(directory, expect.rank, slot)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    s = memory._Slot(bin_path, json_path)
+    s = memory.MappedSlot(bin_path, json_path)
     block = s.map(data.numel())
     block.copy_(data)
     gen = step + 100

@@ -49,11 +49,11 @@ def test_room_needs_a_margin_and_counts_slots_already_there():
     assert memory.room_problem(8 * gib, 16 * gib, 8 * gib, 4 * gib, where) is None
 
 
-def write_slot(directory: Path, slot: int, step: int, expect=EXPECT) -> memory._Slot:
+def write_slot(directory: Path, slot: int, step: int, expect=EXPECT) -> memory.MappedSlot:
     """A real slot file, mapped and sealed as the copy thread does."""
     bin_path, json_path = memory.slot_paths(directory, expect.rank, slot)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    s = memory._Slot(bin_path, json_path)
+    s = memory.MappedSlot(bin_path, json_path)
     block = s.map(4096)
     block[:8].copy_(torch.arange(8, dtype=torch.uint8))
     gen = step + 100

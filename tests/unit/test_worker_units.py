@@ -13,7 +13,7 @@ from worker.args import parse_args
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError
-from worker.hooks import Hooks
+from worker.hooks import Hooks, from_env
 from worker.layout import plan_layout
 from worker.loop import save_due
 from worker.presets import PRESETS, resolve_config
@@ -168,23 +168,33 @@ def test_step_dir_names_parse_back():
         assert ckpt_files.parse_step(other) is None
 
 
-def test_hooks_do_nothing_without_inject_flags():
-    hooks = Hooks.from_args(parse_args([]), rank=0)
+def test_hooks_do_nothing_without_inject():
+    hooks = from_env({}, rank=0, async_ckpt=False)
     assert type(hooks) is Hooks and hooks.write_delay_s == 0
     hooks.in_step(1)
     hooks.after_write(1)
     hooks.in_async_phase("stage", 1)
+    assert type(from_env({"ES_INJECT": "rank=1"}, rank=1, async_ckpt=False)) is Hooks
 
 
 def test_injected_failure_hits_only_the_chosen_rank_and_step():
-    args = parse_args(["--inject-rank", "1", "--inject-raise-at-step", "3"])
-    Hooks.from_args(args, rank=0).in_step(3)  # not this rank
-    hooks = Hooks.from_args(args, rank=1)
+    env = {"ES_INJECT": "rank=1,raise_at_step=3"}
+    from_env(env, rank=0, async_ckpt=False).in_step(3)  # not this rank
+    hooks = from_env(env, rank=1, async_ckpt=False)
     hooks.in_step(2)
     with pytest.raises(RuntimeError, match="injected failure at step 3"):
         hooks.in_step(3)
-    delay = ["--inject-ckpt-delay-s", "0.5", "--async-ckpt", "--ckpt-dir", "c"]
-    assert Hooks.from_args(parse_args(delay), rank=0).write_delay_s == 0.5  # every rank
+    delay = {"ES_INJECT": "ckpt_delay_s=0.5"}
+    assert from_env(delay, rank=0, async_ckpt=True).write_delay_s == 0.5  # every rank
+
+
+def test_a_bad_inject_is_a_usage_error():
+    with pytest.raises(UsageError, match="ES_INJECT: unknown point 'nope'"):
+        from_env({"ES_INJECT": "nope=1"}, rank=0, async_ckpt=False)
+    kill = {"ES_INJECT": "kill_in_save_at_step=4,kill_async_phase=write"}
+    with pytest.raises(UsageError, match="kill_async_phase needs --async-ckpt"):
+        from_env(kill, rank=0, async_ckpt=False)
+    assert from_env(kill, rank=0, async_ckpt=True).kill_async_phase == "write"
 
 
 @pytest.mark.parametrize(

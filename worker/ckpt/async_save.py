@@ -41,9 +41,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from contracts import ckpt_files, scratch
 from worker.ckpt import storage
 from worker.ckpt.checkpointer import Checkpointer
+from worker.ckpt.fail_points import NoFailPoints, SaveFailPoints
 from worker.ckpt.fanout import FanoutResult, fan_out
 from worker.ckpt.staging import Loan, ReusedStager
-from worker.hooks import Hooks
 
 POLL_PAUSE_S = 0.005
 
@@ -144,13 +144,13 @@ class AsyncCheckpointer:
         stage_root: Path,
         local_rank: int,
         timeout_s: float,
-        hooks: Hooks | None = None,
+        hooks: SaveFailPoints | None = None,
     ):
         self.base = base
         self.world = base.world
         self.stage_root = stage_root
         self.local_rank = local_rank
-        self.hooks = hooks or Hooks()
+        self.hooks = hooks or NoFailPoints()
         timeout = timedelta(seconds=timeout_s)
         self.write_pg = dist.new_group(backend="gloo", timeout=timeout)
         self.control_pg = dist.new_group(backend="gloo", timeout=timeout)

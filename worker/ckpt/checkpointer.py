@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 from contracts import ckpt_files
 from worker import collectives
 from worker.ckpt import rng, safe_load, storage
+from worker.ckpt.fail_points import NoFailPoints, SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.resume import RunIdentity, start_reading
 from worker.errors import UsageError
-from worker.hooks import Hooks
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        hooks: Hooks | None = None,
+        hooks: SaveFailPoints | None = None,
     ):
         self.root = root
         self.rank, self.world = rank, world
@@ -82,7 +82,7 @@ class Checkpointer:
         self.keep = keep
         self.verify = verify
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.hooks = hooks or Hooks()
+        self.hooks = hooks or NoFailPoints()
         self.last_saved_step = -1
 
     # ---- saving ---------------------------------------------------------------------------

@@ -26,11 +26,11 @@ from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
+from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
 from worker.ckpt.resume import Chosen, RunIdentity
 from worker.ckpt.settings import CkptSettings
 from worker.dist import RankInfo
-from worker.hooks import Hooks
 from worker.metrics import MetricsLog
 
 
@@ -72,7 +72,7 @@ def create_manager(
     metrics: MetricsLog,
     beacon: Beacon,
     say: Callable[..., None],
-    hooks: Hooks,
+    hooks: SaveFailPoints,
 ) -> CheckpointManager:
     if not settings.ckpt_dir:
         return CheckpointManager()
@@ -270,7 +270,7 @@ class AsyncManager(SyncManager):
         stage_root: Path,
         local_rank: int,
         timeout_s: float,
-        hooks: Hooks,
+        hooks: SaveFailPoints,
     ):
         super().__init__(base, metrics, beacon, say, memory_tier)
         self._open_saver = partial(

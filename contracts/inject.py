@@ -1,0 +1,162 @@
+"""The test-only failure points: where a worker rank or the pre-launch node check fails on
+purpose when a test asks, all set through one environment variable, `ES_INJECT`.
+
+Its value is the points to arm, comma-separated, each `name=value`:
+`ES_INJECT="rank=1,raise_at_step=5"`; a list of names is `+`-separated
+(`node_check_fail=n1+n2`). `Injection` declares every point (its name, its value's kind, what
+it does); `parse` reads the variable, and refuses an unknown point or a bad value in one line.
+The faults a supervisor injects into a running job by its config (`faults/`) are another
+matter: these points exist for the tests of what fails inside a rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from contracts.env_names import ENV_INJECT
+
+# Where in an async save a rank can be killed, in the order they happen.
+AsyncPhase = Literal["stage", "write", "fanout", "marker", "after-marker"]
+ASYNC_PHASES: tuple[AsyncPhase, ...] = ("stage", "write", "fanout", "marker", "after-marker")
+LIST_SEPARATOR = "+"
+
+
+class InjectError(ValueError):
+    """An `ES_INJECT` that names an unknown point or gives one a bad value (one line)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a point's value is: said in the docs and errors, read from its text."""
+
+    says: str
+    read: Callable[[str], Any]
+
+
+def _whole(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError
+    return value
+
+
+def _phase(text: str) -> str:
+    if text not in ASYNC_PHASES:
+        raise ValueError
+    return text
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(LIST_SEPARATOR))
+    if not all(names):
+        raise ValueError
+    return names
+
+
+RANK = Kind("a rank (an integer >= 0)", _whole)
+STEP = Kind("a step (an integer >= 0)", _whole)
+SECONDS = Kind("seconds (a number >= 0)", _seconds)
+PHASE = Kind(f"an async save's phase ({', '.join(ASYNC_PHASES)})", _phase)
+NODES = Kind(f"node names ({LIST_SEPARATOR}-separated)", _names)
+
+
+def _point(default: Any, kind: Kind, does: str) -> Any:
+    return field(default=default, metadata={"kind": kind, "does": does})
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Every failure point, at its value in `ES_INJECT` or unarmed. The worker's points act on
+    the rank `rank` only, but for the write delay (a slow file system is everyone's)."""
+
+    rank: int = _point(0, RANK, "the rank the worker's points act on")
+    raise_at_step: int | None = _point(None, STEP, "raise an error at the start of this step")
+    stall_at_step: int | None = _point(
+        None, STEP, "block inside this step for good (the beat thread goes on)"
+    )
+    kill_in_save_at_step: int | None = _point(
+        None, STEP, "SIGKILL the rank in the save of this step, its shards written, no marker"
+    )
+    kill_async_phase: AsyncPhase | None = _point(
+        None, PHASE, "with --async-ckpt: where in the save of kill_in_save_at_step the kill lands"
+    )
+    ckpt_delay_s: float = _point(
+        0.0,
+        SECONDS,
+        "with --async-ckpt: the background write and fan-out start this long after the stage, "
+        "on every rank (training meanwhile changes the state)",
+    )
+    disk_full_at_step: int | None = _point(
+        None, STEP, "the save of this step fails as on a full disk (ENOSPC writing the shard)"
+    )
+    kill_in_mem_copy_at_step: int | None = _point(
+        None, STEP, "SIGKILL the rank in the middle of the memory copy of this step"
+    )
+    node_check_fail: tuple[str, ...] = _point(
+        (), NODES, "the pre-launch node check fails on these nodes"
+    )
+
+    def arms_the_worker(self) -> bool:
+        """Whether any point of a worker rank is armed (`rank` alone arms nothing)."""
+        worker = (f.name for f in fields(self) if f.name not in ("rank", "node_check_fail"))
+        return any(getattr(self, n) != POINTS[n].default for n in worker)
+
+
+POINTS = {f.name: f for f in fields(Injection)}
+
+
+def parse(text: str) -> Injection:
+    """`ES_INJECT`'s value as the points it arms; InjectError (one line) if it is not valid."""
+    values: dict[str, Any] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, equals, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if name not in POINTS:
+            known = ", ".join(POINTS)
+            raise InjectError(f"{ENV_INJECT}: unknown point {name!r} (known: {known})")
+        if not equals:
+            raise InjectError(f"{ENV_INJECT}: {name} needs a value ({name}=...)")
+        if name in values:
+            raise InjectError(f"{ENV_INJECT}: {name} is set twice")
+        kind: Kind = POINTS[name].metadata["kind"]
+        try:
+            values[name] = kind.read(raw)
+        except ValueError:
+            raise InjectError(f"{ENV_INJECT}: {name}={raw!r} is not {kind.says}") from None
+    if "kill_async_phase" in values and "kill_in_save_at_step" not in values:
+        raise InjectError(f"{ENV_INJECT}: kill_async_phase needs kill_in_save_at_step")
+    return Injection(**values)
+
+
+def read(env: Mapping[str, str]) -> Injection:
+    """The points `ES_INJECT` arms in `env` (none when it is unset)."""
+    return parse(env.get(ENV_INJECT, ""))
+
+
+def spec(**points: Any) -> str:
+    """The `ES_INJECT` value that arms `points` (a test's way to write one), checked."""
+    parts = []
+    for name, value in points.items():
+        if isinstance(value, (tuple, list)):
+            value = LIST_SEPARATOR.join(value)
+        parts.append(f"{name}={value}")
+    text = ",".join(parts)
+    parse(text)
+    return text
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """Every point as (name, its value's kind, what it does): for the docs and `--help`."""
+    return [(f.name, f.metadata["kind"].says, f.metadata["does"]) for f in fields(Injection)]
