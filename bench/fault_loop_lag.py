@@ -22,9 +22,10 @@ import time
 import zmq
 
 from contracts import control_msgs
-from faults.engine import FaultEngine
+from faults import FaultEngine
 from faults.spec import JobShape, parse_all
-from supervisor.watch.heartbeat import AttemptTable
+from supervisor.watch.control import ControlServer
+from supervisor.watch.rank_table import AttemptTable
 
 KEY = b"bench-key-" * 4
 JOB = "lag"
@@ -66,16 +67,17 @@ def _connect(ctx: zmq.Context, address: str, rank: int) -> zmq.Socket:
 async def once(world: int, late: int, never: int) -> dict[str, float]:
     events: list[dict] = []
     specs = parse_all([{"at_step": 1, "action": "stall"}], "bench", JobShape(world=world, nodes=1))
+    control = ControlServer(KEY, JOB, "127.0.0.1", "127.0.0.1")
     engine = FaultEngine(
-        specs, key=KEY, job_id=JOB, world=world, ranks_per_node=world, ckpt_dir=None,
-        bind="127.0.0.1", advertise="127.0.0.1", this_host=socket.gethostname(),
-        emit=lambda e, **kw: events.append({"event": e, **kw}),
+        specs, job_id=JOB, world=world, ranks_per_node=world, ckpt_dir=None,
+        this_host=socket.gethostname(), emit=lambda e, **kw: events.append({"event": e, **kw}),
+        control=control, owns_control=True,
     )  # fmt: skip
     early = world - late - never
     ready, fired, done, got = mp.Event(), mp.Event(), mp.Event(), mp.Value("i", 0)
     sim = mp.Process(
         target=ranks,
-        args=(engine.control.address, range(early), range(early, early + late), ready, fired,
+        args=(control.address, range(early), range(early, early + late), ready, fired,
               done, got),
     )  # fmt: skip
     sim.start()
@@ -104,7 +106,7 @@ async def once(world: int, late: int, never: int) -> dict[str, float]:
     idle, worst = worst, 0.0  # the noise floor (this host's load); from here on: the injection
     fired.set()  # the late ranks connect 50 ms from now
     t0 = time.perf_counter()
-    engine.poke(table, time.monotonic())
+    engine.fire_due(table, time.monotonic())
     fire_s = time.perf_counter() - t0
     await asyncio.sleep(0.6)  # the retries (0.2 s at most) and then some
     stop = True

@@ -1,10 +1,7 @@
 """What a fault does to the ranks and their checkpoints: the impure half of faults/.
 
-- Signals: a rank on this host is signalled by its pid (from its `hello`); a rank elsewhere, or
-  any rank when a fault says `via = "control"`, gets a signed command on the control channel and
-  signals itself. `stall` and `slow` always go that way: the rank must act inside its step.
-- The control channel is one ROUTER socket that each rank's beat thread connects a DEALER to
-  (routing id `attempt/rank`); sends never block, and a rank not yet connected is reported.
+- Signals: a rank on this host is signalled by its pid (from its `hello`); the others get a
+  command on the control channel and signal themselves (`faults.delivery`).
 - Checkpoint damage: `corrupt` truncates (or flips bytes in) one shard of the newest complete
   checkpoint, `unmark` removes its `.complete`; the fault then kills the ranks.
 """
@@ -19,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from contracts import ckpt_files as ckpt_files  # the checkpoint layout itself; no torch there
-from supervisor.watch.control import ControlServer  # noqa: F401  (the channel the faults use)
 
 FLIP_BYTES = 64
 

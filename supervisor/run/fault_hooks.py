@@ -1,18 +1,22 @@
 """What the job loop tells the declared fault schedule, as one interface with a do-nothing default.
 
 A job without `[[faults]]` gets `NoFaults` and never imports `faults/` (nothing there is needed to
-run a job); with them, `faults.engine.FaultEngine` is loaded and fed the same calls.
+run a job); with them, `faults.FaultEngine` is loaded, handed the job's control channel (one of
+its own when the job has none), and fed the same calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from supervisor.launch import hosts
+from supervisor.watch.control import ControlServer, bind_for
 
 if TYPE_CHECKING:
     from supervisor.settings.config import Config
-    from supervisor.watch.control import ControlServer
-    from supervisor.watch.heartbeat import AttemptTable
+    from supervisor.watch.rank_table import AttemptTable
 
 
 class FaultHooks(Protocol):
@@ -26,15 +30,15 @@ class FaultHooks(Protocol):
         """A verified rank message, already folded into `table` (step and save triggers)."""
         ...
 
-    def poke(self, table: AttemptTable, now: float) -> None:
-        """A watch tick of a running attempt (time triggers)."""
+    def fire_due(self, table: AttemptTable, now: float) -> None:
+        """A watch tick of a running attempt: fire what is due (time triggers)."""
         ...
 
     def attempt_over(self) -> None:
         """The attempt is ending: nothing more into it."""
         ...
 
-    def hit(self, attempt: int) -> tuple[int, ...]:
+    def ranks_faulted(self, attempt: int) -> tuple[int, ...]:
         """The ranks a disruptive fault hit in `attempt` (a failure there is laid on them)."""
         ...
 
@@ -56,13 +60,13 @@ class NoFaults:
     def on_message(self, msg: dict[str, Any], table: AttemptTable, now: float) -> None:
         pass
 
-    def poke(self, table: AttemptTable, now: float) -> None:
+    def fire_due(self, table: AttemptTable, now: float) -> None:
         pass
 
     def attempt_over(self) -> None:
         pass
 
-    def hit(self, attempt: int) -> tuple[int, ...]:
+    def ranks_faulted(self, attempt: int) -> tuple[int, ...]:
         return ()
 
     def resize(self, world: int) -> None:
@@ -81,10 +85,24 @@ def for_job(
     emit: Callable[..., None],
     control: ControlServer | None = None,
 ) -> FaultHooks:
-    """The job's fault hooks: the fault engine when the config declares [[faults]] (on the
-    job's control channel when it has one)."""
+    """The job's fault hooks: the fault engine when the config declares [[faults]], on the
+    job's control channel when it has one (a standby uses it too), else on one of its own."""
     if not cfg.faults:
         return NoFaults()
-    from faults.engine import FaultEngine
+    from faults import FaultEngine
 
-    return FaultEngine.create(cfg, world, key, job_id, heartbeat_address, emit, control)
+    owns_control = control is None
+    if control is None:
+        control = ControlServer(key.encode(), job_id, *bind_for(heartbeat_address))
+    ckpt = cfg.worker.flags.get("ckpt_dir")
+    return FaultEngine(
+        list(cfg.faults),
+        job_id=job_id,
+        world=world,
+        ranks_per_node=cfg.launch.ranks_per_node,
+        ckpt_dir=Path(cfg.launch.cwd or ".", ckpt).absolute() if ckpt else None,
+        this_host=hosts.this_host(),
+        emit=emit,
+        control=control,
+        owns_control=owns_control,
+    )

@@ -33,9 +33,9 @@ def test_shipped_configs_with_faults_validate(capsys, monkeypatch):
 def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
     import subprocess
 
-    from faults.engine import FaultEngine
-    from supervisor.launch import launcher
-    from supervisor.watch.heartbeat import AttemptTable
+    from supervisor.launch import hosts
+    from supervisor.run import fault_hooks
+    from supervisor.watch.rank_table import AttemptTable
 
     cfg = C.from_dict(
         {
@@ -48,14 +48,14 @@ def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
     )
     fake_checkpoints(tmp_path, steps=(5, 10))
     emitted = []
-    engine = FaultEngine.create(cfg, 2, "k" * 64, "job", "tcp://127.0.0.1:1",
-                                lambda e, **kw: emitted.append({"event": e, **kw}))  # fmt: skip
+    engine = fault_hooks.for_job(cfg, 2, "k" * 64, "job", "tcp://127.0.0.1:1",
+                                 lambda e, **kw: emitted.append({"event": e, **kw}))  # fmt: skip
     ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         assert engine.control.address.startswith("tcp://127.0.0.1:")
         table = AttemptTable(attempt=0, world=2, launched_at=0.0)
         engine.attempt_started(0)
-        host = launcher.this_host()
+        host = hosts.this_host()
         for r, p in enumerate(ranks):
             msg = {"attempt": 0, "rank": r, "world": 2, "host": host, "pid": p.pid, "t": 0.0}
             table.update({**msg, "kind": "hello", "phase": "init"}, 1.0)
@@ -77,7 +77,7 @@ def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
         assert event["point"] == {"step": 7} and event["step"] == 10 and event["steps"] == [0]
         assert event["damaged"]["step"] == 10 and event["damaged"]["file"] == "__1_0.distcp"
         assert event["marker"]["step"] == 10 and event["marker"]["mtime"] <= event["ts"]
-        engine.poke(table, 3.0)
+        engine.fire_due(table, 3.0)
         assert len(emitted) == 1  # the attempt is over for faults
     finally:
         for p in ranks:

@@ -17,6 +17,7 @@ from faults.schedule import Facts, Schedule, interval, targets
 from faults.spec import JobShape, parse_all
 from supervisor.commands import cli
 from supervisor.settings import config as C
+from supervisor.watch.control import ControlServer
 from tests.support import fake_checkpoints
 from worker.beat import StepFaults, ZmqBeacon
 
@@ -297,7 +298,7 @@ def test_signal_by_pid():
 # --- the control channel --------------------------------------------------------------------------
 def test_control_channel_reaches_the_rank_and_only_that_rank(monkeypatch):
     key = b"k" * 32
-    server = actions.ControlServer(key, "job", "127.0.0.1", "127.0.0.1")
+    server = ControlServer(key, "job", "127.0.0.1", "127.0.0.1")
     pull = zmq.Context.instance().socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     ident = messages.RankIdentity("job", 3, 1, 2, "h", os.getpid())
@@ -374,16 +375,18 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
     measures the same with ranks connecting during the retries."""
     import asyncio
 
-    from faults.engine import CONTROL_RETRY_S, FaultEngine
-    from supervisor.watch.heartbeat import AttemptTable
+    from faults import FaultEngine
+    from faults.delivery import CONTROL_RETRY_S
+    from supervisor.watch.rank_table import AttemptTable
 
     world, connected = 64, 48
     events = []
     (spec,) = specs({"at_step": 1, "action": "stall"}, shape=JobShape(world=world, nodes=1))
+    control = ControlServer(b"k" * 32, "job", "127.0.0.1", "127.0.0.1")
     engine = FaultEngine(
-        [spec], key=b"k" * 32, job_id="job", world=world, ranks_per_node=world, ckpt_dir=None,
-        bind="127.0.0.1", advertise="127.0.0.1", this_host="h",
-        emit=lambda e, **kw: events.append({"event": e, **kw}),
+        [spec], job_id="job", world=world, ranks_per_node=world, ckpt_dir=None, this_host="h",
+        emit=lambda e, **kw: events.append({"event": e, **kw}), control=control,
+        owns_control=True,
     )  # fmt: skip
     ctx = zmq.Context()
     dealers = []
@@ -392,7 +395,7 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
         s.setsockopt(zmq.IDENTITY, control_msgs.control_identity(0, r))
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVTIMEO, 5000)
-        s.connect(engine.control.address)
+        s.connect(control.address)
         dealers.append(s)
     table = AttemptTable(attempt=0, world=world, launched_at=0.0)
     for r in range(world):
@@ -404,7 +407,7 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
     async def main() -> float:
         deadline = time.monotonic() + 10  # every connected rank routable before the fault
         for r in range(connected):
-            while engine.control.send(0, r, {}) is not None:
+            while control.send(0, r, {}) is not None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
         engine.attempt_started(0)
@@ -419,7 +422,7 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
 
         ticker = asyncio.create_task(ticks())
         await asyncio.sleep(0.02)
-        engine.poke(table, time.monotonic())
+        engine.fire_due(table, time.monotonic())
         await asyncio.sleep(CONTROL_RETRY_S + 0.2)
         done = True
         await ticker

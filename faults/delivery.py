@@ -1,0 +1,138 @@
+"""Carrying one firing to its ranks without ever blocking the supervisor's event loop.
+
+A rank on this host is signalled by its pid; a rank elsewhere, a `via = "control"` fault, and
+`stall` / `slow` (carried out inside the rank's step) get a signed command on the control
+channel. A rank whose control socket is not connected yet is retried by a timer on the loop
+(every CONTROL_RETRY_EVERY_S, for CONTROL_RETRY_S); if it never connects, one
+`fault_undelivered` event says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts import control_msgs
+from faults import actions
+from faults.protocols import ControlChannel, RankView
+from faults.spec import IN_STEP, FaultSpec
+
+CONTROL_RETRY_S = 0.2  # a rank whose control socket is not connected yet: retry this long
+CONTROL_RETRY_EVERY_S = 0.02
+NOT_CONNECTED = "rank not connected to the control channel"
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """How a firing reached its ranks, at once."""
+
+    via: list[str]  # per rank: "signal" or "control"
+    errors: list[str]  # "rank N: why", for the ranks it did not reach
+    retrying: list[int]  # ranks whose command waits for their control socket to connect
+
+
+@dataclass(eq=False)
+class _Retry:
+    """One firing's control commands to ranks not connected yet, retried from the event loop."""
+
+    spec: FaultSpec
+    n: int
+    attempt: int
+    deadline: float  # monotonic
+    commands: dict[int, dict[str, Any]]  # rank -> its command, until sent
+    failed: dict[int, str] = field(default_factory=dict)  # rank -> why not
+    timer: asyncio.TimerHandle | None = None
+
+
+class Delivery:
+    """Signals and control commands for firings, and the retries still pending."""
+
+    def __init__(
+        self, control: ControlChannel, job_id: str, this_host: str, emit: Callable[..., None]
+    ) -> None:
+        self.control, self.job_id, self.this_host, self.emit = control, job_id, this_host, emit
+        self.retrying: set[_Retry] = set()
+
+    def deliver(
+        self, spec: FaultSpec, n: int, attempt: int, ranks: Sequence[RankView], mono: float
+    ) -> Delivered:
+        """Signal or command each target rank now, without waiting (`mono`: the firing's
+        monotonic time, from which the retries count)."""
+        act = spec.action
+        vias, errors = [], []
+        later: dict[int, dict[str, Any]] = {}
+        for st in ranks:
+            remote = st.host != self.this_host
+            via = "control" if spec.via == "control" or act.kind in IN_STEP or remote else "signal"
+            vias.append(via)
+            if via == "signal":
+                err = actions.send_signal(st.pid, act.signum)
+            else:
+                command = self._command(spec, attempt, st.rank)
+                err = self.control.send(attempt, st.rank, command)
+                if err is not None and "not connected" in err:
+                    later[st.rank], err = command, None
+            if err:
+                errors.append(f"rank {st.rank}: {err}")
+        if later and not self._retry_later(_Retry(spec, n, attempt, mono + CONTROL_RETRY_S, later)):
+            errors += [f"rank {r}: {NOT_CONNECTED}" for r in later]
+            later = {}
+        return Delivered(vias, errors, sorted(later))
+
+    def cancel(self) -> None:
+        """Drop the retries still pending (the job is over)."""
+        for retry in self.retrying:
+            if retry.timer is not None:
+                retry.timer.cancel()
+        self.retrying.clear()
+
+    def _command(self, spec: FaultSpec, attempt: int, rank: int) -> dict[str, Any]:
+        act = spec.action
+        return control_msgs.control_message(
+            self.job_id,
+            attempt,
+            rank,
+            time.time(),
+            act.kind if act.kind in IN_STEP else "signal",
+            spec.index,
+            signal=0 if act.kind in IN_STEP else act.signum,
+            delay_s=act.delay_s,
+            duration_s=act.duration_s,
+        )
+
+    # --- ranks not connected yet: retried on the loop, never waited for -------------------------
+    def _retry_later(self, retry: _Retry) -> bool:
+        """Schedule the next try; False without a running event loop (nothing to retry on)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        retry.timer = loop.call_later(CONTROL_RETRY_EVERY_S, self._retry, retry)
+        self.retrying.add(retry)
+        return True
+
+    def _retry(self, retry: _Retry) -> None:
+        self.retrying.discard(retry)
+        for rank, command in list(retry.commands.items()):
+            err = self.control.send(retry.attempt, rank, command)
+            if err is None or "not connected" not in err:
+                del retry.commands[rank]
+                if err is not None:
+                    retry.failed[rank] = err
+        if retry.commands and time.monotonic() < retry.deadline:
+            self._retry_later(retry)
+            return
+        failed = {**retry.failed, **{r: NOT_CONNECTED for r in retry.commands}}
+        if failed:
+            self.emit(
+                "fault_undelivered",
+                attempt=retry.attempt,
+                fault=retry.spec.index,
+                name=retry.spec.label,
+                n=retry.n,
+                ranks=sorted(failed),
+                errors=[f"rank {r}: {e}" for r, e in sorted(failed.items())],
+            )
