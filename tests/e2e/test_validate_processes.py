@@ -62,7 +62,7 @@ def test_a_custom_worker_module_is_checked_as_far_as_it_can_be(capsys):
 
 def test_the_check_imports_no_torch():
     code = (
-        "import sys; from supervisor import cli; "
+        "import sys; from supervisor.commands import cli; "
         f"rc = cli.main(['validate', {str(DEMO)!r}]); "
         "assert rc == 0, rc; "
         "assert not [m for m in sys.modules if m.split('.')[0] == 'torch'], 'torch imported'"
