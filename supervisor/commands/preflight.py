@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from contracts import env_names
 from supervisor.host import memdir
-from supervisor.launch import launcher
+from supervisor.launch import hosts
 from supervisor.settings import worker_flags
 from supervisor.settings.config import ConfigError
 
@@ -41,9 +41,9 @@ def check(r: Resolved) -> list[str]:
 def check_hosts(r: Resolved) -> None:
     """Every node other than this host must resolve: Hydra's ssh and PALS reach nodes by name,
     and a name that does not resolve fails every attempt ("Could not resolve hostname")."""
-    if r.cfg.launch.launcher != "mpiexec" or r.cfg.launch.emulate_nodes:
+    if not r.kind.reaches_nodes_by_name or r.cfg.launch.emulate_nodes:
         return  # local and emulated: this host; srun: Slurm places the ranks on nodes it knows
-    others = [n for n in r.nodes if not launcher.is_this_host(n)]
+    others = [n for n in r.nodes if not hosts.is_this_host(n)]
     with ThreadPoolExecutor(max_workers=min(RESOLVE_WORKERS, len(others) or 1)) as pool:
         for node, error in zip(others, pool.map(_resolve_error, others), strict=True):
             if error:
@@ -62,7 +62,7 @@ def check_dirs(r: Resolved) -> None:
     wanted = [("job.run_dir", r.run_dir)]
     if isinstance(flags.get("ckpt_dir"), str):
         wanted.append(("worker.ckpt_dir", Path(flags["ckpt_dir"])))
-    here = cfg.launch.launcher == "local" or all(launcher.is_this_host(n) for n in r.nodes)
+    here = r.kind.this_host_only or all(hosts.is_this_host(n) for n in r.nodes)
     if here and isinstance(flags.get("ckpt_stage_dir"), str):
         wanted.append(("worker.ckpt_stage_dir", Path(flags["ckpt_stage_dir"])))
     for key, path in wanted:
@@ -71,14 +71,14 @@ def check_dirs(r: Resolved) -> None:
             raise ConfigError(cfg.source, key, f"{path}: {problem}")
     if not here:
         return  # paths on other nodes are theirs to have
-    la = cfg.launch
-    if la.cwd and not Path(la.cwd).is_dir():
-        what = "not a directory" if Path(la.cwd).exists() else "no such directory"
-        raise ConfigError(cfg.source, "launch.cwd", f"{la.cwd}: {what}")
-    if la.python and not (Path(la.python).is_file() and os.access(la.python, os.X_OK)):
-        raise ConfigError(cfg.source, "launch.python", f"{la.python}: no such executable file")
+    launch = cfg.launch
+    if launch.cwd and not Path(launch.cwd).is_dir():
+        what = "not a directory" if Path(launch.cwd).exists() else "no such directory"
+        raise ConfigError(cfg.source, "launch.cwd", f"{launch.cwd}: {what}")
+    if launch.python and not (Path(launch.python).is_file() and os.access(launch.python, os.X_OK)):
+        raise ConfigError(cfg.source, "launch.python", f"{launch.python}: no such executable file")
     data = flags.get("data_path")
-    if isinstance(data, str) and not Path(la.cwd or ".", data).is_file():
+    if isinstance(data, str) and not Path(launch.cwd or ".", data).is_file():
         raise ConfigError(cfg.source, "worker.data_path", f"{data}: no such file")
 
 

@@ -5,7 +5,7 @@ Killed attempts used to leave, per attempt, MPICH's shared-memory segment in /de
 /tmp (`hydra_hwloc_xmlfile_*`, removed by its proxy unless the proxy is SIGKILLed), and each job
 its async stage dir (`<tmp>/es-ckpt-<job>`). The causes are fixed where they arise: a rank
 unlinks MPICH's names once every rank has mapped them (`worker.dist.mpi_world`), a teardown kills
-the ranks before their launcher (`launcher.kill_order`) and removes the segments its ranks still
+the ranks before their launcher (`processes.kill_order`) and removes the segments its ranks still
 mapped (a rank killed inside MPI_Init: `mapped_segments`, `remove_unheld`), and the job removes
 its stage dir when it ends (here). What can still slip through (a rank SIGKILLed by
 something else inside MPI_Init, a supervisor killed outright, a run from before these fixes) is

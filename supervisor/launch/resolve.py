@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.launch import launcher
+from supervisor.launch.kinds import LauncherKind
+from supervisor.launch.plan import LaunchPlan
+from supervisor.launch.registry import launcher_for
 from supervisor.policy.nodes import NodePool
 from supervisor.settings import config as config_mod
 from supervisor.settings.config import Config
@@ -39,6 +41,11 @@ class Resolved:
         self.pool = NodePool.split(self.nodes, self.cfg.launch.spares)
 
     @property
+    def kind(self) -> LauncherKind:
+        """The configured launcher."""
+        return launcher_for(self.cfg.launch.launcher)
+
+    @property
     def active(self) -> list[str]:
         return list(self.pool.active)
 
@@ -53,14 +60,13 @@ class Resolved:
         """The active nodes, one per line (the launcher's -f / --hostfile)."""
         self.hostfile().write_text("".join(f"{n}\n" for n in self.pool.active))
 
-    def plan(self, env: dict[str, str], master_port: int = 0) -> launcher.LaunchPlan:
-        return launcher.build_plan(
+    def plan(self, env: dict[str, str], master_port: int = 0) -> LaunchPlan:
+        return self.kind.plan(
             self.cfg,
             self.active,
             self.executable,
             self.flavor,
             env,
-            self.run_dir,
             self.hostfile(),
             master_port,
             self.worker_overrides,
@@ -83,10 +89,10 @@ class Resolved:
 
     def summary(self) -> str:
         """`mpiexec [hydra], 1 node(s) x 2 ranks = 2, worker worker.train` (validate's ok)."""
-        la = self.cfg.launch
+        launch = self.cfg.launch
         return (
-            f"{la.launcher} [{self.flavor}], {len(self.nodes)} node(s) x {la.ranks_per_node} "
-            f"ranks = {self.world}, worker {self.cfg.worker.module}"
+            f"{launch.launcher} [{self.flavor}], {len(self.nodes)} node(s) x "
+            f"{launch.ranks_per_node} ranks = {self.world}, worker {self.cfg.worker.module}"
         )
 
     def resolved_dict(self) -> dict[str, Any]:
@@ -94,7 +100,7 @@ class Resolved:
         d["job"]["run_dir"] = str(self.run_dir)
         d["launch"]["nodes"] = list(self.nodes)
         d["launch"]["executable"] = self.executable
-        if self.cfg.launch.launcher == "mpiexec":
+        if self.kind.has_flavors:
             d["launch"]["flavor"] = self.flavor
         return d
 
@@ -108,7 +114,8 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
     for key, value in flags.items():
         if isinstance(value, str):
             flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)
-    nodes = launcher.resolve_nodes(cfg.launch, environ, cfg.source)
+    kind = launcher_for(cfg.launch.launcher)
+    nodes = kind.nodes(cfg.launch, environ, cfg.source)
     for node in nodes:  # from a host file or the batch job: checked as a list in the config is
         problem = config_mod.host_problem(node)
         if problem:
@@ -117,20 +124,8 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
                 cfg.source, key, f"{problem} (from {_nodes_source(cfg.launch, environ)})"
             )
     note = nodes_note(cfg.launch, environ, nodes)
-    executable = launcher.find_executable(cfg)
-    flavor = "local"
-    if cfg.launch.launcher == "srun":
-        flavor = "srun"
-    elif cfg.launch.launcher == "mpiexec":
-        flavor = cfg.launch.flavor
-        if flavor == "auto":
-            flavor = launcher.detect_flavor(executable)
-            if flavor == "unknown":
-                raise config_mod.ConfigError(
-                    cfg.source,
-                    "launch.flavor",
-                    f'cannot tell the flavor of {executable}; set "hydra" or "pals"',
-                )
+    executable = kind.executable(cfg)
+    flavor = kind.flavor(cfg, executable)
     if cfg.launch.emulate_nodes and flavor != "hydra":
         raise config_mod.ConfigError(
             cfg.source,
@@ -151,28 +146,28 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
             "node(s) the job starts on",
         )
     if cfg.faults:  # faults/: a rank or node beyond the resolved world is a config error too
-        from faults.spec import check_world, shape_of
+        from faults import check_world, shape_of
 
         check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes) - cfg.launch.spares))
     return Resolved(cfg, run_dir, nodes, executable, flavor, notes=[note] if note else [])
 
 
-def _nodes_source(la: config_mod.LaunchConfig, environ: dict[str, str]) -> str:
-    if la.hostfile:
-        return la.hostfile
-    if isinstance(la.nodes, list):
+def _nodes_source(launch: config_mod.LaunchConfig, environ: dict[str, str]) -> str:
+    if launch.hostfile:
+        return launch.hostfile
+    if isinstance(launch.nodes, list):
         return "the list"
     return "PBS_NODEFILE" if environ.get("PBS_NODEFILE") else "SLURM_JOB_NODELIST"
 
 
 def nodes_note(
-    la: config_mod.LaunchConfig, environ: dict[str, str], nodes: list[str]
+    launch: config_mod.LaunchConfig, environ: dict[str, str], nodes: list[str]
 ) -> str | None:
     """A note when `nodes = "auto"` found no batch job's node list and fell back to this host:
     a multi-node config validated on a login node or laptop would else say ok for one node."""
-    if la.launcher == "local" or la.hostfile or isinstance(la.nodes, list):
-        return None
-    if environ.get("PBS_NODEFILE") or environ.get("SLURM_JOB_NODELIST"):
+    listed = launch.hostfile or isinstance(launch.nodes, list)
+    batch = environ.get("PBS_NODEFILE") or environ.get("SLURM_JOB_NODELIST")
+    if listed or batch or launcher_for(launch.launcher).this_host_only:
         return None
     return (
         f'launch.nodes = "auto": no PBS_NODEFILE or SLURM_JOB_NODELIST here, so the job runs '

@@ -219,14 +219,15 @@ time.sleep(120)
 
 
 def test_a_torn_down_hydra_attempt_leaves_no_topology_file(tmp_path):
-    from supervisor.launch import launcher as L
+    from supervisor.launch.plan import LaunchPlan, ProcSpec
+    from supervisor.launch.processes import Launched
 
     argv = [mpiexec(), "-n", "2", sys.executable, "-c", STOPPABLE]
-    plan = L.LaunchPlan("hydra", [L.ProcSpec(argv, rank_env())], 2, ["localhost"])
+    plan = LaunchPlan("hydra", [ProcSpec(argv, rank_env())], 2, ["localhost"])
     out = tmp_path / "output.log"
 
     async def main():
-        launched = await L.Launched.start(plan, out)
+        launched = await Launched.start(plan, out)
         for _ in range(600):  # bounded: 60 s for both ranks to be past MPI_Init
             if out.exists() and out.read_text().count("ready") == 2:
                 break

@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.launch import launcher as L
+from supervisor.launch.plan import LaunchPlan, ProcSpec
+from supervisor.launch.processes import Launched
 
 # --- real processes -------------------------------------------------------------------------------
 STUBBORN = textwrap.dedent(
@@ -29,9 +30,9 @@ STUBBORN = textwrap.dedent(
 )
 
 
-def plan_of(*procs: list[str]) -> L.LaunchPlan:
-    specs = [L.ProcSpec(argv, {}, label=f"[{i}] ", rank=i) for i, argv in enumerate(procs)]
-    return L.LaunchPlan("local", specs, len(specs), ["h"])
+def plan_of(*procs: list[str]) -> LaunchPlan:
+    specs = [ProcSpec(argv, {}, label=f"[{i}] ", rank=i) for i, argv in enumerate(procs)]
+    return LaunchPlan("local", specs, len(specs), ["h"])
 
 
 @pytest.mark.timeout(60)
@@ -41,7 +42,7 @@ def test_exit_is_seen_at_once_and_teardown_leaves_nothing(tmp_path: Path):
             [sys.executable, "-c", STUBBORN, "1.0", "3"],
             [sys.executable, "-c", STUBBORN, "300", "0"],
         )
-        launched = await L.Launched.start(plan, tmp_path / "out.log")
+        launched = await Launched.start(plan, tmp_path / "out.log")
         await asyncio.sleep(0.5)
         launched.refresh()
         known = list(launched._known.values())
@@ -72,11 +73,11 @@ def test_output_log_has_one_rank_prefix_a_line_under_hydra(tmp_path: Path):
         "    os.write(2, b'ZeroDivisionError'); time.sleep(0.002); os.write(2, b': half\\n')\n"
     )
     argv = [mpiexec(), "-n", "2", "-prepend-rank", sys.executable, "-c", script]
-    plan = L.LaunchPlan("hydra", [L.ProcSpec(argv, {})], 2, ["localhost"])
+    plan = LaunchPlan("hydra", [ProcSpec(argv, {})], 2, ["localhost"])
     out = tmp_path / "output.log"
 
     async def main():
-        launched = await L.Launched.start(plan, out)
+        launched = await Launched.start(plan, out)
         await asyncio.wait_for(launched.wait(), 60)
         await launched.teardown(1.0)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.commands import cli
-from supervisor.launch import launcher
+from supervisor.launch import hosts
 from tests.support import write_job_toml as write
 
 MPI = '[launch]\nlauncher = "mpiexec"\nflavor = "hydra"\n'
@@ -35,9 +35,9 @@ def test_a_damaged_host_file_is_one_line(tmp_path, capsys, content, fragment):
 
 
 def test_a_host_file_with_comments_and_slots_is_read(tmp_path):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("# the nodes\nn1:2\n\n   # indented comment\nn2 slots=2\nn1\n")
-    assert launcher._read_hostfile(hosts, "job.toml", "launch.hostfile") == ["n1", "n2"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the nodes\nn1:2\n\n   # indented comment\nn2 slots=2\nn1\n")
+    assert hosts.read_hostfile(hostfile, "job.toml", "launch.hostfile") == ["n1", "n2"]
 
 
 def test_one_host_named_twice_in_different_case_is_refused(tmp_path, capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.host import hygiene
-from supervisor.launch.launcher import kill_order
+from supervisor.launch.processes import kill_order
 from worker.dist import mpi_shm_paths, release_mpi_shm
 
 MAPS = """\

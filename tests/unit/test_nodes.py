@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from contracts.config_table import ConfigError
-from supervisor.launch import launcher as L
+from supervisor.launch.registry import launcher_for
 from supervisor.policy.nodes import (
     FailureFacts,
     NodePool,
@@ -167,8 +167,8 @@ def test_node_keys_that_cannot_work_are_config_errors(launch, restart, key):
 
 def test_emulated_nodes_run_under_hydras_fork_launcher_with_the_smaller_worlds_flags(tmp_path):
     cfg = _cfg(emulate_nodes=True, nodes=["n0", "n1", "n2"], spares=1)
-    plan = L.build_plan(
-        cfg, ["n0", "n2"], "/bin/mpiexec", "hydra", {}, tmp_path, tmp_path / "hostfile",
+    plan = launcher_for("mpiexec").plan(
+        cfg, ["n0", "n2"], "/bin/mpiexec", "hydra", {}, tmp_path / "hostfile",
         overrides={"batch_size": 3},
     )  # fmt: skip
     argv = plan.procs[0].argv
@@ -200,7 +200,8 @@ def test_the_pre_launch_check_reads_reports_among_the_launchers_words():
 
 
 def test_a_directory_is_checked_where_it_would_be_made(tmp_path):
-    from supervisor.host.node_check import dirs_to_check, writable_problem
+    from supervisor.host.node_check import dirs_to_check
+    from supervisor.host.node_probe import writable_problem
 
     assert writable_problem(str(tmp_path / "not" / "yet")) is None
     (tmp_path / "file").write_text("")

@@ -1,10 +1,8 @@
-"""Start an attempt's ranks with a real launcher, watch its exit, and tear it down.
+"""Acting on an attempt's plan: its processes started, watched and torn down.
 
-Three launchers: `mpiexec` (MPICH Hydra or Cray PALS), `srun`, and `local` (N ranks on this host,
-no MPI, torchrun-style variables). Building the command is pure (`build_plan`); acting on it is
-`Launched`: processes in their own session, output pumped to `output.log` with a rank prefix,
-exits reported the moment `waitpid` returns (a thread per process, not a polling loop), and
-teardown that ends by checking with psutil that nothing of the attempt is left on this host.
+Processes start in their own session, output is pumped to `output.log` with a rank prefix,
+exits are reported the moment `waitpid` returns (a thread per process, not a polling loop), and
+teardown ends by checking with psutil that nothing of the attempt is left on this host.
 
 The supervisor marks itself a child subreaper, so ranks orphaned by a dying launcher become its
 children and teardown still finds them; each launched process gets PR_SET_PDEATHSIG, and each
@@ -20,13 +18,8 @@ import contextlib
 import ctypes
 import itertools
 import os
-import re
-import shlex
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -36,283 +29,14 @@ from pathlib import Path
 
 import psutil
 
-from contracts.config_table import ConfigError
-from contracts.env_names import ENV_HEARTBEAT_KEY
-from supervisor.settings.config import Config, LaunchConfig, flags_from_table
+from supervisor.launch.plan import LaunchPlan
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-# How each launcher passes a graceful stop on to its ranks (the worker saves on TERM and USR1).
-STOP_SIGNALS = {
-    "hydra": signal.SIGUSR1,
-    "pals": signal.SIGTERM,
-    "srun": signal.SIGUSR1,
-    "local": signal.SIGTERM,
-}
-_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+# After its ranks are killed, how long a launcher gets to end by itself before it is killed too.
+LAUNCHER_EXIT_S = 3.0
 
 
-class LauncherMissing(ConfigError):
-    """The configured launcher program is not on this host."""
-
-
-# --- nodes ----------------------------------------------------------------------------------------
-def this_host() -> str:
-    return socket.gethostname()
-
-
-def is_this_host(name: str) -> bool:
-    return name in _LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}
-
-
-def resolve_nodes(la: LaunchConfig, environ: Mapping[str, str], source: str) -> list[str]:
-    """The attempt's hosts, fixed for the whole job (the same nodes on every attempt)."""
-    if la.launcher == "local":
-        if isinstance(la.nodes, list) and not all(is_this_host(n) for n in la.nodes):
-            raise ConfigError(source, "launch.nodes", "the local launcher runs on this host only")
-        return [this_host()]
-    if la.hostfile:
-        return _read_hostfile(Path(la.hostfile), source, "launch.hostfile")
-    if isinstance(la.nodes, list):
-        return list(la.nodes)
-    if environ.get("PBS_NODEFILE"):
-        return _read_hostfile(Path(environ["PBS_NODEFILE"]), source, "launch.nodes")
-    if environ.get("SLURM_JOB_NODELIST"):
-        return _slurm_hosts(environ["SLURM_JOB_NODELIST"], source)
-    return [this_host()]
-
-
-def _read_hostfile(path: Path, source: str, key: str) -> list[str]:
-    try:
-        lines = path.read_bytes().decode().split("\n")
-    except OSError as exc:
-        raise ConfigError(source, key, f"cannot read host file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        message = f"host file {path} is not UTF-8 text (byte {exc.start}); give one host a line"
-        raise ConfigError(source, key, message) from None
-    hosts: list[str] = []
-    for n, line in enumerate(lines, 1):
-        fields = line.split("#")[0].split()  # "host", "host:4" or "host slots=4"; "# ..." none
-        if not fields:
-            continue
-        name = fields[0].split(":")[0]
-        if not name:
-            message = f"host file {path} line {n}: no host name in {line.strip()[:40]!r}"
-            raise ConfigError(source, key, message)
-        if name not in hosts:
-            hosts.append(name)
-    if not hosts:
-        raise ConfigError(source, key, f"host file {path} lists no hosts")
-    return hosts
-
-
-def _slurm_hosts(nodelist: str, source: str) -> list[str]:
-    if "[" not in nodelist:
-        return [h for h in nodelist.split(",") if h]
-    scontrol = shutil.which("scontrol")
-    if scontrol:
-        out = subprocess.run(
-            [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
-        )
-        if out.returncode == 0 and out.stdout.split():
-            return out.stdout.split()
-    raise ConfigError(
-        source,
-        "launch.nodes",
-        f"cannot expand SLURM_JOB_NODELIST={nodelist!r} without scontrol; "
-        "list the nodes explicitly",
-    )
-
-
-# --- the command ----------------------------------------------------------------------------------
-@dataclass
-class ProcSpec:
-    """One process to start: its argv, its environment additions, and its output prefix."""
-
-    argv: list[str]
-    env: dict[str, str]
-    label: str = ""
-    rank: int | None = None
-
-
-@dataclass
-class LaunchPlan:
-    launcher: str  # local | hydra | pals | srun
-    procs: list[ProcSpec]
-    world: int
-    nodes: list[str]
-    stop_signal: signal.Signals = signal.SIGTERM
-
-    def text(self) -> str:
-        """The command for command.txt and --dry-run (the HMAC key is never written)."""
-        lines = []
-        for p in self.procs:
-            shown = {k: ("<secret>" if k == ENV_HEARTBEAT_KEY else v) for k, v in p.env.items()}
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(shown.items()))
-            lines.append(f"{env} {shlex.join(p.argv)}".strip())
-        return "\n".join(lines) + "\n"
-
-
-def find_executable(cfg: Config) -> str:
-    """The launcher program's path, or LauncherMissing naming it."""
-    la = cfg.launch
-    if la.launcher == "local":
-        return python_of(la)
-    name = la.executable or la.launcher
-    path = shutil.which(name)
-    if not path:
-        key = "launch.executable" if la.executable else "launch.launcher"
-        raise LauncherMissing(cfg.source, key, f"launcher program {name!r} not found on PATH")
-    return path
-
-
-def python_of(la: LaunchConfig) -> str:
-    return la.python or sys.executable
-
-
-def detect_flavor(executable: str) -> str:
-    """MPICH Hydra or Cray PALS, from `mpiexec --version`."""
-    try:
-        out = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=30)
-        text = out.stdout + out.stderr
-    except (OSError, subprocess.TimeoutExpired):
-        text = ""
-    if "HYDRA" in text.upper():
-        return "hydra"
-    if "PALS" in text.upper() or "CRAY" in text.upper():
-        return "pals"
-    return "unknown"
-
-
-def worker_argv(cfg: Config, overrides: Mapping[str, object] | None = None) -> list[str]:
-    """The rank's command; `overrides`: worker flags that differ from [worker] (a shrink)."""
-    flags = flags_from_table({**cfg.worker.flags, **overrides}) if overrides else cfg.worker_flags()
-    return [python_of(cfg.launch), "-m", cfg.worker.module, *flags]
-
-
-def build_plan(
-    cfg: Config,
-    nodes: list[str],
-    executable: str,
-    flavor: str,
-    env: dict[str, str],
-    run_dir: Path,
-    hostfile: Path | None = None,
-    master_port: int = 0,
-    overrides: Mapping[str, object] | None = None,
-) -> LaunchPlan:
-    """The processes of one attempt on `nodes` (the active ones). `env` is the contract
-    environment plus [launch] env."""
-    la = cfg.launch
-    rpn = la.ranks_per_node
-    world = rpn * len(nodes)
-    worker = worker_argv(cfg, overrides)
-    if la.launcher == "local":
-        procs = []
-        for r in range(world):
-            rank_env = {
-                **env,
-                "RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(master_port),
-            }
-            rank_env.setdefault("OMP_NUM_THREADS", "1")
-            procs.append(ProcSpec(list(worker), rank_env, label=f"[{r}] ", rank=r))
-        return LaunchPlan("local", procs, world, nodes, STOP_SIGNALS["local"])
-    multi = len(nodes) > 1 or not is_this_host(nodes[0])
-    if la.launcher == "srun":
-        argv = [
-            executable,
-            f"--nodes={len(nodes)}",
-            f"--ntasks={world}",
-            f"--ntasks-per-node={rpn}",
-            f"--nodelist={','.join(nodes)}",
-            "--label",
-            "--kill-on-bad-exit=1",
-            "--export=ALL",
-            *(["--overlap"] if cfg.restart.standby else []),  # the standby's step shares CPUs
-            *la.args,
-            *worker,
-        ]
-        return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["srun"])
-    if flavor == "pals":
-        hosts = ["--hostfile", str(hostfile)] if hostfile and multi else []
-        argv = [
-            executable,
-            "-n",
-            str(world),
-            "--ppn",
-            str(rpn),
-            *hosts,
-            "--envall",
-            "--label",
-            *la.args,
-            *worker,
-        ]
-        return LaunchPlan("pals", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["pals"])
-    hosts = ["-f", str(hostfile)] if hostfile and multi else []
-    if la.emulate_nodes:  # each name its own proxy and local ranks, all on this host
-        hosts = ["-launcher", "fork", "-hosts", ",".join(nodes)]
-    argv = [
-        executable,
-        "-n",
-        str(world),
-        "-ppn",
-        str(rpn),
-        *hosts,
-        "-genvall",
-        "-prepend-rank",
-        *la.args,
-        *worker,
-    ]
-    return LaunchPlan("hydra", [ProcSpec(argv, env)], world, nodes, STOP_SIGNALS["hydra"])
-
-
-_HYDRA_PREFIX = re.compile(rb"\[(\d+)\] ")
-
-
-class HydraLines:
-    """Whole lines out of Hydra's `-prepend-rank` stream. Hydra prefixes every chunk a rank
-    writes, not every line, so a rank that writes half a line at a time makes `[1] abc[1] def`,
-    and other ranks' chunks land in between. Each rank's pieces are joined until its newline."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.pending: dict[bytes, bytearray] = {}
-
-    def feed(self, raw: bytes) -> list[bytes]:
-        """One line as read from the launcher; the whole lines it completes, prefixed."""
-        marks = [m for m in _HYDRA_PREFIX.finditer(raw) if int(m.group(1)) < self.world]
-        if not marks or marks[0].start() != 0:
-            return [raw]  # the launcher's own words
-        out: list[bytes] = []
-        for m, nxt in zip(marks, [*marks[1:], None], strict=True):
-            rank = m.group(1)
-            buf = self.pending.setdefault(rank, bytearray())
-            buf += raw[m.end() : nxt.start() if nxt else len(raw)]
-            while b"\n" in buf:
-                line, _, rest = bytes(buf).partition(b"\n")
-                out.append(b"[" + rank + b"] " + line + b"\n")
-                buf[:] = rest
-        return out
-
-    def flush(self) -> list[bytes]:
-        """What ranks wrote without a final newline, once the stream ended."""
-        out = [b"[" + r + b"] " + bytes(b) + b"\n" for r, b in self.pending.items() if b]
-        self.pending.clear()
-        return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- acting -------------------------------------------------------------------------------------
 class ProcessLauncher:
     """The real launcher of a job's attempts (the job loop takes any object of this shape, so
     its tests can run it against a fake that starts no process)."""
@@ -340,7 +64,8 @@ def become_subreaper() -> bool:
         return False
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def child_setup() -> None:
+    """Runs in the child between fork and exec: it dies with the supervisor."""
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
@@ -410,7 +135,7 @@ class Launched:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own session and group: killpg reaches all
-                    preexec_fn=_child_setup,
+                    preexec_fn=child_setup,
                 )
                 popens.append(popen)
         except OSError:
@@ -481,7 +206,7 @@ class Launched:
 
     def _pump(self, popen: subprocess.Popen, label: str, log, lock, pumps: list[int]) -> None:
         prefix = label.encode()
-        hydra = HydraLines(self.plan.world) if self.plan.launcher == "hydra" else None
+        hydra = self.plan.line_joiner()
         assert popen.stdout is not None
         for raw in itertools.chain(iter(popen.stdout.readline, b""), [None]):
             if raw is None:  # the end: what ranks left without a newline
@@ -598,10 +323,6 @@ class Launched:
             except psutil.Error:
                 pass
         return list(found.values())
-
-
-# After its ranks are killed, how long a launcher gets to end by itself before it is killed too.
-LAUNCHER_EXIT_S = 3.0
 
 
 def kill_order(
