@@ -2,14 +2,13 @@
 
 The job keeps what outlives an attempt: the heartbeat server, the fault hooks, the history, the
 restart budget and backoff, the user's stop requests, and which attempts are alive. Each attempt
-runs itself (`attempt.Attempt`); what to do after one is `decisions.decide`. Everything the job
+runs itself (`attempt.Attempt`); what to do after one is `restarts.decide`. Everything the job
 does is written to events.jsonl first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
 import secrets
@@ -18,15 +17,17 @@ import sys
 from typing import IO, Any
 
 from contracts.exit_codes import ExitCode
-from supervisor.host import hygiene, memdir, node_check
-from supervisor.launch import launcher
-from supervisor.launch.launcher import ProcessLauncher
+from supervisor.launch import hosts
+from supervisor.launch.processes import ProcessLauncher
 from supervisor.launch.resolve import Resolved, resolve
 from supervisor.log.events import EventLog
-from supervisor.policy import decisions, nodes
-from supervisor.policy.decisions import AttemptRecord, Decision
+from supervisor.policy import restarts
+from supervisor.policy.restarts import AttemptRecord, Decision
 from supervisor.run import fault_hooks
-from supervisor.run.attempt import Attempt, AttemptResult, Launcher, Shared
+from supervisor.run.attempt import Attempt, AttemptResult
+from supervisor.run.context import JobContext, Launcher
+from supervisor.run.node_keeper import NodeKeeper
+from supervisor.run.node_scratch import NodeScratch
 from supervisor.run.standby import StandbyKeeper
 from supervisor.run.stop import StopRequests, stop_signals
 from supervisor.settings import config as config_mod
@@ -34,8 +35,6 @@ from supervisor.watch.control import ControlServer, bind_for
 from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
 
 BAD_MESSAGES_EVERY_S = 5.0
-NODE_CHECK_TIMEOUT_S = 60.0  # the pre-launch check of every node, all together
-SWEEP_NAMED = 50  # paths a node_sweep event names (it counts them all)
 
 __all__ = ["Job", "Resolved", "resolve"]  # cli and experiment resolve through this module
 
@@ -45,12 +44,12 @@ class Job:
 
     def __init__(
         self,
-        r: Resolved,
+        resolved: Resolved,
         console: IO[str] | None = sys.stderr,
         launcher: Launcher | None = None,
     ) -> None:
-        self.r = r
-        self.cfg = r.cfg
+        self.resolved = resolved
+        self.cfg = resolved.cfg
         self.console = console
         self.launcher: Launcher = launcher or ProcessLauncher()
         self.job_id = f"{self.cfg.job.name}-{secrets.token_hex(4)}"
@@ -66,9 +65,7 @@ class Job:
         self.control: ControlServer | None = None
         self.standby: StandbyKeeper | None = None
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
-        self.mem: memdir.Held | None = None  # the memory tier's directory, held for the job's life
-        self.node_failures: collections.Counter[str] = collections.Counter()
-        self.just_excluded: list[str] = []  # by the last attempt's failure: no standby there
+        self.scratch = NodeScratch(self.cfg, self.job_id, self.emit)
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> ExitCode:
@@ -76,11 +73,11 @@ class Job:
         services = self._open()
         code, reason = ExitCode.ERROR, "internal error"
         try:
-            self._open_memory_tier()
-            self._sweep_node("start")
-            stop = await self._check_nodes()
+            self.scratch.open()
+            stop = await self.nodes.check()
             if stop is not None:
-                self._give_up(first_attempt, ExitCode.NODES, stop, nodes=self.r.pool.as_dict())
+                pool = self.resolved.pool.as_dict()
+                self._give_up(first_attempt, ExitCode.NODES, stop, nodes=pool)
                 code, reason = ExitCode.NODES, stop
             else:
                 code, reason = await self._attempts(first_attempt)
@@ -90,20 +87,24 @@ class Job:
 
     def _open(self) -> list[asyncio.Task]:
         """The event log, the heartbeat server, the fault hooks, the signal handlers."""
-        self.log = EventLog(self.r.run_dir / "events.jsonl", self.console)
+        self.log = EventLog(self.resolved.run_dir / "events.jsonl", self.console)
         self.launcher.prepare()
         self.server = server = self._bind()
         if self.cfg.restart.standby or self.cfg.faults:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
+        world = self.resolved.world
         self.faults = fault_hooks.for_job(
-            self.cfg, self.r.world, self.key, self.job_id, server.address, self.emit, self.control
+            self.cfg, world, self.key, self.job_id, server.address, self.emit, self.control
         )
-        self.shared = Shared(
-            self.r, self.job_id, self.key, server.address, self.launcher, self.faults,
+        self.nodes = NodeKeeper(self.resolved, self.emit, self.faults)
+        self.context = JobContext(
+            self.resolved, self.job_id, self.key, server.address, self.launcher, self.faults,
             self.emit, lambda: server.drain(self._on_message), self.console, self.control,
         )  # fmt: skip
         if self.cfg.restart.standby:
-            self.standby = StandbyKeeper(self.shared, self._next_number, self._route, self._unroute)
+            self.standby = StandbyKeeper(
+                self.context, self._next_number, self._route, self._unroute
+            )
         loop = asyncio.get_running_loop()
         self.stop_signals = stop_signals()  # read before our handlers replace what they were
         for sig in self.stop_signals:
@@ -113,11 +114,11 @@ class Job:
             job=self.job_id,
             pid=os.getpid(),
             config=self.cfg.source,
-            run_dir=str(self.r.run_dir),
-            nodes=self.r.active,
-            **({"spares": list(self.r.pool.spares)} if self.r.pool.spares else {}),
-            world=self.r.world,
-            launcher=self.r.flavor,
+            run_dir=str(self.resolved.run_dir),
+            nodes=self.resolved.active,
+            **({"spares": list(self.resolved.pool.spares)} if self.resolved.pool.spares else {}),
+            world=world,
+            launcher=self.resolved.flavor,
             heartbeat=server.address,
             max_restarts=self.cfg.restart.max_restarts,
         )
@@ -131,8 +132,7 @@ class Job:
         loop = asyncio.get_running_loop()
         for sig in self.stop_signals:
             loop.add_signal_handler(sig, self.stop.request)
-        self._close_memory_tier()  # first: whatever fails below, the node's memory is freed
-        self._close_node_scratch()
+        self.scratch.close()  # first: whatever fails below, the node's memory is freed
         for task in services:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -157,7 +157,7 @@ class Job:
         if self.stop.count:  # asked to stop before anything ran (during the node check, say)
             self._give_up(first, ExitCode.INTERRUPTED, "interrupted before the first launch")
             return ExitCode.INTERRUPTED, "interrupted"
-        attempt = Attempt(self._next_number(), self.shared)
+        attempt = Attempt(self._next_number(), self.context)
         try:
             return await self._attempts_from(attempt)
         finally:
@@ -169,7 +169,7 @@ class Job:
             number = attempt.number
             result = await self._attempt(attempt)
             self.history.append(result.record)
-            decision = decisions.decide(
+            decision = restarts.decide(
                 result.outcome,
                 self.history,
                 self.restarts,
@@ -183,9 +183,9 @@ class Job:
             if decision.action == "stop":
                 self._give_up(number, decision.exit_code, decision.reason, **decision.facts)
                 return decision.exit_code, decision.reason
-            stop = self._count_against_node(result)
+            stop = self.nodes.count_failure(result.attribution, result.number)
             if stop is not None:
-                self._give_up(number, ExitCode.NODES, stop, nodes=self.r.pool.as_dict())
+                self._give_up(number, ExitCode.NODES, stop, nodes=self.resolved.pool.as_dict())
                 return ExitCode.NODES, stop
             attempt = await self._relaunch(number, decision)
             if attempt is None:
@@ -205,10 +205,10 @@ class Job:
         """Count the restart, take the standby (else a cold attempt), wait the backoff, and
         say go; None if the user asked to stop meanwhile."""
         self.restarts += 1
-        left = decisions.restarts_left(self.cfg.restart.max_restarts, self.restarts)
+        left = restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts)
         standby, cold_because = None, "standby off"
         if self.standby is not None:
-            standby, cold_because = await self.standby.take(self.just_excluded)
+            standby, cold_because = await self.standby.take(self.nodes.just_excluded)
         number = standby.number if standby else self._next_number()
         self.emit(
             "relaunch",
@@ -223,110 +223,19 @@ class Job:
         )
         if decision.delay_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.beyond(0), decision.delay_s)
+                await asyncio.wait_for(self.stop.more_than(0), decision.delay_s)
         if self.stop.count:
             if standby is not None:
                 await standby.end_standby("interrupted")
             return None
         if standby is None:
-            return Attempt(number, self.shared)
+            return Attempt(number, self.context)
         why = standby.go() if standby.running is not None else "no standby running"
         if why is None:
             return standby
         self.emit("standby_lost", attempt=standby.number, reason=why, was_ready=True)
         await standby.end_standby("go failed")
-        return Attempt(self._next_number(), self.shared)
-
-    def _count_against_node(self, result: AttemptResult) -> str | None:
-        """Count a failure against the node it is laid on; a node at `exclude_after` is out.
-        Why the job must stop, or None."""
-        self.just_excluded = []
-        blame = result.attribution
-        if blame is None or blame.node is None:
-            return None
-        self.node_failures[blame.node] += 1
-        rs = self.cfg.restart
-        out = nodes.excluded_now(self.node_failures, rs.exclude_after, self.r.pool)
-        reasons = {
-            name: f"{self.node_failures[name]} failure(s) laid on it "
-            f"(exclude_after = {rs.exclude_after}): {blame.why}"
-            for name in out
-        }
-        return self._exclude(reasons, result.number) if out else None
-
-    def _exclude(self, reasons: dict[str, str], attempt: int | None) -> str | None:
-        """Take the nodes of `reasons` out: a spare takes each place, else the job shrinks
-        (`nodes.exclude`). Why the job must stop, or None."""
-        rs = self.cfg.restart
-        at = {} if attempt is None else {"attempt": attempt}
-        for name, why in reasons.items():
-            count = self.node_failures[name]
-            self.emit("node_excluded", node=name, reason=why, count=count, **at)
-        change = nodes.exclude(self.r.pool, list(reasons), rs.shrink, rs.min_nodes)
-        self.just_excluded = list(reasons)
-        for old, new in change.swaps:
-            self.emit("node_swapped", out=old, into=new, **at)
-        if change.action == "stop":
-            self.r.pool = change.pool
-            return change.reason
-        problem = self._shrink(change.pool, attempt) if change.action == "shrink" else None
-        self.r.pool = change.pool
-        if problem is not None:
-            return problem
-        self.r.write_hostfile()
-        return None
-
-    async def _check_nodes(self) -> str | None:
-        """Before the first launch of a job of several nodes: one quick process per node
-        (`supervisor.host.node_check`) through the job's launcher; a node where none could start,
-        or whose directories the ranks could not write, is out before it costs an attempt.
-        Why the job must stop, or None."""
-        la = self.cfg.launch
-        if len(self.r.nodes) < 2 or la.launcher == "local":
-            return None
-        every = list(self.r.pool.active) + list(self.r.pool.spares)
-        env = {**os.environ, **la.env}
-        dirs = node_check.dirs_to_check(self.cfg.worker.flags, env)
-        started = asyncio.get_running_loop().time()
-        lines = await node_check.run_on(self.r, every, dirs, NODE_CHECK_TIMEOUT_S)
-        result = node_check.judge(lines, every)
-        seconds = asyncio.get_running_loop().time() - started
-        self.emit(
-            "node_check",
-            nodes=every,
-            dirs=dirs,
-            reported=result.reported,
-            failed=result.failed,
-            seconds=round(seconds, 3),
-        )
-        if not result.failed:
-            return None
-        reasons = {n: f"pre-launch check: {why}" for n, why in result.failed.items()}
-        return self._exclude(reasons, None)
-
-    def _shrink(self, pool: nodes.NodePool, after_attempt: int | None) -> str | None:
-        """The job goes on with `pool`'s fewer nodes: the worker flags that world needs (the
-        global batch kept where the sizes divide, `spec.plan_shrink`), and the fault schedule
-        told. Why it cannot, or None."""
-        from supervisor.settings import worker_spec
-
-        rpn = self.cfg.launch.ranks_per_node
-        first = (len(self.r.nodes) - self.cfg.launch.spares) * rpn  # planned from the first world
-        spec = worker_spec.load(self.cfg.worker.module)
-        if spec is None:  # no spec plans its flags: passed unchanged
-            world = len(pool.active) * rpn
-            self.emit(
-                "shrink", attempt=after_attempt, nodes=list(pool.active), world=[first, world]
-            )
-            self.faults.resize(world)
-            return None
-        plan = spec.plan_shrink(self.cfg.worker_flags(), first, len(pool.active) * rpn)
-        if plan.problem is not None:
-            return f"cannot go on with {len(pool.active)} node(s): {plan.problem}"
-        self.emit("shrink", attempt=after_attempt, nodes=list(pool.active), **plan.event())
-        self.r.worker_overrides = dict(plan.flags)
-        self.faults.resize(plan.new_world)
-        return None
+        return Attempt(self._next_number(), self.context)
 
     def _next_number(self) -> int:
         self.numbers += 1
@@ -353,11 +262,11 @@ class Job:
     # --- setup and services -------------------------------------------------------------------
     def _prepare(self) -> int:
         """The run dir, its resolved config and host file; the first attempt's number."""
-        run_dir = self.r.run_dir
+        run_dir = self.resolved.run_dir
         try:
             (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(config_mod.dumps(self.r.resolved_dict()))
-            self.r.write_hostfile()
+            (run_dir / "config.toml").write_text(config_mod.dumps(self.resolved.resolved_dict()))
+            self.resolved.write_hostfile()
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise config_mod.ConfigError(
@@ -366,59 +275,21 @@ class Job:
         existing = [int(p.name) for p in (run_dir / "attempts").iterdir() if p.name.isdigit()]
         return max(existing) + 1 if existing else 0
 
-    def _open_memory_tier(self) -> None:
-        """Before the first launch: remove what dead jobs left in this node's memory root, and
-        hold the job's own memory directory when its ranks keep one."""
-        root = memdir.root(self.cfg.launch.env)
-        swept = memdir.sweep_abandoned(root)
-        if swept:
-            self.emit("mem_sweep", root=root, paths=swept)
-        if memdir.wanted(self.cfg.worker.flags):
-            self.mem = memdir.hold(root, self.job_id)
-            self.emit("mem_held", path=self.mem.path)
-
-    def _close_memory_tier(self) -> None:
-        """The job is over: its memory directory goes (no attempt will resume from it)."""
-        held, self.mem = self.mem, None
-        if held is None:
-            return
-        error = memdir.remove(held)
-        if error is None:
-            self.emit("mem_removed", path=held.path)
-        else:
-            self.emit("mem_remove_failed", path=held.path, error=error)
-
-    def _sweep_node(self, when: str) -> None:
-        """What killed runs left on this node and nothing holds any more (`hygiene.sweep`)."""
-        removed = hygiene.sweep()
-        if removed:  # after a day of runs from before the fix: hundreds
-            self.emit("node_sweep", when=when, count=len(removed), paths=removed[:SWEEP_NAMED])
-
-    def _close_node_scratch(self) -> None:
-        """The job is over: its async stage dir goes, then whatever its attempts left."""
-        env = {**os.environ, **self.cfg.launch.env}
-        stage = hygiene.stage_dir(self.cfg.worker.flags, env, self.job_id)
-        if stage is not None and os.path.lexists(stage):
-            error = hygiene.remove_stage_dir(stage)
-            if error is None:
-                self.emit("stage_removed", path=stage)
-            else:
-                self.emit("stage_remove_failed", path=stage, error=error)
-        self._sweep_node("end")
-
     def _bind(self) -> HeartbeatServer:
-        hb = self.cfg.heartbeat
-        la = self.cfg.launch
-        local = la.emulate_nodes or all(launcher.is_this_host(n) for n in self.r.nodes)
-        bind = hb.bind if hb.bind != "auto" else ("127.0.0.1" if local else "0.0.0.0")
+        heartbeat = self.cfg.heartbeat
+        resolved = self.resolved
+        local = self.cfg.launch.emulate_nodes or all(hosts.is_this_host(n) for n in resolved.nodes)
+        bind = heartbeat.bind if heartbeat.bind != "auto" else ("127.0.0.1" if local else "0.0.0.0")
         advertise = (
-            hb.advertise
-            if hb.advertise != "auto"
-            else ("127.0.0.1" if local else launcher.this_host())
+            heartbeat.advertise
+            if heartbeat.advertise != "auto"
+            else ("127.0.0.1" if local else hosts.this_host())
         )
         # Bound beyond loopback (a multi-node job): only the job's nodes may even connect.
-        allow = () if bind.startswith("127.") else node_addresses(self.r.nodes)
-        return HeartbeatServer(self.key.encode(), self.job_id, bind, hb.port, advertise, allow)
+        allow = () if bind.startswith("127.") else node_addresses(resolved.nodes)
+        return HeartbeatServer(
+            self.key.encode(), self.job_id, bind, heartbeat.port, advertise, allow
+        )
 
     def emit(self, event: str, **facts: Any) -> None:
         self.log.emit(event, **facts)

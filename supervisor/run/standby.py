@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 
-from supervisor.policy import decisions
-from supervisor.run.attempt import Attempt, Shared
+from supervisor.policy import standby_rules
+from supervisor.run.attempt import Attempt
+from supervisor.run.context import JobContext
 
 
 class StandbyKeeper:
@@ -22,12 +23,12 @@ class StandbyKeeper:
 
     def __init__(
         self,
-        shared: Shared,
+        job: JobContext,
         next_number: Callable[[], int],
         route: Callable[[Attempt], None],
         unroute: Callable[[Attempt], None],
     ) -> None:
-        self.s = shared
+        self.job = job
         self.next_number = next_number
         self.route, self.unroute = route, unroute
         self.attempt: Attempt | None = None
@@ -44,9 +45,9 @@ class StandbyKeeper:
             self._task = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
-        schedule = self.s.r.cfg.restart.backoff_s
+        schedule = self.job.resolved.cfg.restart.backoff_s
         while True:
-            attempt = self.attempt = Attempt(self.next_number(), self.s, standby=True)
+            attempt = self.attempt = Attempt(self.next_number(), self.job, standby=True)
             self.route(attempt)
             self._starting = asyncio.ensure_future(attempt.start())
             started = await asyncio.shield(self._starting)
@@ -55,8 +56,8 @@ class StandbyKeeper:
             else:
                 why = f"cannot start: {attempt.launch_error}"
             self.lost_in_a_row = 0 if attempt.ready_at is not None else self.lost_in_a_row + 1
-            delay = decisions.standby_retry_delay(max(1, self.lost_in_a_row), schedule)
-            self.s.emit(
+            delay = standby_rules.standby_retry_delay(max(1, self.lost_in_a_row), schedule)
+            self.job.emit(
                 "standby_lost",
                 attempt=attempt.number,
                 reason=why,
@@ -68,7 +69,7 @@ class StandbyKeeper:
             await asyncio.shield(self._ending)  # a close meanwhile waits for it
             if delay is None:
                 self.given_up = True
-                self.s.emit("standby_off", reason=f"{self.lost_in_a_row} standbys lost in a row")
+                self.job.emit("standby_off", reason=f"{self.lost_in_a_row} standbys lost in a row")
                 return
             await asyncio.sleep(delay)
 
@@ -77,7 +78,7 @@ class StandbyKeeper:
         that cannot be used is ended; in both cases the keeper starts over at `ensure`."""
         attempt = self.attempt
         alive = attempt is not None and attempt.running is not None
-        why = decisions.standby_unusable(
+        why = standby_rules.standby_unusable(
             ready=attempt is not None and attempt.ready_at is not None,
             alive=alive,
             standby_nodes=attempt.running.plan.nodes if alive else [],

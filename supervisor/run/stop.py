@@ -21,6 +21,8 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 
 
 class StopRequests:
+    """The stop requests so far (`count`), and a wait for the next ones."""
+
     def __init__(self) -> None:
         self.count = 0
         self._next = asyncio.Event()  # set (and replaced) at each request
@@ -30,7 +32,7 @@ class StopRequests:
         ev, self._next = self._next, asyncio.Event()
         ev.set()
 
-    async def beyond(self, n: int) -> None:
+    async def more_than(self, n: int) -> None:
         """Returns once more than `n` stops were requested (at once if they already were)."""
         while self.count <= n:
             await self._next.wait()

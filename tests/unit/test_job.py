@@ -22,9 +22,11 @@ import zmq
 
 from contracts import env_names, locks, messages
 from contracts.exit_codes import ExitCode
-from supervisor.launch.launcher import Exit, LaunchPlan, TeardownResult
+from supervisor.launch.plan import LaunchPlan
+from supervisor.launch.processes import Exit, TeardownResult
 from supervisor.log.events import read_events
 from supervisor.run.job import Job, Resolved
+from supervisor.run.node_keeper import NodeKeeper
 from supervisor.settings import config as C
 
 
@@ -49,7 +51,7 @@ def hello_steps(*steps: int, resumed: int | None = None, done: bool = False):
 
 
 class FakeRunning:
-    """Quacks like `launcher.Launched`; its "ranks" are a script played on the event loop."""
+    """Quacks like `processes.Launched`; its "ranks" are a script played on the event loop."""
 
     def __init__(self, plan: LaunchPlan, script: Script, ctx: zmq.Context) -> None:
         self.plan, self.script = plan, script
@@ -163,7 +165,7 @@ def run(job: Job, stop_after_s: float | None = None) -> tuple[ExitCode, list[dic
         return await job.run()
 
     code = asyncio.run(asyncio.wait_for(main(), 30))
-    return code, list(read_events(job.r.run_dir / "events.jsonl"))
+    return code, list(read_events(job.resolved.run_dir / "events.jsonl"))
 
 
 def named(evs: list[dict], name: str) -> list[dict]:
@@ -293,14 +295,14 @@ def test_a_user_stop_is_graceful_and_not_an_error(tmp_path):
     assert named(evs, "give_up")[0]["level"] == "warning"
 
 
-def test_a_stop_before_the_first_launch_launches_nothing(tmp_path):
+def test_a_stop_before_the_first_launch_launches_nothing(tmp_path, monkeypatch):
     fake = FakeLauncher(Script(rc=0, says=hello_steps(1, done=True)))
     job = make_job(tmp_path, fake)
 
-    async def node_check_interrupted():  # SIGHUP while the nodes are checked
+    async def node_check_interrupted(keeper):  # SIGHUP while the nodes are checked
         job._on_signal(signal.SIGHUP)
 
-    job._check_nodes = node_check_interrupted
+    monkeypatch.setattr(NodeKeeper, "check", node_check_interrupted)
     code, evs = run(job)
     assert code == ExitCode.INTERRUPTED and fake.started == []
     assert named(evs, "signal")[0]["signal"] == "SIGHUP"
@@ -393,7 +395,7 @@ def test_an_internal_error_removes_the_memory_dir_too(tmp_path, mem_root, monkey
     monkeypatch.setattr(job, "_attempts", broken)
     with pytest.raises(RuntimeError):
         run(job)
-    evs = list(read_events(job.r.run_dir / "events.jsonl"))
+    evs = list(read_events(job.resolved.run_dir / "events.jsonl"))
     assert named(evs, "mem_removed") and list(mem_root.iterdir()) == []
     assert named(evs, "supervisor_exit")[0]["code_name"] == "ERROR"
 

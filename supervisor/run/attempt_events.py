@@ -1,0 +1,81 @@
+"""What an attempt's events say (their fields, from what the attempt saw), and the ranks' last
+output lines on the console when it fails. Pure but for `show_tail`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import IO, Any
+
+from supervisor.launch.processes import Exit
+from supervisor.policy import exits, nodes
+from supervisor.policy.exits import Outcome
+from supervisor.policy.liveness import Finding
+from supervisor.policy.restarts import AttemptRecord
+from supervisor.watch.rank_table import AttemptTable
+
+TAIL_LINES = 15  # rank output shown when an attempt fails
+
+
+def finding_fields(finding: Finding, detected: float, **extra: Any) -> dict[str, Any]:
+    """A finding's event (named for its kind): the ranks, why, and how late it was found."""
+    return {
+        "ranks": list(finding.ranks),
+        "reason": finding.reason,
+        "phase": finding.phase,
+        "step": finding.step,
+        "deadline_mono": round(finding.deadline, 6),
+        "detected_mono": round(detected, 6),
+        "latency_s": round(detected - finding.deadline, 6),
+        **({"node": finding.node} if finding.node else {}),
+        **extra,
+    }
+
+
+def exit_fields(info: Exit, table: AttemptTable, **extra: Any) -> dict[str, Any]:
+    """The launcher's `exit`, with what the ranks had said by then."""
+    return {
+        "returncode": info.returncode,
+        "status": exits.describe_returncode(info.returncode),
+        "rank": info.rank,
+        "exit_mono": round(info.mono, 6),
+        "step": table.max_step,
+        "said_done": bool(table.done_ranks),
+        **extra,
+    }
+
+
+def end_fields(
+    outcome: Outcome,
+    finding: Finding | None,
+    record: AttemptRecord,
+    table: AttemptTable,
+    error: str | None,
+    blame: nodes.Attribution | None,
+) -> dict[str, Any]:
+    """The `attempt_end` event: the outcome, what detected it, where the job resumes from."""
+    mem = table.mem_complete
+    detected_by = finding.kind if finding else ("stop" if outcome.kind == "stopped" else "exit")
+    return {
+        "outcome": outcome.kind,
+        "detail": outcome.detail,
+        "detected_by": detected_by,
+        "resume_step": record.resume_step,
+        **({"resume_source": table.resume_source} if table.resume_source else {}),
+        "max_step": record.max_step,
+        "ckpt_complete": table.ckpt_complete,
+        **({"mem_complete": mem} if mem is not None else {}),
+        "stale_messages": table.stale,
+        "error": error,
+        **({"node": blame.node, "attributed": blame.as_dict()} if blame else {}),
+    }
+
+
+def show_tail(console: IO[str] | None, attempt: int, tail: Sequence[str]) -> None:
+    """The ranks' last output lines, on the console."""
+    lines = list(tail)[-TAIL_LINES:]
+    if console is None or not lines:
+        return
+    console.write(f"--- last {len(lines)} lines of attempts/{attempt:03d}/output.log ---\n")
+    for line in lines:
+        console.write(f"    {line}\n")
+    console.flush()

@@ -1,0 +1,100 @@
+"""What every attempt of one job is handed: the job's context, and the launcher's shape.
+
+Two attempts may be alive at once (a warm standby beside the running one); they share nothing
+but the `JobContext` the job gives each. `Launcher` and `Running` say what an attempt needs of
+the launch layer, so the job loop's unit tests can hand it a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Protocol
+
+from contracts import env_names
+from supervisor.launch.plan import LaunchPlan
+from supervisor.launch.processes import Exit, TeardownResult
+from supervisor.launch.resolve import Resolved
+from supervisor.run.fault_hooks import FaultHooks
+from supervisor.watch import relays
+from supervisor.watch.control import ControlServer
+
+
+class Running(Protocol):
+    """A started attempt's processes as an attempt uses them (`processes.Launched` is one)."""
+
+    plan: LaunchPlan
+    started: float  # monotonic
+    tail: Sequence[str]  # the newest lines of the ranks' output
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    async def wait(self) -> Exit:
+        """The first failing exit, or 0 once every process ended cleanly."""
+        ...
+
+    def refresh(self, extra: list[int] = ...) -> None: ...
+
+    def signal_stop(self) -> None:
+        """Ask the ranks to save and exit."""
+        ...
+
+    async def teardown(self, grace: float, extra: list[int] = ...) -> TeardownResult: ...
+
+    async def output_read(self, timeout: float) -> None:
+        """Until what the ended processes wrote has all been read (or `timeout`)."""
+        ...
+
+
+class Launcher(Protocol):
+    """Starts attempts (`processes.ProcessLauncher`; a fake in the job loop's unit tests)."""
+
+    def prepare(self) -> None: ...
+
+    async def start(
+        self,
+        plan: LaunchPlan,
+        output: Path,
+        cwd: str | None,
+        on_rank_exit: Callable[[int, int], None],
+    ) -> Running: ...
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What every attempt of one job uses: the job as resolved, its identity, its services."""
+
+    resolved: Resolved
+    job_id: str
+    key: str
+    heartbeat_address: str
+    launcher: Launcher
+    faults: FaultHooks
+    emit: Callable[..., None]
+    drain: Callable[[], object]  # hand the rank messages waiting now to their attempts
+    console: IO[str] | None
+    control: ControlServer | None = None  # signed commands to ranks (faults, standby go/exit)
+
+    def rank_env(self, attempt: int, attempt_dir: Path, standby: bool) -> dict[str, str]:
+        """The environment of one attempt's ranks: [launch] env, then the contract's names."""
+        cfg = self.resolved.cfg
+        env = {
+            **cfg.launch.env,
+            env_names.ENV_JOB_ID: self.job_id,
+            env_names.ENV_ATTEMPT: str(attempt),
+            env_names.ENV_HEARTBEAT_ADDR: self.heartbeat_address,
+            env_names.ENV_HEARTBEAT_KEY: self.key,
+            env_names.ENV_ATTEMPT_DIR: str(attempt_dir),
+            env_names.ENV_HEARTBEAT_INTERVAL: repr(cfg.heartbeat.interval_s),
+            env_names.ENV_EXIT_WITH_PARENT: "1",
+        }
+        if self.control is not None:
+            env[env_names.ENV_CONTROL_ADDR] = self.control.address
+        if standby:
+            env[env_names.ENV_STANDBY] = "1"
+        world, ranks_per_node = self.resolved.world, cfg.launch.ranks_per_node
+        if relays.relay_wanted(cfg.heartbeat.relay, world, ranks_per_node):
+            env[env_names.ENV_HEARTBEAT_RELAY] = "1"
+        return env

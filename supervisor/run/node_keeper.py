@@ -1,0 +1,125 @@
+"""The job's node pool as failures change it.
+
+Failures laid on a node are counted; a node at `exclude_after`, or one that fails the pre-launch
+check, is out: a spare takes its place, else the job shrinks onto the nodes left (the worker
+flags that world needs, the fault schedule told), else it stops. What to do is `nodes.exclude`'s
+(pure); the keeper acts on it and says so in events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from collections.abc import Callable
+
+from supervisor.host import node_check
+from supervisor.launch.resolve import Resolved
+from supervisor.policy import nodes
+from supervisor.run.fault_hooks import FaultHooks
+
+NODE_CHECK_TIMEOUT_S = 60.0  # the pre-launch check of every node, all together
+
+
+class NodeKeeper:
+    """Changes `resolved.pool` (and the host file, and the worker flags of a smaller world) as
+    nodes are excluded. Each method returns why the job must stop, or None."""
+
+    def __init__(self, resolved: Resolved, emit: Callable[..., None], faults: FaultHooks) -> None:
+        self.resolved = resolved
+        self.cfg = resolved.cfg
+        self.emit = emit
+        self.faults = faults
+        self.failures: collections.Counter[str] = collections.Counter()  # node -> laid on it
+        self.just_excluded: list[str] = []  # by the last attempt's failure: no standby there
+
+    async def check(self) -> str | None:
+        """Before the first launch of a job of several nodes: one quick process per node
+        (`supervisor.host.node_check`) through the job's launcher; a node where none could start,
+        or whose directories the ranks could not write, is out before it costs an attempt."""
+        resolved, launch = self.resolved, self.cfg.launch
+        if len(resolved.nodes) < 2 or resolved.kind.this_host_only:
+            return None
+        every = list(resolved.pool.active) + list(resolved.pool.spares)
+        env = {**os.environ, **launch.env}
+        dirs = node_check.dirs_to_check(self.cfg.worker.flags, env)
+        started = asyncio.get_running_loop().time()
+        lines = await node_check.run_on(resolved, every, dirs, NODE_CHECK_TIMEOUT_S)
+        result = node_check.judge(lines, every)
+        seconds = asyncio.get_running_loop().time() - started
+        self.emit(
+            "node_check",
+            nodes=every,
+            dirs=dirs,
+            reported=result.reported,
+            failed=result.failed,
+            seconds=round(seconds, 3),
+        )
+        if not result.failed:
+            return None
+        reasons = {n: f"pre-launch check: {why}" for n, why in result.failed.items()}
+        return self._exclude(reasons, None)
+
+    def count_failure(self, blame: nodes.Attribution | None, attempt: int) -> str | None:
+        """Count attempt `attempt`'s failure against the node it is laid on (`blame`); a node at
+        `exclude_after` is out."""
+        self.just_excluded = []
+        if blame is None or blame.node is None:
+            return None
+        self.failures[blame.node] += 1
+        restart = self.cfg.restart
+        out = nodes.excluded_now(self.failures, restart.exclude_after, self.resolved.pool)
+        reasons = {
+            name: f"{self.failures[name]} failure(s) laid on it "
+            f"(exclude_after = {restart.exclude_after}): {blame.why}"
+            for name in out
+        }
+        return self._exclude(reasons, attempt) if out else None
+
+    def _exclude(self, reasons: dict[str, str], attempt: int | None) -> str | None:
+        """Take the nodes of `reasons` out: a spare takes each place, else the job shrinks
+        (`nodes.exclude`)."""
+        restart, resolved = self.cfg.restart, self.resolved
+        at = {} if attempt is None else {"attempt": attempt}
+        for name, why in reasons.items():
+            count = self.failures[name]
+            self.emit("node_excluded", node=name, reason=why, count=count, **at)
+        change = nodes.exclude(resolved.pool, list(reasons), restart.shrink, restart.min_nodes)
+        self.just_excluded = list(reasons)
+        for old, new in change.swaps:
+            self.emit("node_swapped", out=old, into=new, **at)
+        if change.action == "stop":
+            resolved.pool = change.pool
+            return change.reason
+        problem = self._shrink(change.pool, attempt) if change.action == "shrink" else None
+        resolved.pool = change.pool
+        if problem is not None:
+            return problem
+        resolved.write_hostfile()
+        return None
+
+    def _shrink(self, pool: nodes.NodePool, after_attempt: int | None) -> str | None:
+        """The job goes on with `pool`'s fewer nodes: the worker flags that world needs (the
+        global batch kept where the sizes divide, `spec.plan_shrink`), and the fault schedule
+        told."""
+        from supervisor.settings import worker_spec
+
+        launch = self.cfg.launch
+        ranks_per_node = launch.ranks_per_node
+        # Planned from the first world, never from a plan of a plan.
+        first = (len(self.resolved.nodes) - launch.spares) * ranks_per_node
+        world = len(pool.active) * ranks_per_node
+        spec = worker_spec.load(self.cfg.worker.module)
+        if spec is None:  # no spec plans its flags: passed unchanged
+            self.emit(
+                "shrink", attempt=after_attempt, nodes=list(pool.active), world=[first, world]
+            )
+            self.faults.resize(world)
+            return None
+        plan = spec.plan_shrink(self.cfg.worker_flags(), first, world)
+        if plan.problem is not None:
+            return f"cannot go on with {len(pool.active)} node(s): {plan.problem}"
+        self.emit("shrink", attempt=after_attempt, nodes=list(pool.active), **plan.event())
+        self.resolved.worker_overrides = dict(plan.flags)
+        self.faults.resize(plan.new_world)
+        return None

@@ -1,0 +1,70 @@
+"""What a job holds and leaves on this node: the memory tier's directory (held for the job's
+life, removed however it ends), its async stage dir, and what killed runs left that nothing
+holds any more (swept at the job's start and end)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from supervisor.host import hygiene, memdir
+from supervisor.settings.config import Config
+
+SWEEP_NAMED = 50  # paths a node_sweep event names (it counts them all)
+
+
+class NodeScratch:
+    """Opened before the first launch, closed when the job is over (`emit`: the job's)."""
+
+    def __init__(self, cfg: Config, job_id: str, emit: Callable[..., None]) -> None:
+        self.cfg = cfg
+        self.job_id = job_id
+        self.emit = emit
+        self.mem: memdir.Held | None = None  # the memory tier's directory, held for the job
+
+    def open(self) -> None:
+        """Before the first launch: the memory tier's directory, then the sweep."""
+        self._open_memory_tier()
+        self._sweep("start")
+
+    def close(self) -> None:
+        """The job is over: its memory directory goes first (whatever fails after, the node's
+        memory is freed), then its async stage dir, then whatever its attempts left."""
+        self._close_memory_tier()
+        env = {**os.environ, **self.cfg.launch.env}
+        stage = hygiene.stage_dir(self.cfg.worker.flags, env, self.job_id)
+        if stage is not None and os.path.lexists(stage):
+            error = hygiene.remove_stage_dir(stage)
+            if error is None:
+                self.emit("stage_removed", path=stage)
+            else:
+                self.emit("stage_remove_failed", path=stage, error=error)
+        self._sweep("end")
+
+    def _open_memory_tier(self) -> None:
+        """Remove what dead jobs left in this node's memory root, and hold the job's own memory
+        directory when its ranks keep one."""
+        root = memdir.root(self.cfg.launch.env)
+        swept = memdir.sweep_abandoned(root)
+        if swept:
+            self.emit("mem_sweep", root=root, paths=swept)
+        if memdir.wanted(self.cfg.worker.flags):
+            self.mem = memdir.hold(root, self.job_id)
+            self.emit("mem_held", path=self.mem.path)
+
+    def _close_memory_tier(self) -> None:
+        """Its memory directory goes (no attempt will resume from it)."""
+        held, self.mem = self.mem, None
+        if held is None:
+            return
+        error = memdir.remove(held)
+        if error is None:
+            self.emit("mem_removed", path=held.path)
+        else:
+            self.emit("mem_remove_failed", path=held.path, error=error)
+
+    def _sweep(self, when: str) -> None:
+        """What killed runs left on this node and nothing holds any more (`hygiene.sweep`)."""
+        removed = hygiene.sweep()
+        if removed:  # after a day of runs from before the fix: hundreds
+            self.emit("node_sweep", when=when, count=len(removed), paths=removed[:SWEEP_NAMED])
