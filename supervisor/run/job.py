@@ -2,8 +2,9 @@
 
 The job keeps what outlives an attempt: the heartbeat server, the fault hooks, the history, the
 restart budget and backoff, the user's stop requests, and which attempts are alive. Each attempt
-runs itself (`attempt.Attempt`); what to do after one is `restarts.decide`. Everything the job
-does is written to events.jsonl first.
+runs itself (`attempt.Attempt`); what to do after one is `restarts.decide`; its nodes are the
+`NodeKeeper`'s, what it holds on this node the `NodeScratch`'s. Everything the job does is
+written to events.jsonl first.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class Job:
         return code
 
     def _open(self) -> list[asyncio.Task]:
-        """The event log, the heartbeat server, the fault hooks, the signal handlers."""
+        """The event log, the heartbeat server, the fault hooks, the node keeper, the signal
+        handlers."""
         self.log = EventLog(self.resolved.run_dir / "events.jsonl", self.console)
         self.launcher.prepare()
         self.server = server = self._bind()
