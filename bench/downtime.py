@@ -57,7 +57,7 @@ from supervisor.log.events import read_events  # noqa: E402
 from supervisor.reporting.analysis import analyze  # noqa: E402
 from supervisor.reporting.load import load_run  # noqa: E402
 from supervisor.reporting.model import Failure  # noqa: E402
-from supervisor.settings import config as config_mod  # noqa: E402
+from supervisor.settings import toml_dump  # noqa: E402
 
 SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len",
              "batch_size")  # fmt: skip
@@ -104,7 +104,7 @@ def bench_config(base: Path, size: str, out: Path) -> Path:
         worker["save_interval"] = 3  # seconds per step here: keep the lost work small
         raw.setdefault("heartbeat", {}).setdefault("progress", {})["train"] = 300
     raw.update(worker=worker, faults=[])
-    out.write_text(config_mod.dumps(raw))
+    out.write_text(toml_dump.dumps(raw))
     return out
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from supervisor.settings import config as config_mod  # noqa: E402
+from supervisor.settings import toml_dump  # noqa: E402
 
 
 def write_config(workdir: Path, mode: str, iters: int, every: int) -> Path:
@@ -38,7 +38,7 @@ def write_config(workdir: Path, mode: str, iters: int, every: int) -> Path:
     raw["heartbeat"]["progress"]["train"] = "auto" if mode == "auto" else float(mode)
     raw["faults"] = [{"name": "stall", "every_steps": every, "action": "stall", "target": "rank:0"}]
     path = workdir / f"{mode}.toml"
-    path.write_text(config_mod.dumps(raw))
+    path.write_text(toml_dump.dumps(raw))
     return path
 
 

@@ -18,7 +18,7 @@ from contracts.env_names import ENV_MEM_ROOT
 # touches nothing else, `MEM_DIR_NAME`).
 MEM_ROOT_DEFAULT = "/dev/shm"
 MEM_PREFIX = "es-mem-"
-# A job name (config.name_problem checks it against these): ASCII letters, digits, ".", "_",
+# A job name (checks.name_problem checks it against these): ASCII letters, digits, ".", "_",
 # "-", starting with a letter or digit, at most JOB_NAME_MAX, no "..".
 JOB_NAME_MAX = 64
 _NAME_FIRST, _NAME_REST = "[A-Za-z0-9]", "[A-Za-z0-9._-]"

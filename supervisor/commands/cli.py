@@ -23,6 +23,7 @@ from supervisor.host import ownership
 from supervisor.log import console
 from supervisor.run import job as job_mod
 from supervisor.settings import config as config_mod
+from supervisor.settings import loading
 
 # What each exit status means to `run` (and `--help`); every ExitCode has a line (a test holds
 # this), and each command lists the codes it can end with.
@@ -225,12 +226,12 @@ def interrupted_code(command: str) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    raw = config_mod.parse_toml_file(args.config)
+    raw = loading.parse_toml_file(args.config)
     if isinstance(raw.get("experiment"), dict):
         from supervisor.commands import experiment
 
         return experiment.cmd_validate(args)
-    cfg = config_mod.load(args.config, args.set)
+    cfg = loading.load(args.config, args.set)
     r = job_mod.resolve(cfg)
     notes = preflight.check(r)
     print(f"{args.config}: ok ({r.summary()})")
@@ -240,7 +241,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = config_mod.load(args.config, args.set)
+    cfg = loading.load(args.config, args.set)
     r = job_mod.resolve(cfg)
     for note in preflight.check(r):
         print(f"note: {note}", file=sys.stderr)

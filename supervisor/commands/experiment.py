@@ -28,6 +28,7 @@ from contracts.exit_codes import ExitCode
 from supervisor.commands import preflight
 from supervisor.host import ownership
 from supervisor.log import console
+from supervisor.settings import checks, loading
 from supervisor.settings import config as config_mod
 
 if TYPE_CHECKING:
@@ -52,9 +53,9 @@ def load(
 ) -> Experiment:
     """Read an experiment TOML; ConfigError (exit 2) for anything wrong, like `run`."""
     source = str(path)
-    raw = config_mod.parse_toml_file(path)
+    raw = loading.parse_toml_file(path)
     for item in sets:  # `--set experiment.dir=...` works too
-        config_mod.apply_override(raw, item, source)
+        loading.apply_override(raw, item, source)
     exp = raw.pop("experiment", None)
     if not isinstance(exp, dict):
         raise config_mod.ConfigError(source, "experiment", "expected an [experiment] table")
@@ -69,8 +70,8 @@ def load(
         raise config_mod.ConfigError(source, "experiment.name", f"expected a name, got {name!r}")
     # Each phase's job is named `<name>-<phase>`: the name is checked as a job name is, with
     # room for the longest phase.
-    most = config_mod.NAME_MAX - len("-baseline")
-    problem = config_mod.name_problem(name)
+    most = checks.NAME_MAX - len("-baseline")
+    problem = checks.name_problem(name)
     if problem is None and len(name) > most:
         problem = f"expected at most {most} characters (a phase's job is <name>-baseline)"
     if problem:
@@ -120,12 +121,12 @@ def phase_raw(e: Experiment, phase: str) -> dict[str, Any]:
     else:
         worker["async_ckpt"] = True
     for item in e.overrides.get(phase, []):
-        config_mod.apply_override(raw, item, f"{e.source} [experiment.{phase}]")
+        loading.apply_override(raw, item, f"{e.source} [experiment.{phase}]")
     return raw
 
 
 def phase_config(e: Experiment, phase: str) -> config_mod.Config:
-    return config_mod.from_dict(phase_raw(e, phase), f"{e.source} ({phase})")
+    return loading.from_dict(phase_raw(e, phase), f"{e.source} ({phase})")
 
 
 def resolve_phases(e: Experiment) -> tuple[dict[str, Resolved], list[str]]:

@@ -17,6 +17,7 @@ from supervisor.launch.kinds import LauncherKind
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.registry import launcher_for
 from supervisor.policy.nodes import NodePool
+from supervisor.settings import checks, toml_dump
 from supervisor.settings import config as config_mod
 from supervisor.settings.config import Config
 
@@ -83,7 +84,7 @@ class Resolved:
             "ES_ATTEMPT_DIR": str(self.run_dir / "attempts" / "000"),
         }
         return (
-            f"# resolved config ({label})\n{config_mod.dumps(self.resolved_dict())}\n"
+            f"# resolved config ({label})\n{toml_dump.dumps(self.resolved_dict())}\n"
             f"# launch command (attempt 0)\n{self.plan({**self.cfg.launch.env, **env}).text()}"
         )
 
@@ -96,7 +97,7 @@ class Resolved:
         )
 
     def resolved_dict(self) -> dict[str, Any]:
-        d = config_mod.to_dict(self.cfg)
+        d = toml_dump.to_dict(self.cfg)
         d["job"]["run_dir"] = str(self.run_dir)
         d["launch"]["nodes"] = list(self.nodes)
         d["launch"]["executable"] = self.executable
@@ -117,7 +118,7 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
     kind = launcher_for(cfg.launch.launcher)
     nodes = kind.nodes(cfg.launch, environ, cfg.source)
     for node in nodes:  # from a host file or the batch job: checked as a list in the config is
-        problem = config_mod.host_problem(node)
+        problem = checks.host_problem(node)
         if problem:
             key = "launch.hostfile" if cfg.launch.hostfile else "launch.nodes"
             raise config_mod.ConfigError(

@@ -32,6 +32,7 @@ from supervisor.run.node_scratch import NodeScratch
 from supervisor.run.standby import StandbyKeeper
 from supervisor.run.stop import StopRequests, stop_signals
 from supervisor.settings import config as config_mod
+from supervisor.settings import toml_dump
 from supervisor.watch.control import ControlServer, bind_for
 from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
 
@@ -267,7 +268,7 @@ class Job:
         run_dir = self.resolved.run_dir
         try:
             (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(config_mod.dumps(self.resolved.resolved_dict()))
+            (run_dir / "config.toml").write_text(toml_dump.dumps(self.resolved.resolved_dict()))
             self.resolved.write_hostfile()
         except OSError as exc:
             why = exc.strerror or str(exc)

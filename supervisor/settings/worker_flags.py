@@ -8,7 +8,8 @@ so this costs the supervisor milliseconds.
 from __future__ import annotations
 
 from supervisor.settings import worker_spec
-from supervisor.settings.config import DEFAULT_MODULE, Config, check_worker_keys, worker_error
+from supervisor.settings.checks import check_worker_keys, worker_error
+from supervisor.settings.config import DEFAULT_MODULE, Config
 
 
 def check(cfg: Config, world: int) -> str | None:
@@ -20,7 +21,7 @@ def check(cfg: Config, world: int) -> str | None:
             f"worker.module {cfg.worker.module!r} is not {DEFAULT_MODULE}: its flags are passed "
             "as given (checked for their shape only)"
         )
-    check_worker_keys(cfg)  # done by config.from_dict too; a Config built by hand is checked here
+    check_worker_keys(cfg)  # done by loading.from_dict too; a Config built by hand is checked here
     refusal = spec.run_problem(cfg.worker_flags(), world)
     if refusal is not None:
         raise worker_error(cfg, refusal)

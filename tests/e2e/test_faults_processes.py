@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from supervisor.commands import cli
-from supervisor.settings import config as C
+from supervisor.settings import loading
 from tests.support import REPO, fake_checkpoints
 
 # --- parsing --------------------------------------------------------------------------------------
@@ -20,10 +20,10 @@ def test_shipped_configs_with_faults_validate(capsys, monkeypatch):
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     for name in ("debug.toml", "chaos.toml"):
         assert cli.main(["validate", str(REPO / "configs" / name)]) == 0, capsys.readouterr().err
-    (f,) = C.load(REPO / "configs" / "agpt2b.toml").faults  # parsed once, typed, as loaded
+    (f,) = loading.load(REPO / "configs" / "agpt2b.toml").faults  # parsed once, typed, as loaded
     assert f.trigger.at_step == (500, 1000, 1500) and f.trigger.after_checkpoint
     assert f.table["at_step"] == [500, 1000, 1500]  # ... and the table as given, for the dump
-    chaos = C.load(REPO / "configs" / "chaos.toml").faults
+    chaos = loading.load(REPO / "configs" / "chaos.toml").faults
     assert {s.action.kind for s in chaos} == {
         "kill", "term", "hang", "stall", "slow", "corrupt", "unmark"
     }  # fmt: skip
@@ -37,7 +37,7 @@ def test_engine_signals_a_local_rank_and_writes_one_fault_event(tmp_path):
     from supervisor.run import fault_hooks
     from supervisor.watch.rank_table import AttemptTable
 
-    cfg = C.from_dict(
+    cfg = loading.from_dict(
         {
             "launch": {"ranks_per_node": 2},
             "worker": {"train_iters": 50, "save_interval": 5, "ckpt_dir": str(tmp_path)},

@@ -8,12 +8,13 @@ import pytest
 
 from supervisor.commands import cli
 from supervisor.settings import config as C
+from supervisor.settings import loading, toml_dump
 from tests.support import REPO
 from tests.support import write_job_toml as write
 
 
 def test_defaults_and_worker_flags(tmp_path):
-    cfg = C.load(
+    cfg = loading.load(
         write(
             tmp_path,
             """
@@ -37,7 +38,7 @@ lr = 0.001
 
 def test_overrides_parse_toml_values_or_strings(tmp_path):
     path = write(tmp_path, "[worker]\ntrain_iters = 10\n")
-    cfg = C.load(
+    cfg = loading.load(
         path,
         [
             "worker.train_iters=50",
@@ -53,20 +54,20 @@ def test_overrides_parse_toml_values_or_strings(tmp_path):
 
 
 def test_dump_round_trips():
-    cfg = C.from_dict(
+    cfg = loading.from_dict(
         {
             "job": {"name": "x"},
             "launch": {"env": {"A": "1"}, "args": ["--cpu-bind", "depth"], "nodes": ["h1", "h2"]},
             "worker": {"model": "debug", "async_ckpt": True},
         }
     )
-    data = C.to_dict(cfg)
-    assert tomllib.loads(C.dumps(data)) == data
+    data = toml_dump.to_dict(cfg)
+    assert tomllib.loads(toml_dump.dumps(data)) == data
 
 
 def test_shipped_configs_validate():
     for name in ("debug.toml", "agpt2b.toml", "agpt20b.toml"):
-        cfg = C.load(REPO / "configs" / name)
+        cfg = loading.load(REPO / "configs" / name)
         assert cfg.worker.module == "worker.train"
 
 
@@ -97,7 +98,7 @@ BAD = [
 def test_bad_configs_name_file_key_and_expectation(tmp_path, capsys, text, key, fragment):
     path = write(tmp_path, text)
     with pytest.raises(C.ConfigError) as err:
-        C.load(path)
+        loading.load(path)
     assert err.value.key == key
     assert fragment in str(err.value)
     for command in ("validate", "run"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.commands import cli
-from supervisor.settings import config as C
+from supervisor.settings import checks, loading, toml_dump
 from tests.support import REPO, one_line_error, validate
 from tests.support import write_job_toml as write
 
@@ -57,9 +57,9 @@ def test_the_set_examples_of_help_work_on_the_demo_as_printed(tmp_path, capsys):
     assert "--set 'faults=[]' --set worker.train_iters=50" in " ".join(help_text.split())
     rc, out = validate(capsys, str(path), "--set", "faults=[]", "--set", "worker.train_iters=50")
     assert rc == 0, out
-    cfg = C.load(path, ["faults=[]", "worker.train_iters=50"])
+    cfg = loading.load(path, ["faults=[]", "worker.train_iters=50"])
     assert cfg.faults == [] and cfg.worker.flags["train_iters"] == 50
-    assert "faults" not in C.to_dict(cfg)  # the resolved dump has none either
+    assert "faults" not in toml_dump.to_dict(cfg)  # the resolved dump has none either
 
 
 def test_a_set_that_leaves_a_fault_out_of_reach_says_how_to_drop_the_faults(tmp_path, capsys):
@@ -89,7 +89,7 @@ def test_job_names_are_names(tmp_path, capsys, name):
 
 @pytest.mark.parametrize("name", ["debug", "agpt2b-restart", "a.b_c-1", "X" * 64])
 def test_plain_names_pass(name):
-    assert C.name_problem(name) is None
+    assert checks.name_problem(name) is None
 
 
 BAD_RUN_VALUES = [
@@ -185,14 +185,14 @@ def test_a_heartbeat_address_this_host_cannot_listen_on(tmp_path, capsys):
 
 
 def test_nul_problem_names_the_first_key():
-    assert C.nul_problem({"a": {"b": ["x", "y\0"]}}) == "a.b[1]"
-    assert C.nul_problem({"a": {"k\0": 1}}) == "a.k\0"
-    assert C.nul_problem({"a": [1, 2.0, True, "ok"]}) is None
+    assert checks.nul_problem({"a": {"b": ["x", "y\0"]}}) == "a.b[1]"
+    assert checks.nul_problem({"a": {"k\0": 1}}) == "a.k\0"
+    assert checks.nul_problem({"a": [1, 2.0, True, "ok"]}) is None
 
 
 def test_duplicates_in_the_order_they_repeat():
-    assert C.duplicates(["a", "b", "b", "a", "a"]) == ["b", "a"]
-    assert C.duplicates(["a"]) == []
+    assert checks.duplicates(["a", "b", "b", "a", "a"]) == ["b", "a"]
+    assert checks.duplicates(["a"]) == []
 
 
 def test_host_names_from_a_host_file_are_checked_as_a_list_is(tmp_path, capsys):

@@ -27,7 +27,7 @@ from supervisor.launch.processes import Exit, TeardownResult
 from supervisor.log.events import read_events
 from supervisor.run.job import Job, Resolved
 from supervisor.run.node_keeper import NodeKeeper
-from supervisor.settings import config as C
+from supervisor.settings import loading
 
 
 @dataclass
@@ -127,7 +127,7 @@ class FakeLauncher:
 
 
 def make_job(tmp_path: Path, fake: FakeLauncher, worker: dict | None = None, **restart) -> Job:
-    cfg = C.from_dict(
+    cfg = loading.from_dict(
         {
             "job": {"name": "fake", "run_dir": str(tmp_path / "run")},
             "worker": worker or {},

@@ -13,10 +13,11 @@ from supervisor.launch.hydra_lines import HydraLines
 from supervisor.launch.kinds import LauncherMissing
 from supervisor.launch.registry import KINDS, launcher_for
 from supervisor.settings import config as C
+from supervisor.settings import loading
 
 
 def cfg(**launch):
-    return C.from_dict({"launch": launch, "worker": {"model": "debug", "async_ckpt": True}})
+    return loading.from_dict({"launch": launch, "worker": {"model": "debug", "async_ckpt": True}})
 
 
 def test_hydra_command(tmp_path):

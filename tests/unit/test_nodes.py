@@ -18,6 +18,7 @@ from supervisor.policy.nodes import (
     outside_collectives,
 )
 from supervisor.settings import config as config_mod
+from supervisor.settings import loading
 
 FOUR = ("n0", "n1", "n2", "n3")
 
@@ -139,12 +140,12 @@ def test_two_nodes_out_at_once_take_a_spare_each_then_shrink():
 # --- config and command ------------------------------------------------------------------------
 def _cfg(**launch) -> config_mod.Config:
     raw = {"launch": {"launcher": "mpiexec", **launch}, "worker": {"model": "debug"}}
-    return config_mod.from_dict(raw, "job.toml")
+    return loading.from_dict(raw, "job.toml")
 
 
 def test_emulated_nodes_need_mpiexec_and_a_list_of_names():
     with pytest.raises(ConfigError, match="launch.emulate_nodes"):
-        config_mod.from_dict({"launch": {"launcher": "local", "emulate_nodes": True}}, "j")
+        loading.from_dict({"launch": {"launcher": "local", "emulate_nodes": True}}, "j")
     with pytest.raises(ConfigError, match="launch.nodes"):
         _cfg(emulate_nodes=True)
 
@@ -162,7 +163,7 @@ def test_emulated_nodes_need_mpiexec_and_a_list_of_names():
 def test_node_keys_that_cannot_work_are_config_errors(launch, restart, key):
     raw = {"launch": {"launcher": "mpiexec", **launch}, "restart": restart}
     with pytest.raises(ConfigError, match=key):
-        config_mod.from_dict(raw, "job.toml")
+        loading.from_dict(raw, "job.toml")
 
 
 def test_emulated_nodes_run_under_hydras_fork_launcher_with_the_smaller_worlds_flags(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from contracts import env_names
 from supervisor.commands import cli
-from supervisor.settings import config as C
+from supervisor.settings import loading
 from tests.support import validate
 
 
@@ -54,7 +54,7 @@ def test_a_directory_a_missing_file_and_no_permission(tmp_path, capsys, monkeypa
 def test_parse_toml_file_returns_the_tables(tmp_path):
     path = tmp_path / "ok.toml"
     path.write_text('[job]\nname = "x"\n')
-    assert C.parse_toml_file(path) == {"job": {"name": "x"}}
+    assert loading.parse_toml_file(path) == {"job": {"name": "x"}}
 
 
 def test_a_memory_tier_needs_a_root_that_can_hold_its_directory(tmp_path, capsys, monkeypatch):
