@@ -2,7 +2,7 @@
 one relay per node.
 
 The supervisor's side is the real thing, in this process: the real HeartbeatServer verifies
-every message and folds it into the real AttemptTable, whose `judge` (`decisions.judge_ranks`,
+every message and folds it into the real AttemptTable, whose `judge` (`liveness.judge_ranks`,
 node by node under relays) runs every `check_s` (stretched as the watch loop stretches it).
 
 - Without relays (`--ranks-per-node 1`, or `--no-relay`): simulator processes send, for
@@ -37,9 +37,10 @@ import os
 import time
 
 from contracts import messages
-from supervisor.policy.decisions import judge_period
+from supervisor.policy.liveness import judge_period
 from supervisor.settings.config import HeartbeatConfig, ProgressConfig
-from supervisor.watch.heartbeat import AttemptTable, HeartbeatServer
+from supervisor.watch.heartbeat import HeartbeatServer
+from supervisor.watch.rank_table import AttemptTable
 
 KEY = b"bench-key-" * 4
 JOB = "scale"

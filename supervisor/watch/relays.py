@@ -1,7 +1,7 @@
 """Per-node relays on the supervisor's side: what one relay's summaries say of its node's ranks,
 and which of those ranks a check must look at (worker.relay sends the summaries).
 
-The ranks' states stay `decisions.RankState`s, one per rank, judged by `decisions.judge_ranks`
+The ranks' states stay `liveness.RankState`s, one per rank, judged by `liveness.judge_ranks`
 exactly as beats would have them; what changes is the work per check. Without relays every
 check scans every rank. With them, a check looks at each node once (`suspects`): its summaries'
 arrival, the ranks its relay said were late, whether one of its ranks' processes ended, and the
@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from supervisor.policy.decisions import Finding, Limits, RankState
+from supervisor.policy.limits import Limits
+from supervisor.policy.liveness import Finding, RankState
 
 # "auto" relays ranks when the job is big enough for the supervisor to feel every rank's beats
 # (and a node has more than one rank): below it, beats straight from every rank cost little and
@@ -84,6 +85,21 @@ class RelayState:
             if moved > st.last_progress and st.rank != 0:
                 st.step, st.last_progress = self.steps[k], moved
 
+    def steps_moved(self, steps: list[int], steps_coded: list, phase: str, now: float) -> None:
+        """A summary where only steps moved (a node training, all its ranks in `phase`): each
+        rank's step and when it moved. Most often every rank moved past the newest step of the
+        last summary: no pass per rank then."""
+        old = self.steps_coded
+        if old and max(v for v, _ in old) < min(v for v, _ in steps_coded):
+            self.moved = [now] * len(steps)
+        else:
+            self.moved = [
+                now if a != b else t for a, b, t in zip(self.steps, steps, self.moved, strict=True)
+            ]
+        self.steps, self.steps_coded = steps, steps_coded
+        if phase != "done" and not self.dirty:
+            self.oldest = {phase: min(self.moved)}
+
     def refresh(self) -> None:
         if not self.dirty:
             return
@@ -105,7 +121,7 @@ def suspects(
     """Pure (but for each relay's own cache): the relayed ranks a check must judge, each with its
     last-seen time as the relay says it (copies: the table's states are not written), and the
     relays gone silent (past the liveness deadline), by node. Every other relayed rank is one
-    that `decisions.judge_ranks` would find healthy."""
+    that `liveness.judge_ranks` would find healthy."""
     liveness = now - lim.timeout_s
     train_liveness = now - lim.train_timeout_s if lim.train_timeout_s else liveness
     latest = max(liveness, train_liveness)  # a summary older than this: some rank may be lost
@@ -115,39 +131,39 @@ def suspects(
     out: list[RankState] = []
     silent: dict[str, RelayState] = {}
     soonest = now - min(by_phase.values(), default=train)  # no progress older: nothing stalled
-    for rs in relays:
-        if rs.dirty:
-            rs.refresh()
-        whole = rs.exited or rs.last_seen < latest
-        if not whole and rs.oldest and min(rs.oldest.values()) < soonest:
-            for phase, oldest in rs.oldest.items():
+    for relay in relays:
+        if relay.dirty:
+            relay.refresh()
+        whole = relay.exited or relay.last_seen < latest
+        if not whole and relay.oldest and min(relay.oldest.values()) < soonest:
+            for phase, oldest in relay.oldest.items():
                 if now - oldest > by_phase.get(phase, train):
                     whole = True
                     break
         if whole:
-            rs.sync()
-            candidates: Iterable[RankState] = rs.states
-        elif rs.late:
+            relay.sync()
+            candidates: Iterable[RankState] = relay.states
+        elif relay.late:
             candidates = []
-            for r in rs.late:
-                i = rs.index.get(r)
+            for r in relay.late:
+                i = relay.index.get(r)
                 if i is not None:
-                    rs.sync(i)
-                    candidates.append(rs.states[i])
+                    relay.sync(i)
+                    candidates.append(relay.states[i])
         else:
             continue
         for st in candidates:
             if st.phase == "done":
                 continue
-            seen = rs.seen(st)
+            seen = relay.seen(st)
             if (
                 st.exited
                 or seen < (train_liveness if st.phase == "train" else liveness)
                 or now - st.last_progress > by_phase.get(st.phase, train)
             ):
                 out.append(st if seen == st.last_seen else dataclasses.replace(st, last_seen=seen))
-        if rs.last_seen < latest:
-            silent[rs.node] = rs
+        if relay.last_seen < latest:
+            silent[relay.node] = relay
     return out, silent
 
 
@@ -157,13 +173,14 @@ def silent_relay(finding: Finding, silent: dict[str, RelayState]) -> Finding:
     if finding.kind != "hang" or not silent:
         return finding
     named = set(finding.ranks)
-    hit = [rs for rs in silent.values() if named.intersection(rs.ranks)]
-    if not hit:
+    involved = [relay for relay in silent.values() if named.intersection(relay.ranks)]
+    if not involved:
         return finding
-    rs = min(hit, key=lambda r: r.last_seen)
-    nodes = ", ".join(sorted(r.node for r in hit))
+    relay = min(involved, key=lambda r: r.last_seen)
+    nodes = ", ".join(sorted(r.node for r in involved))
     why = (
-        f"{finding.reason}; the relay of node {rs.node} (rank {rs.rank}) sent no summary for its "
-        f"{len(rs.ranks)} ranks" + (f" (silent relays: {nodes})" if len(hit) > 1 else "")
+        f"{finding.reason}; the relay of node {relay.node} (rank {relay.rank}) sent no summary "
+        f"for its {len(relay.ranks)} ranks"
+        + (f" (silent relays: {nodes})" if len(involved) > 1 else "")
     )
-    return dataclasses.replace(finding, reason=why, node=rs.node)
+    return dataclasses.replace(finding, reason=why, node=relay.node)

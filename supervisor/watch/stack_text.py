@@ -219,16 +219,16 @@ class RankStack:
 
 def ranks_text(ranks: Sequence[int]) -> str:
     """`rank 3`, `ranks 0-2,5`."""
-    rs = sorted(ranks)
+    ordered = sorted(ranks)
     spans: list[str] = []
     i = 0
-    while i < len(rs):
+    while i < len(ordered):
         j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
             j += 1
-        spans.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        spans.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(spans)
+    return ("rank " if len(ordered) == 1 else "ranks ") + ",".join(spans)
 
 
 def summary_lines(

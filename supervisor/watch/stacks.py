@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from contracts import stack_files
-from supervisor.policy.decisions import RankState
+from supervisor.policy.liveness import RankState
 from supervisor.watch.stack_text import SHOWN_STATE, RankStack, catches, method_for, place_of
 
 TOTAL_S = 3.0  # the whole collection, every rank

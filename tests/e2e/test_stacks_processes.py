@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from contracts import control_msgs, env_names, stack_files
-from supervisor.policy.decisions import RankState
+from supervisor.policy.liveness import RankState
 from supervisor.watch import stacks
 from supervisor.watch.control import ControlServer
 from supervisor.watch.stack_text import place_of

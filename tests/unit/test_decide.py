@@ -5,28 +5,21 @@ from __future__ import annotations
 import pytest
 
 from contracts.exit_codes import ExitCode
-from supervisor.policy.decisions import (
+from supervisor.policy.error_lines import error_of, is_warning
+from supervisor.policy.exits import Outcome, classify_exit, describe_returncode
+from supervisor.policy.liveness import RankState, judge_period, judge_ranks
+from supervisor.policy.restarts import (
     AttemptRecord,
-    Outcome,
-    RankState,
     backoff_delay,
-    classify_exit,
     consecutive_unproductive,
     decide,
-    describe_returncode,
     early_repeat,
-    error_of,
-    is_warning,
-    judge_period,
-    judge_ranks,
     made_progress,
     restarts_left,
     saved_progress,
-    standby_ready,
-    standby_retry_delay,
-    standby_unusable,
     stuck_resume,
 )
+from supervisor.policy.standby_rules import standby_ready, standby_retry_delay, standby_unusable
 from supervisor.settings.config import HeartbeatConfig, ProgressConfig, RestartConfig
 
 HB = HeartbeatConfig(
@@ -42,45 +35,45 @@ def rank(r, seen, progress, phase="train", step=5, **kw):
 
 def test_healthy_ranks_give_no_finding():
     ranks = {0: rank(0, 99, 90), 1: rank(1, 99.5, 95)}
-    assert judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB) is None
+    assert judge_ranks(ranks, 2, now=100, launched_at=0, heartbeat=HB) is None
 
 
 def test_liveness_lost_after_timeout():
     ranks = {0: rank(0, 99, 95), 1: rank(1, 89.5, 89.5)}
-    f = judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB)
+    f = judge_ranks(ranks, 2, now=100, launched_at=0, heartbeat=HB)
     assert f.kind == "hang" and f.ranks == (1,)
     assert f.deadline == pytest.approx(99.5)
-    assert judge_ranks(ranks, 2, now=99.4, launched_at=0, hb=HB) is None
+    assert judge_ranks(ranks, 2, now=99.4, launched_at=0, heartbeat=HB) is None
 
 
 def test_liveness_beats_progress_when_both():
     ranks = {0: rank(0, 99, 50), 1: rank(1, 80, 80)}
-    assert judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB).kind == "hang"
+    assert judge_ranks(ranks, 2, now=100, launched_at=0, heartbeat=HB).kind == "hang"
 
 
 def test_no_progress_uses_the_phase_timeout():
     # Beating (seen now) but the step has not moved for 31 s in train (timeout 30).
     ranks = {0: rank(0, 100, 69), 1: rank(1, 100, 99)}
-    f = judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB)
+    f = judge_ranks(ranks, 2, now=100, launched_at=0, heartbeat=HB)
     assert f.kind == "no_progress" and f.ranks == (0,) and f.phase == "train"
     assert f.deadline == pytest.approx(99)
     # The same stillness is fine while saving (timeout 200).
     ranks = {0: rank(0, 100, 69, phase="save"), 1: rank(1, 100, 99)}
-    assert judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB) is None
+    assert judge_ranks(ranks, 2, now=100, launched_at=0, heartbeat=HB) is None
 
 
 def test_missing_rank_judged_by_init_timeout():
     ranks = {0: rank(0, 100, 99)}
-    assert judge_ranks(ranks, 2, now=59, launched_at=0, hb=HB) is None
-    f = judge_ranks(ranks, 2, now=61, launched_at=0, hb=HB)
+    assert judge_ranks(ranks, 2, now=59, launched_at=0, heartbeat=HB) is None
+    f = judge_ranks(ranks, 2, now=61, launched_at=0, heartbeat=HB)
     assert f.kind == "no_progress" and f.ranks == (1,) and "no hello" in f.reason
 
 
 def test_done_ranks_are_not_judged_and_gone_ranks_come_first():
     ranks = {0: rank(0, 0, 0, phase="done"), 1: rank(1, 0, 0, phase="done", exited=True)}
-    assert judge_ranks(ranks, 2, now=1000, launched_at=0, hb=HB) is None
+    assert judge_ranks(ranks, 2, now=1000, launched_at=0, heartbeat=HB) is None
     ranks = {0: rank(0, 50, 50), 1: rank(1, 99, 99, exited=True, exited_at=99.5)}
-    f = judge_ranks(ranks, 2, now=100, launched_at=0, hb=HB)
+    f = judge_ranks(ranks, 2, now=100, launched_at=0, heartbeat=HB)
     assert f.kind == "rank_exit" and f.ranks == (1,) and f.deadline == 99.5
 
 
@@ -243,14 +236,14 @@ def test_a_host_that_does_not_resolve_ends_the_job_at_once():
 
 def test_a_waiting_standby_has_no_progress_limit_but_liveness_still_applies():
     waiting = {0: rank(0, 999, 0, phase="standby"), 1: rank(1, 999, 0, phase="standby")}
-    assert judge_ranks(waiting, 2, now=1000, launched_at=0, hb=HB, waiting=True) is None
-    told_to_go = judge_ranks(waiting, 2, now=1000, launched_at=0, hb=HB)  # load limit: 100 s
+    assert judge_ranks(waiting, 2, now=1000, launched_at=0, heartbeat=HB, waiting=True) is None
+    told_to_go = judge_ranks(waiting, 2, now=1000, launched_at=0, heartbeat=HB)  # load limit: 100 s
     assert told_to_go is not None and told_to_go.kind == "no_progress"
     silent = {0: rank(0, 900, 0, phase="standby"), 1: rank(1, 999, 0, phase="standby")}
-    lost = judge_ranks(silent, 2, now=1000, launched_at=0, hb=HB, waiting=True)
+    lost = judge_ranks(silent, 2, now=1000, launched_at=0, heartbeat=HB, waiting=True)
     assert lost is not None and lost.kind == "hang" and lost.ranks == (0,)
     preparing = {0: rank(0, 999, 0, phase="init")}  # a standby still starting: the init limit
-    stuck = judge_ranks(preparing, 1, now=1000, launched_at=0, hb=HB, waiting=True)
+    stuck = judge_ranks(preparing, 1, now=1000, launched_at=0, heartbeat=HB, waiting=True)
     assert stuck is not None and stuck.kind == "no_progress"
 
 

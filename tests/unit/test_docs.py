@@ -136,7 +136,7 @@ def test_every_exit_code_is_documented():
     assert not missing, f"docs/architecture.md's exit code table lacks {missing}"
 
 
-_EMITTED = re.compile(r"(?:emit|Note)\(\s*\"([a-z_]+)\"", re.S)
+_EMITTED = re.compile(r"(?:emit|EventToEmit)\(\s*\"([a-z_]+)\"", re.S)
 
 
 def emitted_events() -> set[str]:

@@ -10,7 +10,8 @@ import time
 import zmq
 
 from contracts import env_names, messages
-from supervisor.watch.heartbeat import AttemptTable, HeartbeatServer
+from supervisor.watch.heartbeat import HeartbeatServer
+from supervisor.watch.rank_table import AttemptTable
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
 from tests.support import beacon_env

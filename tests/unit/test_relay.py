@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from contracts import env_names, messages
-from supervisor.policy.decisions import judge_ranks
+from supervisor.policy.liveness import judge_ranks
 from supervisor.settings.config import HeartbeatConfig, ProgressConfig
-from supervisor.watch.heartbeat import AttemptTable, HeartbeatServer
+from supervisor.watch.heartbeat import HeartbeatServer
+from supervisor.watch.rank_table import AttemptTable
 from supervisor.watch.relays import RELAY_AUTO_MIN_WORLD, relay_wanted
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
@@ -189,12 +190,12 @@ def test_a_silent_relay_is_its_nodes_failure():
 
 def test_no_progress_of_one_relayed_rank_is_named():
     t = fed()
-    hb = dataclasses.replace(HB, progress=ProgressConfig(train=3.0))
+    heartbeat = dataclasses.replace(HB, progress=ProgressConfig(train=3.0))
     for k in range(1, 8):  # rank 5 beats (it is never late) but its step stays at 10
         now = 100.0 + k
         t.update(summary(0, range(4), [10 + k] * 4), now)
         t.update(summary(4, range(4, 8), [10 + k, 10, 10 + k, 10 + k], node="n1"), now)
-        f = t.judge(now + 0.1, hb)
+        f = t.judge(now + 0.1, heartbeat)
         if f is not None:
             break
     assert f is not None and f.kind == "no_progress" and f.ranks == (5,)
@@ -230,7 +231,7 @@ def test_forwarded_messages_of_relayed_ranks_still_count():
 def test_judging_by_node_finds_what_judging_every_rank_finds():
     """The same facts judged through relays and rank by rank: the same finding."""
     rng = random.Random(7)
-    hb = dataclasses.replace(HB, progress=ProgressConfig(train=4.0, save=8.0))
+    heartbeat = dataclasses.replace(HB, progress=ProgressConfig(train=4.0, save=8.0))
     for trial in range(200):
         world, per = 24, 6
         t = fed(world=world, per_node=per, now=100.0)
@@ -247,14 +248,14 @@ def test_judging_by_node_finds_what_judging_every_rank_finds():
                 late = [(r, round(rng.uniform(0, k), 3)) for r in ranks if rng.random() < 0.1]
                 t.update(summary(ranks[0], ranks, steps, phases, late, world, f"n{n}"), now)
         judged_at = now + rng.uniform(0, 2)
-        got = t.judge(judged_at, hb)
+        got = t.judge(judged_at, heartbeat)
         # Rank by rank: each state with the last-seen time its relay gives it.
         flat = {}
-        for rs in t.relays.values():
-            rs.sync()
-            for st in rs.states:
-                flat[st.rank] = dataclasses.replace(st, last_seen=rs.seen(st))
-        want = judge_ranks(flat, world, judged_at, t.launched_at, hb)
+        for relay in t.relays.values():
+            relay.sync()
+            for st in relay.states:
+                flat[st.rank] = dataclasses.replace(st, last_seen=relay.seen(st))
+        want = judge_ranks(flat, world, judged_at, t.launched_at, heartbeat)
         assert (got is None) == (want is None), trial
         if got is not None:
             assert (got.kind, got.ranks, got.deadline) == (want.kind, want.ranks, want.deadline)
@@ -287,7 +288,7 @@ def test_a_node_of_real_beacons_relays_through_its_local_rank_0(monkeypatch):
             await asyncio.sleep(0.05)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (
-            table.relays and all(rs.steps == [3, 3, 3] for rs in table.relays.values())
+            table.relays and all(relay.steps == [3, 3, 3] for relay in table.relays.values())
         ):
             await asyncio.sleep(0.05)
         for b in beacons[::-1]:

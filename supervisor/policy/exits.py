@@ -1,0 +1,66 @@
+"""What an attempt's end means: the launcher's exit status and the ranks' findings turned into
+an outcome (success, a graceful stop, bad input, or a failure worth another attempt).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Literal
+
+from supervisor.policy.liveness import Finding
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended. Only `failure` is worth another attempt."""
+
+    kind: Literal["success", "stopped", "bad_input", "failure"]
+    detail: str
+
+
+def describe_returncode(rc: int) -> str:
+    """`exit 1`, `killed by SIGKILL`, `exit 137 (SIGKILL)`: launchers report signals as 128+N."""
+    if rc < 0:
+        return f"killed by {_signame(-rc)}"
+    if rc > 128 and _signame(rc - 128, None):
+        return f"exit {rc} ({_signame(rc - 128)})"
+    return f"exit {rc}"
+
+
+def _signame(n: int, default: str | None = "signal") -> str | None:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"{default} {n}" if default else None
+
+
+def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool) -> Outcome:
+    """The attempt's outcome from the launcher's exit status and what the ranks said.
+
+    - 0 and a rank said `done`: success.
+    - 0 after the supervisor asked the ranks to stop: a graceful stop.
+    - 2 before any step: the worker rejected its flags or inputs; relaunching cannot help.
+    - anything else (a signal, a code, or 0 without `done`): a failure.
+    """
+    what = describe_returncode(returncode)
+    if returncode == 0 and done:
+        return Outcome("success", "the worker finished")
+    if returncode == 0 and stopping:
+        return Outcome("stopped", "the ranks stopped gracefully")
+    if returncode == 2 and not stepped and not stopping:
+        return Outcome("bad_input", "the worker rejected its input (exit 2)")
+    if returncode == 0:
+        return Outcome("failure", "exit 0 before the worker said done")
+    return Outcome("failure", what)
+
+
+def attempt_outcome(
+    finding: Finding | None, returncode: int | None, *, done: bool, stopping: bool, stepped: bool
+) -> Outcome:
+    """A finding (a rank gone, a hang, no progress) makes the attempt a failure; else its exit
+    status decides (None: no status was collected, as for a process killed in teardown)."""
+    if finding is not None:
+        return Outcome("failure", f"{finding.kind}: {finding.reason}")
+    rc = -signal.SIGKILL if returncode is None else returncode
+    return classify_exit(rc, done=done, stopping=stopping, stepped=stepped)
