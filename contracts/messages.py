@@ -15,7 +15,6 @@ from typing import Any
 VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024
 
-KINDS = frozenset({"hello", "beat", "step", "phase", "ckpt", "resumed", "error", "done", "summary"})
 PHASES = ("init", "standby", "load", "train", "save", "done")
 # `memory`: this rank's copy of that step into the memory tier is sealed (every rank says it;
 # at most one a heartbeat interval each: worker.beat). The others are rank 0's durable saves.

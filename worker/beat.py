@@ -7,45 +7,43 @@ linger 0, and sends a `beat` every `interval_s` carrying the latest phase and st
 are dropped and counted: training never waits for the supervisor. Without `ES_HEARTBEAT_ADDR`
 `Beacon.from_env` returns a beacon that does nothing.
 
-Faults (faults/): with `ES_CONTROL_ADDR` the same thread also listens on a DEALER socket for signed
-commands from the supervisor. A `signal` command is carried out at once, by the thread (the rank
-signals itself); `stall` and `slow` must happen inside a step, so they are queued for
-`StepFaults.apply`, the training loop's one per-step hook. A standby's `go` and `exit` are handed
-to `wait_standby_command`, where the main thread blocks until one comes (worker.standby).
+The same thread, in the same one blocking wait, serves the rank's other sockets:
 
-Relays (worker.relay): with `ES_HEARTBEAT_RELAY=1` and more than one rank on the node, local rank
-0's thread also binds its node's relay socket and sends the supervisor one summary of the node's
-beats per interval instead of its own beats; the node's other ranks send everything to that socket
-instead of the supervisor (their control channel, if any, still goes to the supervisor).
+- the control channel (`ES_CONTROL_ADDR`, worker.control_channel): the supervisor's signed
+  commands; a signal is carried out at once, `stall` and `slow` reach `StepFaults.apply`, the
+  training loop's one per-step hook, and a standby's `go` and `exit` reach
+  `wait_standby_command` (worker.standby);
+- the node's relay (`ES_HEARTBEAT_RELAY=1` and more than one rank on the node,
+  worker.beacon_relay): local rank 0 binds its node's relay socket and sends the supervisor one
+  summary of the node's beats per interval instead of its own beats; the node's other ranks send
+  everything to that socket instead of the supervisor (their control channel, if any, still goes
+  to the supervisor);
+- and at every beat it looks whether its launcher is gone (worker.parent_watch).
 
 This module must not import torch: the supervisor's tests and benchmarks use it as is.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
-import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from contracts import control_msgs, env_names, messages, stack_files
-from worker import stack_dump
+from contracts import env_names, messages
+from worker import parent_watch
+from worker.beacon_relay import NodeRelay
+from worker.control_channel import ControlChannel
 from worker.errors import UsageError
+from worker.parent_watch import ParentWatch
 from worker.relay import RelayCore, node_name, relay_address
 
 QUEUE_SIZE = 1024
 CLOSE_LINGER_S = 0.5
-# A standby's wait looks at the stop flag this often: a signal handler cannot safely wake a
-# thread blocked on a lock (it may interrupt the very code that holds it), so the wait is timed.
-STOP_CHECK_S = 0.2
 _STOP = object()
-RELAY_BATCH = 1000  # frames a relay forwards before it looks at its own beat again
-RELAY_CLOSE_S = 0.5  # a closing relay waits this long at most for its node's last `done`s
 
 
 class Beacon:
@@ -69,8 +67,8 @@ class Beacon:
         )
         key = env.get(env_names.ENV_HEARTBEAT_KEY, "").encode()
         interval = float(env.get(env_names.ENV_HEARTBEAT_INTERVAL, "1.0"))
-        if env.get(env_names.ENV_EXIT_WITH_PARENT) == "1":
-            _die_with_parent()
+        if parent_watch.wanted():
+            parent_watch.die_with_parent()
         control = env.get(env_names.ENV_CONTROL_ADDR) or None
         if env.get(env_names.ENV_HEARTBEAT_RELAY) == "1" and local_world > 1:
             node = node_name(env, identity.host)
@@ -121,8 +119,25 @@ class Beacon:
         return 0
 
 
+class _Push:
+    """The PUSH socket to the supervisor (or to the node's relay): a send never waits; one the
+    socket cannot take now is dropped and counted."""
+
+    def __init__(self, sock: Any, zmq: Any) -> None:
+        self.sock = sock
+        self._noblock, self._again = zmq.NOBLOCK, zmq.Again
+        self.dropped = 0
+
+    def send(self, frame: bytes) -> None:
+        try:
+            self.sock.send(frame, flags=self._noblock)
+        except self._again:
+            self.dropped += 1
+
+
 class ZmqBeacon(Beacon):
-    """The real beacon: a bounded queue in front of one sender thread."""
+    """The real beacon: a bounded queue in front of one thread that owns every socket (the
+    PUSH socket, and the node's relay and the control channel when there are any)."""
 
     def __init__(
         self,
@@ -135,12 +150,10 @@ class ZmqBeacon(Beacon):
         relay_addr: str | None = None,
     ) -> None:
         self._addr = addr
-        self.relay = relay  # this rank is its node's relay (bound at relay_addr)
-        self._relay_addr = relay_addr
-        self._control_addr = control_addr
-        self._commands: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        self._standby: queue.SimpleQueue[str] = queue.SimpleQueue()  # go / exit
-        self.control_dropped = 0  # control frames that failed verification
+        # This rank is its node's relay (bound at relay_addr), until the thread fails to bind.
+        self._relay = NodeRelay(relay, relay_addr or "") if relay is not None else None
+        self._control = ControlChannel(control_addr, key, identity) if control_addr else None
+        self._parent = ParentWatch(parent_watch.wanted())
         self._key = key
         self._id = identity
         self._interval = max(0.01, interval_s)
@@ -148,12 +161,11 @@ class ZmqBeacon(Beacon):
         # Read by the sender thread for beats; plain attribute writes are atomic under the GIL.
         self._phase = "init"
         self._step = 0
-        self._dropped = 0
+        self._dropped = 0  # not queued: the queue was full
+        self._push: _Push | None = None  # the thread's, once it runs
         self._last_step_sent = -float("inf")
         self._last_mem_sent = -float("inf")
         self._closed = False
-        self._parent = os.getppid()
-        self._watch_parent = os.environ.get(env_names.ENV_EXIT_WITH_PARENT) == "1"
         self._wake_r, self._wake_w = os.pipe()  # a byte in it: the queue has something
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -232,23 +244,26 @@ class ZmqBeacon(Beacon):
 
     @property
     def dropped(self) -> int:
-        return self._dropped
+        push = self._push
+        return self._dropped + (push.dropped if push is not None else 0)
+
+    @property
+    def relay(self) -> RelayCore | None:
+        """The node's relay state, when this rank is its node's relay."""
+        return self._relay.core if self._relay is not None else None
+
+    @property
+    def control_dropped(self) -> int:
+        """Control frames that failed verification."""
+        return self._control.dropped if self._control is not None else 0
 
     def commands(self) -> list[dict[str, Any]]:
-        out = []
-        while not self._commands.empty():
-            out.append(self._commands.get_nowait())
-        return out
+        return self._control.in_step_commands() if self._control is not None else []
 
     def wait_standby_command(self, stop_requested: Callable[[], bool]) -> str:
-        if self._control_addr is None:
+        if self._control is None:
             return super().wait_standby_command(stop_requested)
-        while not stop_requested():
-            try:
-                return self._standby.get(timeout=STOP_CHECK_S)
-            except queue.Empty:
-                continue
-        return "stop"
+        return self._control.wait_standby(stop_requested)
 
     # --- internals -----------------------------------------------------------------------
     def _put(self, kind: str, **fields: Any) -> None:
@@ -272,60 +287,59 @@ class ZmqBeacon(Beacon):
         import zmq  # imported here so that an unsupervised rank never loads it
 
         ctx = zmq.Context()
-        control = self._open_control(ctx, zmq) if self._control_addr else None
+        control = self._control
+        if control is not None:
+            control.open(ctx, zmq)
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, QUEUE_SIZE)
         sock.setsockopt(zmq.IMMEDIATE, 0)
         sock.connect(self._addr)
-        pull = self._open_relay(ctx, zmq) if self.relay is not None else None
-        if pull is None:
-            self.relay = None  # none wanted, or its address is taken: this rank beats alone
+        push = self._push = _Push(sock, zmq)
+        relay = self._relay
+        if relay is not None and not relay.open(ctx, zmq):
+            self._relay = relay = None  # its address is taken: this rank beats alone
         # One blocking wait for all: a queued message (the wake pipe), a command, the node's
         # frames (a relay), the next beat. No polling loop: a waiting standby's thread wakes only
         # to beat.
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         if control is not None:
-            poller.register(control, zmq.POLLIN)
-        if pull is not None:
-            poller.register(pull, zmq.POLLIN)
+            poller.register(control.socket, zmq.POLLIN)
+        if relay is not None:
+            poller.register(relay.socket, zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    if self.relay is None:
-                        self._send(
-                            sock, zmq, "beat", time.time(), phase=self._phase, step=self._step
-                        )
+                    if relay is None:
+                        self._send("beat", time.time(), phase=self._phase, step=self._step)
                     else:
-                        self._summarize(sock, zmq, now)
+                        relay.summarize(push.send, self._phase, self._step, now)
                     next_beat = now + self._interval
-                    if self._watch_parent and os.getppid() != self._parent:
-                        # Our launcher died without taking us along: do not train on alone.
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    self._parent.check()
                 wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
                 ready = dict(poller.poll(wait_ms))
-                if control is not None and control in ready:
-                    self._poll_control(control, zmq)
-                if pull is not None and pull in ready:
-                    self._relay_frames(pull, sock, zmq)
-                if self._wake_r in ready and not self._drain(sock, zmq):
-                    if pull is not None:
-                        self._relay_close(pull, sock, zmq)
+                if control is not None and control.socket in ready:
+                    control.receive(zmq)
+                if relay is not None and relay.socket in ready:
+                    relay.forward(push.send, zmq)
+                if self._wake_r in ready and not self._drain():
+                    if relay is not None:
+                        relay.finish(push.send, zmq, self._phase, self._step)
                     break
         finally:
-            if pull is not None:
-                pull.close(linger=0)
+            if relay is not None:
+                relay.close()
             # Give the last messages (`done` above all) a bounded moment to leave.
             sock.close(linger=int(CLOSE_LINGER_S * 1000))
             if control is not None:
-                control.close(linger=0)
+                control.close()
             ctx.term()
             os.close(self._wake_r)
 
-    def _drain(self, sock: Any, zmq: Any) -> bool:
+    def _drain(self) -> bool:
         """Send what is queued; False once the queue says stop."""
         try:
             os.read(self._wake_r, 4096)
@@ -339,118 +353,14 @@ class ZmqBeacon(Beacon):
             if item is _STOP:
                 return False
             kind, t, fields = item
-            self._send(sock, zmq, kind, t, **fields)
+            self._send(kind, t, **fields)
 
-    # --- a node's relay ---------------------------------------------------------------------
-    def _open_relay(self, ctx: Any, zmq: Any) -> Any:
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 10 * QUEUE_SIZE)
-        sock.setsockopt(zmq.MAXMSGSIZE, messages.MAC_LEN + messages.MAX_MESSAGE_BYTES)
-        try:
-            sock.bind(self._relay_addr)
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            return None
-        path = self._relay_addr.removeprefix("ipc://")
-        if not path.startswith("@"):  # a socket file: this user's only
-            try:
-                os.chmod(path, 0o600)
-            except OSError:
-                pass
-        return sock
-
-    def _summarize(self, sock: Any, zmq: Any, now: float) -> None:
-        """The relay's beat: its own beat folded in, then the node's summary to the supervisor."""
-        assert self.relay is not None
-        self.relay.own("beat", {"phase": self._phase, "step": self._step}, now)
-        frame = self.relay.summary_frame(time.time(), now)
-        if frame is not None:
-            try:
-                sock.send(frame, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self._dropped += 1
-
-    def _relay_frames(self, pull: Any, sock: Any, zmq: Any) -> None:
-        """Fold the node's waiting frames; forward, in order, those that are not summarized."""
-        assert self.relay is not None
-        take, now = self.relay.take, time.monotonic()
-        for _ in range(RELAY_BATCH):
-            try:
-                frame = pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            out = take(frame, now)
-            if out is not None:
-                try:
-                    sock.send(out, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    self._dropped += 1
-
-    def _relay_close(self, pull: Any, sock: Any, zmq: Any) -> None:
-        """This rank is done: relay a short while longer, until the node's other ranks said
-        `done` (they end together, and their last words go through here), then one last
-        summary."""
-        assert self.relay is not None
-        end = time.monotonic() + RELAY_CLOSE_S
-        while time.monotonic() < end:
-            ranks = self.relay.ranks
-            if all(r.phase == "done" for k, r in ranks.items() if k != self._id.rank):
-                break
-            if pull.poll(int(1000 * max(0.0, end - time.monotonic()))):
-                self._relay_frames(pull, sock, zmq)
-        self._summarize(sock, zmq, time.monotonic())
-
-    def _open_control(self, ctx: Any, zmq: Any) -> Any:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(
-            zmq.ROUTING_ID, control_msgs.control_identity(self._id.attempt, self._id.rank)
-        )
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * messages.MAX_MESSAGE_BYTES)
-        sock.connect(self._control_addr)
-        return sock
-
-    def _poll_control(self, control: Any, zmq: Any) -> None:
-        """Verify each waiting command; signal at once, queue the in-step ones for the loop."""
-        while True:
-            try:
-                frame = control.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            i = self._id
-            try:
-                cmd = control_msgs.decode_control(self._key, frame, i.job, i.attempt, i.rank)
-            except messages.BadMessage:
-                self.control_dropped += 1
-                continue
-            if cmd["action"] == "signal":
-                if cmd["signal"] == stack_files.STACKS_SIGNAL and not stack_dump.installed():
-                    continue  # its default action would end a process without the handler
-                os.kill(os.getpid(), cmd["signal"])
-            elif cmd["action"] in control_msgs.STANDBY_ACTIONS:
-                self._standby.put(cmd["action"])
-            else:
-                self._commands.put(cmd)
-
-    def _send(self, sock: Any, zmq: Any, kind: str, t: float, **fields: Any) -> None:
-        if self.relay is not None:
-            self.relay.own(kind, fields, time.monotonic())
-        frame = messages.encode(self._key, self._id.message(kind, t, **fields))
-        try:
-            sock.send(frame, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self._dropped += 1
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
+    def _send(self, kind: str, t: float, **fields: Any) -> None:
+        """One of this rank's own messages (a relay folds it into its node's record first)."""
+        if self._relay is not None:
+            self._relay.core.own(kind, fields, time.monotonic())
+        assert self._push is not None
+        self._push.send(messages.encode(self._key, self._id.message(kind, t, **fields)))
 
 
 class StepFaults:

@@ -1,8 +1,8 @@
 """One relay per node: its ranks' beats and steps in one signed summary per interval.
 
 With `ES_HEARTBEAT_RELAY=1` and more than one rank on a node, local rank 0's beat thread doubles
-as its node's relay (worker.beat): it binds a node-local socket (`relay_address`), the node's
-other ranks send it everything they would send the supervisor, and it
+as its node's relay (worker.beacon_relay): it binds a node-local socket (`relay_address`), the
+node's other ranks send it everything they would send the supervisor, and it
 
 - folds their `beat`s (and the `step`s of ranks other than 0, which only move a step) into one
   record per rank, and sends the supervisor one `summary` per interval, signed like a beat, in
@@ -33,8 +33,6 @@ from typing import Any
 
 from contracts import env_names, messages
 
-# Beats and the coalesced steps of ranks other than 0 are summarized; everything else is forwarded.
-SUMMARIZED = frozenset({"beat", "step"})
 node_name = env_names.node_name  # the node's name, as the launcher gives it
 
 

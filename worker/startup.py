@@ -28,17 +28,6 @@ def process_start_time() -> float:
 PROCESS_START = process_start_time()
 # The parts of a (re)start, in order: `choose` picks the checkpoint and starts reading it.
 PARTS = ("imports", "process_group", "choose", "model_build", "load", "first_step")
-# A warm standby's: it prepares (up to `warmup`), waits (`standby_wait`: ready -> go), then resumes.
-STANDBY_PARTS = (
-    "imports",
-    "process_group",
-    "model_build",
-    "warmup",
-    "standby_wait",
-    "choose",
-    "load",
-    "first_step",
-)
 
 
 class Startup:

@@ -1,0 +1,93 @@
+"""The supervisor's commands to one rank (faults/, a standby's go and exit), on the beacon's thread.
+
+With `ES_CONTROL_ADDR` the beacon's thread also holds a DEALER socket to the supervisor's control
+server and verifies every command on it (signed, for this job, attempt and rank). A `signal` is
+carried out at once, by that thread (the rank signals itself); `stall` and `slow` must happen
+inside a step, so they are queued for the training loop (`worker.beat.StepFaults`); a standby's
+`go` and `exit` are queued for `wait_standby`, where the main thread blocks until one comes
+(worker.standby). The socket is the thread's alone (sockets are not thread-safe); the queues are
+how the two threads meet.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from collections.abc import Callable
+from typing import Any
+
+from contracts import control_msgs, messages, stack_files
+from worker import stack_dump
+
+# A standby's wait looks at the stop flag this often: a signal handler cannot safely wake a
+# thread blocked on a lock (it may interrupt the very code that holds it), so the wait is timed.
+STOP_CHECK_S = 0.2
+
+
+class ControlChannel:
+    """One rank's end of the control channel: the socket (the beacon's thread opens, reads and
+    closes it) and what it received for the main thread."""
+
+    def __init__(self, addr: str, key: bytes, identity: messages.RankIdentity) -> None:
+        self.addr = addr
+        self._key = key
+        self._id = identity
+        self.socket: Any = None
+        self.dropped = 0  # frames that failed verification
+        self._in_step: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()  # stall, slow
+        self._standby: queue.SimpleQueue[str] = queue.SimpleQueue()  # go / exit
+
+    # --- the beacon's thread -------------------------------------------------------------
+    def open(self, ctx: Any, zmq: Any) -> Any:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(
+            zmq.ROUTING_ID, control_msgs.control_identity(self._id.attempt, self._id.rank)
+        )
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * messages.MAX_MESSAGE_BYTES)
+        sock.connect(self.addr)
+        self.socket = sock
+        return sock
+
+    def receive(self, zmq: Any) -> None:
+        """Verify each waiting command; signal at once, queue the others for the main thread."""
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            i = self._id
+            try:
+                cmd = control_msgs.decode_control(self._key, frame, i.job, i.attempt, i.rank)
+            except messages.BadMessage:
+                self.dropped += 1
+                continue
+            if cmd["action"] == "signal":
+                if cmd["signal"] == stack_files.STACKS_SIGNAL and not stack_dump.installed():
+                    continue  # its default action would end a process without the handler
+                os.kill(os.getpid(), cmd["signal"])
+            elif cmd["action"] in control_msgs.STANDBY_ACTIONS:
+                self._standby.put(cmd["action"])
+            else:
+                self._in_step.put(cmd)
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+
+    # --- the main thread -----------------------------------------------------------------
+    def in_step_commands(self) -> list[dict[str, Any]]:
+        """The commands for the training loop (stall, slow) received since the last call."""
+        out = []
+        while not self._in_step.empty():
+            out.append(self._in_step.get_nowait())
+        return out
+
+    def wait_standby(self, stop_requested: Callable[[], bool]) -> str:
+        """Block until the supervisor says `go` or `exit`, or a stop is requested ("stop")."""
+        while not stop_requested():
+            try:
+                return self._standby.get(timeout=STOP_CHECK_S)
+            except queue.Empty:
+                continue
+        return "stop"
