@@ -88,7 +88,7 @@ class RestartConfig:
     min_nodes: int = 1
 
 
-AUTO = "auto"  # a limit learned from the run's own step times and beats (decisions.auto_*)
+AUTO = "auto"  # a limit learned from the run's own step times and beats (limits.auto_*)
 AUTO_PHASES = ("train", "save")  # the phases that recur: "auto" has something to learn from
 
 
