@@ -142,10 +142,14 @@ _EMITTED = re.compile(r"(?:emit|EventToEmit)\(\s*\"([a-z_]+)\"", re.S)
 def emitted_events() -> set[str]:
     """Event names the supervisor and faults/ write, as far as their source says them."""
     names: set[str] = set()
-    for path in [*(ROOT / "supervisor").glob("*.py"), *(ROOT / "faults").glob("*.py")]:
+    for path in [*(ROOT / "supervisor").rglob("*.py"), *(ROOT / "faults").rglob("*.py")]:
         names |= set(_EMITTED.findall(path.read_text()))
     names |= {"rank_exit", "hang", "no_progress", "events_reopened"}  # findings; the log's own
     return names
+
+
+def test_the_event_scan_sees_the_supervisor():
+    assert {"attempt_start", "attempt_end", "relaunch", "fault"} <= emitted_events()
 
 
 def section(text: str, title: str) -> str:
