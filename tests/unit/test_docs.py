@@ -149,7 +149,7 @@ def emitted_events() -> set[str]:
 
 
 def test_the_event_scan_sees_the_supervisor():
-    assert {"attempt_start", "attempt_end", "relaunch", "fault"} <= emitted_events()
+    assert {"launch", "attempt_end", "relaunch", "fault", "give_up"} <= emitted_events()
 
 
 def section(text: str, title: str) -> str:
