@@ -22,6 +22,7 @@ from contracts.env_names import ENV_INJECT
 AsyncPhase = Literal["stage", "write", "fanout", "marker", "after-marker"]
 ASYNC_PHASES: tuple[AsyncPhase, ...] = ("stage", "write", "fanout", "marker", "after-marker")
 LIST_SEPARATOR = "+"
+SHOWN_MAX = 40  # the characters of a bad value an error quotes (the variable may be long)
 
 
 class InjectError(ValueError):
@@ -57,7 +58,7 @@ def _phase(text: str) -> str:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    names = tuple(text.split(LIST_SEPARATOR))
+    names = tuple(name.strip() for name in text.split(LIST_SEPARATOR))
     if not all(names):
         raise ValueError
     return names
@@ -125,7 +126,7 @@ def parse(text: str) -> Injection:
         name, raw = name.strip(), raw.strip()
         if name not in POINTS:
             known = ", ".join(POINTS)
-            raise InjectError(f"{ENV_INJECT}: unknown point {name!r} (known: {known})")
+            raise InjectError(f"{ENV_INJECT}: unknown point {_shown(name)} (known: {known})")
         if not equals:
             raise InjectError(f"{ENV_INJECT}: {name} needs a value ({name}=...)")
         if name in values:
@@ -134,10 +135,19 @@ def parse(text: str) -> Injection:
         try:
             values[name] = kind.read(raw)
         except ValueError:
-            raise InjectError(f"{ENV_INJECT}: {name}={raw!r} is not {kind.says}") from None
+            # A value that holds another point is that point after a wrong separator.
+            hint = "; separate points with ','" if any(f"{p}=" in raw for p in POINTS) else ""
+            raise InjectError(
+                f"{ENV_INJECT}: {name}={_shown(raw)} is not {kind.says}{hint}"
+            ) from None
     if "kill_async_phase" in values and "kill_in_save_at_step" not in values:
         raise InjectError(f"{ENV_INJECT}: kill_async_phase needs kill_in_save_at_step")
     return Injection(**values)
+
+
+def _shown(text: str) -> str:
+    """`text` quoted for a one-line error, cut short when long."""
+    return repr(text) if len(text) <= SHOWN_MAX else repr(text[:SHOWN_MAX]) + "..."
 
 
 def read(env: Mapping[str, str]) -> Injection:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contracts import env_names
+from contracts import env_names, inject
 from supervisor.host import memdir
 from supervisor.launch import hosts
 from supervisor.settings import worker_flags
@@ -32,6 +32,7 @@ def check(r: Resolved) -> list[str]:
     check_dirs(r)
     check_bind(r)
     check_memory_root(r)
+    check_inject(r)
     note = worker_flags.check(r.cfg, r.world)
     if note:
         notes.append(note)
@@ -141,6 +142,18 @@ def check_memory_root(r: Resolved) -> None:
             f"the memory tier's root {root}: {problem}; set {env_names.ENV_MEM_ROOT} to a "
             "writable node-local directory",
         )
+
+
+def check_inject(r: Resolved) -> None:
+    """The test-only failure points the ranks and the node check would read (`ES_INJECT`, here
+    or in [launch] env) are valid: a bad one would end every rank, or fail every node's check,
+    the same way."""
+    env = {**os.environ, **r.cfg.launch.env}
+    try:
+        inject.read(env)
+    except inject.InjectError as exc:
+        key = "launch.env" if env_names.ENV_INJECT in r.cfg.launch.env else ""
+        raise ConfigError(r.cfg.source, key, str(exc)) from None
 
 
 def _resolve_error(host: str) -> str | None:

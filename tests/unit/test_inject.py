@@ -10,6 +10,7 @@ import pytest
 from contracts import inject
 from contracts.env_names import ENV_INJECT
 from supervisor.host.node_probe import injected_problems
+from tests.support import one_line_error, write_job_toml
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -29,6 +30,7 @@ def test_points_read_as_their_kind():
     assert points.kill_async_phase == "after-marker" and points.ckpt_delay_s == 0.25
     assert points.node_check_fail == ("n1", "n2")
     assert points.arms_the_worker()
+    assert inject.parse("node_check_fail= n1 + n2 ").node_check_fail == ("n1", "n2")
     assert not inject.parse("rank=3,node_check_fail=n0").arms_the_worker()
 
 
@@ -43,6 +45,8 @@ def test_points_read_as_their_kind():
         ("kill_async_phase=middle", "kill_async_phase='middle' is not an async save's phase"),
         ("kill_async_phase=write", "kill_async_phase needs kill_in_save_at_step"),
         ("node_check_fail=n1++n2", "node_check_fail='n1++n2' is not node names"),
+        ("raise_at_step=5;rank=1", "is not a step (an integer >= 0); separate points with ','"),
+        ("rank=" + "9" * 5000, "rank='" + "9" * inject.SHOWN_MAX + "'... is not a rank"),
     ],
 )
 def test_bad_values_are_one_line(text, message):
@@ -66,6 +70,20 @@ def test_the_node_check_fails_the_named_nodes_and_on_a_bad_value():
     assert injected_problems(env, "n3") == [] and injected_problems({}, "n1") == []
     (problem,) = injected_problems({ENV_INJECT: "bogus=1"}, "n1")
     assert problem.startswith(f"{ENV_INJECT}: unknown point 'bogus'")
+
+
+@pytest.mark.parametrize("in_config", [True, False])
+def test_validate_refuses_a_bad_inject_before_any_rank_reads_it(
+    tmp_path, capsys, monkeypatch, in_config
+):
+    """Every rank and every node's check would fail on it alike: one line, exit 2, up front."""
+    env = f'env = {{ {ENV_INJECT} = "bogus=1" }}\n' if in_config else ""
+    if not in_config:
+        monkeypatch.setenv(ENV_INJECT, "bogus=1")
+    text = f'[job]\nrun_dir = "{tmp_path}/runs"\n[launch]\nlauncher = "local"\n{env}'
+    err = one_line_error(capsys, ["validate", str(write_job_toml(tmp_path, text))])
+    key = "launch.env: " if in_config else ""
+    assert f"job.toml: {key}{ENV_INJECT}: unknown point 'bogus'" in err
 
 
 def test_every_point_is_documented():
