@@ -36,7 +36,7 @@ def check_worker_keys(cfg: Config) -> None:
     """Every `[worker]` key is a flag of the worker (a switch given true/false, a value flag a
     value) and the worker's own parser takes the values (its spec: `worker_spec`). A worker
     module without a spec has its flags passed as given."""
-    spec = worker_spec.load(cfg.worker.module)
+    spec = spec_of(cfg)
     if spec is None:
         return
     kinds = spec.flag_kinds()
@@ -48,6 +48,14 @@ def check_worker_keys(cfg: Config) -> None:
     refusal = spec.flags_problem(flags_from_table(resolved))
     if refusal is not None:
         raise worker_error(cfg, refusal)
+
+
+def spec_of(cfg: Config) -> worker_spec.WorkerSpec | None:
+    """`worker.module`'s spec (None: it has none); ConfigError where it cannot be imported."""
+    try:
+        return worker_spec.load(cfg.worker.module)
+    except worker_spec.SpecError as exc:
+        raise ConfigError(cfg.source, "worker.module", str(exc)) from None
 
 
 def worker_error(cfg: Config, message: str) -> ConfigError:

@@ -7,15 +7,14 @@ so this costs the supervisor milliseconds.
 
 from __future__ import annotations
 
-from supervisor.settings import worker_spec
-from supervisor.settings.checks import check_worker_keys, worker_error
+from supervisor.settings.checks import check_worker_keys, spec_of, worker_error
 from supervisor.settings.config import DEFAULT_MODULE, Config
 
 
 def check(cfg: Config, world: int) -> str | None:
     """Raise ConfigError naming the key and the fix; return a note when the worker module has no
     spec, so that its flags can only be checked for their shape."""
-    spec = worker_spec.load(cfg.worker.module)
+    spec = spec_of(cfg)
     if spec is None:
         return (
             f"worker.module {cfg.worker.module!r} is not {DEFAULT_MODULE}: its flags are passed "

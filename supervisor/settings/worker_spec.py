@@ -5,14 +5,17 @@ A `worker.module`'s spec is the module `spec` of the same package (`worker.train
 and plans them for a smaller world; its contract (the names it defines, refusals as strings) is
 in `worker/spec.py`'s docstring. A module without one (a top-level module, a package with no
 `spec`, or a spec that does not name it) has its flags passed as given, checked for their shape
-only, and a shrink changes none of them. Finding a spec imports the module's package (its
-`__init__`), never the module itself.
+only, and a shrink changes none of them. Finding a spec runs no code: the module `spec` is
+looked for as the import system would, without importing its packages, and only one that
+exists is imported (with its packages' `__init__`, never the worker module itself). So a
+`worker.module` in a package with no `spec` (`torch.distributed.run`) costs `validate` nothing.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import importlib.machinery
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
@@ -41,17 +44,54 @@ class WorkerSpec(Protocol):
     def plan_shrink(self, argv: Sequence[str], world: int, new_world: int) -> ShrinkPlan: ...
 
 
+class SpecError(ValueError):
+    """A worker package's `spec` that exists but cannot be imported (one line)."""
+
+
 def load(module: str) -> WorkerSpec | None:
-    """The spec of the worker module `module` (`python -m` name), or None where it has none."""
+    """The spec of the worker module `module` (`python -m` name), or None where it has none;
+    SpecError where its package's `spec` fails to import."""
     package = module.rpartition(".")[0]
     if not package:
         return None
     name = f"{package}.spec"
+    if not _exists(name):
+        return None
     try:
-        found = importlib.util.find_spec(name)
-    except ImportError:  # no such package (or a module, not a package)
-        return None
-    if found is None:
-        return None
-    spec = importlib.import_module(name)
+        spec = importlib.import_module(name)
+    except Exception as exc:  # the package's own code: any error is the package's to fix
+        raise SpecError(
+            f"{name} (the spec of {module}) fails to import: {type(exc).__name__}: {exc}"
+        ) from None
     return cast(WorkerSpec, spec) if module in getattr(spec, "MODULES", ()) else None
+
+
+def _exists(name: str) -> bool:
+    """Whether the module `name` can be found, asking the import system's finders part by part
+    (`importlib.util.find_spec` would import, and so run, every package above it)."""
+    parts = name.split(".")
+    search: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        loaded = sys.modules.get(prefix)
+        if loaded is not None:
+            locations = getattr(loaded, "__path__", None)
+        else:
+            found = _find(prefix, search)
+            if found is None:
+                return False
+            locations = found.submodule_search_locations
+        if depth < len(parts):
+            if locations is None:  # a module, not a package: it has no submodules
+                return False
+            search = list(locations)
+    return True
+
+
+def _find(name: str, search: list[str] | None) -> importlib.machinery.ModuleSpec | None:
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        found = find(name, search) if find is not None else None
+        if found is not None:
+            return found
+    return None

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from supervisor.settings import worker_spec
+from contracts.config_table import ConfigError
+from supervisor.settings import loading, worker_spec
 
 
 def test_the_default_module_speaks_through_its_package_spec():
@@ -30,3 +31,36 @@ def test_a_spec_returns_the_workers_refusal_as_text():
     )
     assert spec.flag_kinds()["async_ckpt"] and not spec.flag_kinds()["batch_size"]
     assert spec.flag_kinds()["save_on_exit"]  # --save-on-exit / --no-save-on-exit
+
+
+def _package(root, name: str, init: str, spec: str | None = None) -> None:
+    (root / name).mkdir()
+    (root / name / "__init__.py").write_text(init)
+    if spec is not None:
+        (root / name / "spec.py").write_text(spec)
+
+
+def test_finding_no_spec_runs_none_of_the_packages_code(tmp_path, monkeypatch):
+    """A `worker.module` whose package has no `spec` costs `validate` nothing: its `__init__`
+    (which may import torch, or fail, or act) never runs in the supervisor."""
+    marker = tmp_path / "ran"
+    _package(tmp_path, "acting", f"open({str(marker)!r}, 'w').close()\n")
+    _package(tmp_path, "failing", "raise RuntimeError('boom')\n")
+    (tmp_path / "acting" / "sub").mkdir()
+    (tmp_path / "acting" / "sub" / "__init__.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module in ("acting.train", "failing.train", "acting.sub.train", "os.path.x"):
+        assert worker_spec.load(module) is None
+    assert not marker.exists() and "acting" not in sys.modules and "failing" not in sys.modules
+
+
+def test_a_spec_that_fails_to_import_is_one_line_naming_worker_module(tmp_path, monkeypatch):
+    _package(tmp_path, "brokenspec", "", spec="raise RuntimeError('boom in spec')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(worker_spec.SpecError, match="brokenspec.spec .* RuntimeError: boom in"):
+        worker_spec.load("brokenspec.train")
+    text = '[launch]\nlauncher = "local"\n[worker]\nmodule = "brokenspec.train"\n'
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nrun_dir = "{tmp_path}/runs"\n' + text)
+    with pytest.raises(ConfigError, match="worker.module: brokenspec.spec"):
+        loading.load(path, [])
