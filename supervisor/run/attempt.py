@@ -71,6 +71,9 @@ class Attempt:
         self.table = AttemptTable(number, job.resolved.world, time.monotonic(), self.cfg.heartbeat)
         self.watch = RankWatch(self.table, self.cfg.heartbeat, self.emit)
         self.state = AttemptState.STANDBY if standby else AttemptState.LAUNCHING
+        # Whether its ranks belong to the fault schedule: a cold attempt's from its launch, a
+        # standby's only from `go` (one let go without it never does, even while ENDING).
+        self.faults_see = not standby
         self.running: Running | None = None
         self.launch_error: str | None = None
         self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
@@ -87,6 +90,7 @@ class Attempt:
 
     def _now_running(self) -> None:
         self.state = AttemptState.RUNNING
+        self.faults_see = True
         self.job.faults.attempt_started(self.number)  # it may be hit from now on
 
     # --- the attempt, start to end ------------------------------------------------------------
@@ -319,5 +323,5 @@ class Attempt:
         """A verified rank message of this attempt (faults see it once the attempt runs)."""
         if self.watch.on_message(msg, now) and self.on_stepped is not None:
             self.on_stepped()
-        if self.state is not AttemptState.STANDBY:
+        if self.faults_see:
             self.job.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
