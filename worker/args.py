@@ -6,6 +6,8 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
+from contracts import inject
+from contracts.env_names import ENV_INJECT
 from worker.errors import UsageError
 from worker.layout import Layout, check_model_fits, plan_layout
 from worker.presets import PRESETS, ModelConfig, resolve_config
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="One rank of a training job. The supervisor starts it with the config's "
         "[worker] table as these flags (ezpz fsdp_tp's names where they overlap).",
+        epilog=f"Tests make a rank fail on purpose through the environment, not flags: "
+        f"{ENV_INJECT}=name=value,... (e.g. rank=1,raise_at_step=5), with the points "
+        f"{', '.join(name for name, _, _ in inject.describe())} (docs/architecture.md).",
         formatter_class=_DefaultsFormatter,
     )
     m = p.add_argument_group("model")

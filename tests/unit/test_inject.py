@@ -86,6 +86,15 @@ def test_validate_refuses_a_bad_inject_before_any_rank_reads_it(
     assert f"job.toml: {key}{ENV_INJECT}: unknown point 'bogus'" in err
 
 
+def test_the_worker_help_names_the_variable_and_every_point():
+    """Where a test's failure points are set, for whoever looks for the flags they once were."""
+    from worker import args as worker_args
+
+    text = " ".join(worker_args.build_parser().format_help().split())
+    assert f"{ENV_INJECT}=name=value" in text
+    assert all(name in text for name, _, _ in inject.describe())
+
+
 def test_every_point_is_documented():
     text = (DOCS / "architecture.md").read_text()
     missing = [name for name, _, _ in inject.describe() if f"`{name}`" not in text]
