@@ -20,6 +20,7 @@ from supervisor.commands import preflight
 from supervisor.commands.status import cmd_status
 from supervisor.commands.tail import TAIL_HIDDEN, cmd_tail
 from supervisor.host import ownership
+from supervisor.launch.resolve import resolve
 from supervisor.log import console
 from supervisor.run import job as job_mod
 from supervisor.settings import config as config_mod
@@ -232,7 +233,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         return experiment.cmd_validate(args)
     cfg = loading.load(args.config, args.set)
-    r = job_mod.resolve(cfg)
+    r = resolve(cfg)
     notes = preflight.check(r)
     print(f"{args.config}: ok ({r.summary()})")
     for note in notes:
@@ -242,7 +243,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = loading.load(args.config, args.set)
-    r = job_mod.resolve(cfg)
+    r = resolve(cfg)
     for note in preflight.check(r):
         print(f"note: {note}", file=sys.stderr)
     if args.dry_run:

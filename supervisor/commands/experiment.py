@@ -132,12 +132,12 @@ def phase_config(e: Experiment, phase: str) -> config_mod.Config:
 def resolve_phases(e: Experiment) -> tuple[dict[str, Resolved], list[str]]:
     """Every phase resolved and checked before the first one starts (a phase that cannot start
     would otherwise end the experiment after the earlier phases ran); the notes, once each."""
-    from supervisor.run import job as job_mod
+    from supervisor.launch.resolve import resolve
 
     phases: dict[str, Resolved] = {}
     notes: list[str] = []
     for phase in e.phases:
-        r = job_mod.resolve(phase_config(e, phase))
+        r = resolve(phase_config(e, phase))
         notes += [n for n in preflight.check(r) if n not in notes]
         phases[phase] = r
     return phases, notes

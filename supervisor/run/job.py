@@ -20,7 +20,7 @@ from typing import IO, Any
 from contracts.exit_codes import ExitCode
 from supervisor.launch import hosts
 from supervisor.launch.processes import ProcessLauncher
-from supervisor.launch.resolve import Resolved, resolve
+from supervisor.launch.resolve import Resolved
 from supervisor.log.events import EventLog
 from supervisor.policy import restarts
 from supervisor.policy.restarts import AttemptRecord, Decision
@@ -37,8 +37,6 @@ from supervisor.watch.control import ControlServer, bind_for
 from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
 
 BAD_MESSAGES_EVERY_S = 5.0
-
-__all__ = ["Job", "Resolved", "resolve"]  # cli and experiment resolve through this module
 
 
 class Job:

@@ -11,9 +11,9 @@ import time
 
 from contracts import messages
 from supervisor.launch.processes import TeardownResult
+from supervisor.launch.resolve import Resolved
 from supervisor.run.attempt import Attempt, AttemptState
 from supervisor.run.context import JobContext
-from supervisor.run.job import Resolved
 from supervisor.settings import loading
 
 

@@ -24,8 +24,9 @@ from contracts import env_names, locks, messages
 from contracts.exit_codes import ExitCode
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.processes import Exit, TeardownResult
+from supervisor.launch.resolve import Resolved
 from supervisor.log.events import read_events
-from supervisor.run.job import Job, Resolved
+from supervisor.run.job import Job
 from supervisor.run.node_keeper import NodeKeeper
 from supervisor.settings import loading
 
