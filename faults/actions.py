@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contracts import ckpt_files as ckpt_files  # the checkpoint layout itself; no torch there
+from contracts import ckpt_files
 
 FLIP_BYTES = 64
 

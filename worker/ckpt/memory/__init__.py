@@ -32,7 +32,6 @@ names below are the tier's interface to the rest of the checkpoint code.
 from worker.ckpt.memory.checksum import CHECK_CHUNK, PAGE_BYTES, checked, digest, page_sums_crc
 from worker.ckpt.memory.held import (
     Agreement,
-    Held,
     MemoryChoice,
     agree,
     find,
@@ -42,7 +41,6 @@ from worker.ckpt.memory.held import (
     inspect,
     job_dir,
     newest_common,
-    release,
 )
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
@@ -55,7 +53,7 @@ from worker.ckpt.memory.slot_file import (
     read_into,
     slot_paths,
 )
-from worker.ckpt.memory.tier import CopyReport, MemoryTier, room_problem
+from worker.ckpt.memory.tier import MemoryTier, room_problem
 
 __all__ = [
     "CHECK_CHUNK",
@@ -64,9 +62,7 @@ __all__ = [
     "READ_PIECE",
     "SLOTS",
     "Agreement",
-    "CopyReport",
     "Expect",
-    "Held",
     "MappedSlot",
     "MemoryChoice",
     "MemoryTier",
@@ -84,7 +80,6 @@ __all__ = [
     "page_sums_crc",
     "read_header",
     "read_into",
-    "release",
     "room_problem",
     "slot_paths",
 ]
