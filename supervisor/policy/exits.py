@@ -8,6 +8,7 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
+from contracts.exit_codes import WORKER_USAGE
 from supervisor.policy.liveness import Finding
 
 
@@ -48,7 +49,7 @@ def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool)
         return Outcome("success", "the worker finished")
     if returncode == 0 and stopping:
         return Outcome("stopped", "the ranks stopped gracefully")
-    if returncode == 2 and not stepped and not stopping:
+    if returncode == WORKER_USAGE and not stepped and not stopping:
         return Outcome("bad_input", "the worker rejected its input (exit 2)")
     if returncode == 0:
         return Outcome("failure", "exit 0 before the worker said done")
