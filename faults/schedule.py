@@ -94,10 +94,10 @@ class Schedule:
                 continue
             if not set(ranks) <= facts.ready:
                 continue
-            hit = _point(spec.trigger, st, facts)
-            if hit is None:
+            reached = _point(spec.trigger, st, facts)
+            if reached is None:
                 continue
-            point, due_s = hit
+            point, due_s = reached
             _spend(spec.trigger, st, point, facts)
             st.fired += 1
             st.last_fire_s = facts.elapsed_s

@@ -133,16 +133,16 @@ def shape_of(cfg: Any, world_nodes: int | None = None) -> JobShape:
     nodes = world_nodes
     if nodes is None and isinstance(cfg.launch.nodes, list):
         nodes = len(cfg.launch.nodes) - cfg.launch.spares
-    rpn = cfg.launch.ranks_per_node
+    ranks_per_node = cfg.launch.ranks_per_node
     ti, si = flags.get("train_iters"), flags.get("save_interval")
     return JobShape(
         train_iters=ti if is_int(ti) else None,
         save_interval=si if is_int(si) else (0 if si is None else None),
         save_on_exit=flags.get("save_on_exit", True) is not False,
         ckpt_verify=str(flags.get("ckpt_verify", "size")),
-        world=nodes * rpn if nodes else None,
+        world=nodes * ranks_per_node if nodes else None,
         nodes=nodes,
-        ranks_per_node=rpn,
+        ranks_per_node=ranks_per_node,
     )
 
 

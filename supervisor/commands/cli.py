@@ -233,9 +233,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         return experiment.cmd_validate(args)
     cfg = loading.load(args.config, args.set)
-    r = resolve(cfg)
-    notes = preflight.check(r)
-    print(f"{args.config}: ok ({r.summary()})")
+    resolved = resolve(cfg)
+    notes = preflight.check(resolved)
+    print(f"{args.config}: ok ({resolved.summary()})")
     for note in notes:
         print(f"note: {note}")
     return ExitCode.DONE
@@ -243,15 +243,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = loading.load(args.config, args.set)
-    r = resolve(cfg)
-    for note in preflight.check(r):
+    resolved = resolve(cfg)
+    for note in preflight.check(resolved):
         print(f"note: {note}", file=sys.stderr)
     if args.dry_run:
-        print(r.dry_run_text(args.config), end="")
+        print(resolved.dry_run_text(args.config), end="")
         return ExitCode.DONE
     console.guard()  # a closed terminal (SIGHUP, then EIO) must not end the job's graceful stop
-    job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
-    held = ownership.claim(r.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name)
+    job = job_mod.Job(resolved, console=None if args.quiet else sys.stderr)
+    held = ownership.claim(
+        resolved.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name
+    )
     try:
         code = int(asyncio.run(job.run()))
     finally:
@@ -259,7 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             os.close(fd)
     if job.events_failing:
         print(
-            f"events: {r.run_dir / 'events.jsonl'} is incomplete ({job.events_failing}); "
+            f"events: {resolved.run_dir / 'events.jsonl'} is incomplete ({job.events_failing}); "
             f"the job ended with exit {code}",
             file=sys.stderr,
         )
@@ -269,13 +271,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         )  # the job is over: a late signal must not change the code
     if code == ExitCode.USAGE:  # the worker refused its input: nothing ran to report on
         if args.quiet:  # the console showed no events, so neither the worker's own line
-            print(_worker_error(r.run_dir), file=sys.stderr)
-        print(f"run dir: {r.run_dir}", file=sys.stderr)
+            print(_worker_error(resolved.run_dir), file=sys.stderr)
+        print(f"run dir: {resolved.run_dir}", file=sys.stderr)
         return code
-    if not args.no_report and (r.run_dir / "events.jsonl").is_file():
+    if not args.no_report and (resolved.run_dir / "events.jsonl").is_file():
         from supervisor.commands import report_cli
 
-        report_cli.end_of_run(r.run_dir)  # report.md + report.png, tables on stdout
+        report_cli.end_of_run(resolved.run_dir)  # report.md + report.png, tables on stdout
     return code
 
 

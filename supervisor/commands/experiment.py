@@ -137,9 +137,9 @@ def resolve_phases(e: Experiment) -> tuple[dict[str, Resolved], list[str]]:
     phases: dict[str, Resolved] = {}
     notes: list[str] = []
     for phase in e.phases:
-        r = resolve(phase_config(e, phase))
-        notes += [n for n in preflight.check(r) if n not in notes]
-        phases[phase] = r
+        resolved = resolve(phase_config(e, phase))
+        notes += [n for n in preflight.check(resolved) if n not in notes]
+        phases[phase] = resolved
     return phases, notes
 
 
@@ -165,20 +165,20 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     if args.dry_run:
         print(f"# experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}")
-        for phase, r in phases.items():
+        for phase, resolved in phases.items():
             print(f"\n# === phase {phase}")
-            print(r.dry_run_text(f"{args.config}, phase {phase}"), end="")
+            print(resolved.dry_run_text(f"{args.config}, phase {phase}"), end="")
         return ExitCode.DONE
     e.dir.mkdir(parents=True, exist_ok=True)
     console.guard()  # a closed terminal (SIGHUP, then EIO) must not end a graceful stop
     print(f"experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}", flush=True)
     codes: dict[str, int] = {}
-    for phase, r in phases.items():
-        cfg = r.cfg
-        print(f"=== phase {phase}: {r.run_dir}", flush=True)
-        job = job_mod.Job(r, console=None if args.quiet else sys.stderr)
+    for phase, resolved in phases.items():
+        cfg = resolved.cfg
+        print(f"=== phase {phase}: {resolved.run_dir}", flush=True)
+        job = job_mod.Job(resolved, console=None if args.quiet else sys.stderr)
         ckpt_dir = cfg.worker.flags.get("ckpt_dir")
-        held = ownership.claim(r.run_dir, ckpt_dir, job.job_id, cfg.job.name)
+        held = ownership.claim(resolved.run_dir, ckpt_dir, job.job_id, cfg.job.name)
         try:
             codes[phase] = int(asyncio.run(job.run()))
         finally:

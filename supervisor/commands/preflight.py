@@ -25,45 +25,45 @@ if TYPE_CHECKING:
 RESOLVE_WORKERS = 32
 
 
-def check(r: Resolved) -> list[str]:
+def check(resolved: Resolved) -> list[str]:
     """Raise ConfigError for the first problem; return notes on what could not be checked."""
-    notes = list(r.notes)
-    check_hosts(r)
-    check_dirs(r)
-    check_bind(r)
-    check_memory_root(r)
-    check_inject(r)
-    note = worker_flags.check(r.cfg, r.world)
+    notes = list(resolved.notes)
+    check_hosts(resolved)
+    check_dirs(resolved)
+    check_bind(resolved)
+    check_memory_root(resolved)
+    check_inject(resolved)
+    note = worker_flags.check(resolved.cfg, resolved.world)
     if note:
         notes.append(note)
     return notes
 
 
-def check_hosts(r: Resolved) -> None:
+def check_hosts(resolved: Resolved) -> None:
     """Every node other than this host must resolve: Hydra's ssh and PALS reach nodes by name,
     and a name that does not resolve fails every attempt ("Could not resolve hostname")."""
-    if not r.kind.reaches_nodes_by_name or r.cfg.launch.emulate_nodes:
+    if not resolved.kind.reaches_nodes_by_name or resolved.cfg.launch.emulate_nodes:
         return  # local and emulated: this host; srun: Slurm places the ranks on nodes it knows
-    others = [n for n in r.nodes if not hosts.is_this_host(n)]
+    others = [n for n in resolved.nodes if not hosts.is_this_host(n)]
     with ThreadPoolExecutor(max_workers=min(RESOLVE_WORKERS, len(others) or 1)) as pool:
         for node, error in zip(others, pool.map(_resolve_error, others), strict=True):
             if error:
                 raise ConfigError(
-                    r.cfg.source,
+                    resolved.cfg.source,
                     "launch.nodes",
                     f"host {node!r} does not resolve ({error}); fix the name or leave the node out",
                 )
 
 
-def check_dirs(r: Resolved) -> None:
+def check_dirs(resolved: Resolved) -> None:
     """The run dir and checkpoint dir can be made, and, when every node is this host, so can the
     stage dir, and the working directory, the ranks' Python and the data exist: each would fail
     every attempt the same way (or `run` before the first)."""
-    cfg, flags = r.cfg, r.cfg.worker.flags
-    wanted = [("job.run_dir", r.run_dir)]
+    cfg, flags = resolved.cfg, resolved.cfg.worker.flags
+    wanted = [("job.run_dir", resolved.run_dir)]
     if isinstance(flags.get("ckpt_dir"), str):
         wanted.append(("worker.ckpt_dir", Path(flags["ckpt_dir"])))
-    here = r.kind.this_host_only or all(hosts.is_this_host(n) for n in r.nodes)
+    here = resolved.kind.this_host_only or all(hosts.is_this_host(n) for n in resolved.nodes)
     if here and isinstance(flags.get("ckpt_stage_dir"), str):
         wanted.append(("worker.ckpt_stage_dir", Path(flags["ckpt_stage_dir"])))
     for key, path in wanted:
@@ -101,59 +101,61 @@ def dir_problem(path: Path) -> str | None:
     return None
 
 
-def check_bind(r: Resolved) -> None:
+def check_bind(resolved: Resolved) -> None:
     """[heartbeat] bind and port can be bound on this host: a name that is no interface or
     address, or a port in use, would otherwise end `run` with ZeroMQ's traceback."""
-    hb = r.cfg.heartbeat
-    if hb.bind == "auto" and not hb.port:
+    heartbeat = resolved.cfg.heartbeat
+    if heartbeat.bind == "auto" and not heartbeat.port:
         return
     import zmq
 
-    bind = hb.bind if hb.bind != "auto" else "127.0.0.1"
+    bind = heartbeat.bind if heartbeat.bind != "auto" else "127.0.0.1"
     sock = zmq.Context.instance().socket(zmq.PULL)
     try:
-        if hb.port:
-            sock.bind(f"tcp://{bind}:{hb.port}")
+        if heartbeat.port:
+            sock.bind(f"tcp://{bind}:{heartbeat.port}")
         else:
             sock.bind_to_random_port(f"tcp://{bind}")
     except zmq.ZMQError as exc:
-        key = "heartbeat.port" if hb.port and exc.errno == zmq.EADDRINUSE else "heartbeat.bind"
+        key = (
+            "heartbeat.port" if heartbeat.port and exc.errno == zmq.EADDRINUSE else "heartbeat.bind"
+        )
         raise ConfigError(
-            r.cfg.source,
+            resolved.cfg.source,
             key,
-            f'cannot listen on {bind}:{hb.port or "*"} ({exc.strerror}); expected "auto", '
+            f'cannot listen on {bind}:{heartbeat.port or "*"} ({exc.strerror}); expected "auto", '
             '"*", an address or interface of this host, and a free port (0: any)',
         ) from None
     finally:
         sock.close(0)
 
 
-def check_memory_root(r: Resolved) -> None:
+def check_memory_root(resolved: Resolved) -> None:
     """With a memory tier, its root on this node must take the job's directory (the supervisor
     holds it for the job's life)."""
-    if not memdir.wanted(r.cfg.worker.flags):
+    if not memdir.wanted(resolved.cfg.worker.flags):
         return
-    root = memdir.root(r.cfg.launch.env)
+    root = memdir.root(resolved.cfg.launch.env)
     problem = memdir.root_problem(root)
     if problem:
         raise ConfigError(
-            r.cfg.source,
+            resolved.cfg.source,
             "worker.mem_ckpt_interval",
             f"the memory tier's root {root}: {problem}; set {env_names.ENV_MEM_ROOT} to a "
             "writable node-local directory",
         )
 
 
-def check_inject(r: Resolved) -> None:
+def check_inject(resolved: Resolved) -> None:
     """The test-only failure points the ranks and the node check would read (`ES_INJECT`, here
     or in [launch] env) are valid: a bad one would end every rank, or fail every node's check,
     the same way."""
-    env = {**os.environ, **r.cfg.launch.env}
+    env = {**os.environ, **resolved.cfg.launch.env}
     try:
         inject.read(env)
     except inject.InjectError as exc:
-        key = "launch.env" if env_names.ENV_INJECT in r.cfg.launch.env else ""
-        raise ConfigError(r.cfg.source, key, str(exc)) from None
+        key = "launch.env" if env_names.ENV_INJECT in resolved.cfg.launch.env else ""
+        raise ConfigError(resolved.cfg.source, key, str(exc)) from None
 
 
 def _resolve_error(host: str) -> str | None:

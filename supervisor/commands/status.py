@@ -112,11 +112,13 @@ def nodes_lines(events: list[dict]) -> list[str]:
 def limits_lines(events: list[dict], resolved: dict) -> list[str]:
     """The "auto" limits in force in the newest attempt: learned (`auto_limit` events), or
     still at their maximum. Nothing when the config has none."""
-    hb = resolved.get("heartbeat", {})
-    progress, cap = hb.get("progress", {}), hb.get("auto_max", {})
+    heartbeat = resolved.get("heartbeat", {})
+    progress, cap = heartbeat.get("progress", {}), heartbeat.get("auto_max", {})
     progress = progress if isinstance(progress, dict) else {}
     defaults = config_mod.AutoMaxConfig()
-    asked = [("timeout_s", hb.get("timeout_s"))] + [(p, progress.get(p)) for p in ("train", "save")]
+    asked = [("timeout_s", heartbeat.get("timeout_s"))] + [
+        (p, progress.get(p)) for p in ("train", "save")
+    ]
     names = [name for name, value in asked if value == config_mod.AUTO]
     if not names:
         return []

@@ -148,55 +148,61 @@ def check(cfg: Config) -> None:
             "launch.spares",
             f"expected fewer spares than nodes ({len(launch.nodes)}), got {launch.spares}",
         )
-    rs = cfg.restart
-    need(rs.exclude_after >= 0, "restart.exclude_after", "expected an integer >= 0 (0: never)")
-    need(rs.min_nodes >= 1, "restart.min_nodes", "expected an integer >= 1")
+    restart = cfg.restart
+    need(restart.exclude_after >= 0, "restart.exclude_after", "expected an integer >= 0 (0: never)")
+    need(restart.min_nodes >= 1, "restart.min_nodes", "expected an integer >= 1")
     if isinstance(launch.nodes, list):
         active = len(launch.nodes) - launch.spares
         need(
-            rs.min_nodes <= active,
+            restart.min_nodes <= active,
             "restart.min_nodes",
-            f"expected at most the {active} node(s) the job starts on, got {rs.min_nodes}",
+            f"expected at most the {active} node(s) the job starts on, got {restart.min_nodes}",
         )
-    need(rs.max_restarts >= 0, "restart.max_restarts", "expected an integer >= 0")
-    need(len(rs.backoff_s) >= 1, "restart.backoff_s", "expected at least one delay")
-    for i, d in enumerate(rs.backoff_s):
+    need(restart.max_restarts >= 0, "restart.max_restarts", "expected an integer >= 0")
+    need(len(restart.backoff_s) >= 1, "restart.backoff_s", "expected at least one delay")
+    for i, d in enumerate(restart.backoff_s):
         need(_finite(d) and d >= 0, f"restart.backoff_s[{i}]", "expected a delay >= 0 seconds")
-    need(rs.min_progress_steps >= 1, "restart.min_progress_steps", "expected an integer >= 1")
-    need(rs.max_same_resume >= 2, "restart.max_same_resume", "expected an integer >= 2")
+    need(restart.min_progress_steps >= 1, "restart.min_progress_steps", "expected an integer >= 1")
+    need(restart.max_same_resume >= 2, "restart.max_same_resume", "expected an integer >= 2")
     for name in ("teardown_grace_s", "stop_grace_s"):
-        v = getattr(rs, name)
+        v = getattr(restart, name)
         need(_finite(v) and v >= 0, f"restart.{name}", "expected seconds >= 0")
-    hb = cfg.heartbeat
+    heartbeat = cfg.heartbeat
     need(
-        _finite(hb.interval_s) and hb.interval_s >= MIN_BEAT_S,
+        _finite(heartbeat.interval_s) and heartbeat.interval_s >= MIN_BEAT_S,
         "heartbeat.interval_s",
-        _got(f"seconds >= {MIN_BEAT_S:g} (every rank beats this often)", hb.interval_s, False),
+        _got(
+            f"seconds >= {MIN_BEAT_S:g} (every rank beats this often)", heartbeat.interval_s, False
+        ),
     )
     for key in ("bind", "advertise"):
         need(
-            bool(getattr(hb, key).strip()),
+            bool(getattr(heartbeat, key).strip()),
             f"heartbeat.{key}",
             'expected "auto" or a host name or address, got an empty string',
         )
-    twice = f"at least twice interval_s ({2 * hb.interval_s:g} s)"
-    if hb.timeout_s != AUTO:
+    twice = f"at least twice interval_s ({2 * heartbeat.interval_s:g} s)"
+    if heartbeat.timeout_s != AUTO:
         need(
-            _finite(hb.timeout_s) and hb.timeout_s >= 2 * hb.interval_s,
+            _finite(heartbeat.timeout_s) and heartbeat.timeout_s >= 2 * heartbeat.interval_s,
             "heartbeat.timeout_s",
-            _got(twice, hb.timeout_s),
+            _got(twice, heartbeat.timeout_s),
         )
-    v = hb.auto_max.timeout_s
+    v = heartbeat.auto_max.timeout_s
     need(
-        _finite(v) and v >= 2 * hb.interval_s,
+        _finite(v) and v >= 2 * heartbeat.interval_s,
         "heartbeat.auto_max.timeout_s",
         _got(twice, v, auto=False),
     )
-    need(_finite(hb.check_s) and 0 < hb.check_s <= 5, "heartbeat.check_s", "expected 0 < s <= 5")
-    need(0 <= hb.port <= 65535, "heartbeat.port", "expected 0 (any) or a port number")
-    more = f"seconds > interval_s ({hb.interval_s:g})"
+    need(
+        _finite(heartbeat.check_s) and 0 < heartbeat.check_s <= 5,
+        "heartbeat.check_s",
+        "expected 0 < s <= 5",
+    )
+    need(0 <= heartbeat.port <= 65535, "heartbeat.port", "expected 0 (any) or a port number")
+    more = f"seconds > interval_s ({heartbeat.interval_s:g})"
     for phase in PHASE_NAMES:
-        v = getattr(hb.progress, phase)
+        v = getattr(heartbeat.progress, phase)
         key = f"heartbeat.progress.{phase}"
         if v == AUTO:
             need(
@@ -206,11 +212,11 @@ def check(cfg: Config) -> None:
                 f"something to learn from); {phase} comes once an attempt: give {more}",
             )
             continue
-        need(_finite(v) and v > hb.interval_s, key, _got(more, v))
+        need(_finite(v) and v > heartbeat.interval_s, key, _got(more, v))
     for phase in AUTO_PHASES:
-        v = getattr(hb.auto_max, phase)
+        v = getattr(heartbeat.auto_max, phase)
         need(
-            _finite(v) and v > hb.interval_s,
+            _finite(v) and v > heartbeat.interval_s,
             f"heartbeat.auto_max.{phase}",
             _got(more, v, auto=False),
         )
