@@ -44,6 +44,9 @@ class WorkerSpec(Protocol):
     def plan_shrink(self, argv: Sequence[str], world: int, new_world: int) -> ShrinkPlan: ...
 
 
+CALLS = ("flag_kinds", "flags_problem", "run_problem", "plan_shrink")  # WorkerSpec's functions
+
+
 class SpecError(ValueError):
     """A worker package's `spec` that exists but cannot be imported (one line)."""
 
@@ -63,7 +66,12 @@ def load(module: str) -> WorkerSpec | None:
         raise SpecError(
             f"{name} (the spec of {module}) fails to import: {type(exc).__name__}: {exc}"
         ) from None
-    return cast(WorkerSpec, spec) if module in getattr(spec, "MODULES", ()) else None
+    if module not in getattr(spec, "MODULES", ()):
+        return None
+    lacking = [call for call in CALLS if not callable(getattr(spec, call, None))]
+    if lacking:
+        raise SpecError(f"{name} names {module} in MODULES but lacks {', '.join(lacking)}")
+    return cast(WorkerSpec, spec)
 
 
 def _exists(name: str) -> bool:

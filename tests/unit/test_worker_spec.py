@@ -56,9 +56,14 @@ def test_finding_no_spec_runs_none_of_the_packages_code(tmp_path, monkeypatch):
 
 def test_a_spec_that_fails_to_import_is_one_line_naming_worker_module(tmp_path, monkeypatch):
     _package(tmp_path, "brokenspec", "", spec="raise RuntimeError('boom in spec')\n")
+    _package(
+        tmp_path, "halfspec", "", spec="MODULES = ('halfspec.train',)\ndef flag_kinds(): ...\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(worker_spec.SpecError, match="brokenspec.spec .* RuntimeError: boom in"):
         worker_spec.load("brokenspec.train")
+    with pytest.raises(worker_spec.SpecError, match="lacks flags_problem, run_problem, plan_shr"):
+        worker_spec.load("halfspec.train")
     text = '[launch]\nlauncher = "local"\n[worker]\nmodule = "brokenspec.train"\n'
     path = tmp_path / "job.toml"
     path.write_text(f'[job]\nrun_dir = "{tmp_path}/runs"\n' + text)
