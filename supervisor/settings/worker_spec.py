@@ -48,12 +48,13 @@ CALLS = ("flag_kinds", "flags_problem", "run_problem", "plan_shrink")  # WorkerS
 
 
 class SpecError(ValueError):
-    """A worker package's `spec` that exists but cannot be imported (one line)."""
+    """A worker package's `spec` that cannot be imported, or names the module but lacks one of
+    the contract's functions (one line)."""
 
 
 def load(module: str) -> WorkerSpec | None:
     """The spec of the worker module `module` (`python -m` name), or None where it has none;
-    SpecError where its package's `spec` fails to import."""
+    SpecError where its package's `spec` fails to import or is incomplete."""
     package = module.rpartition(".")[0]
     if not package:
         return None
