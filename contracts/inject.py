@@ -59,7 +59,7 @@ def _phase(text: str) -> str:
 
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(LIST_SEPARATOR))
-    if not all(names):
+    if not all(names) or any(len(name.split()) > 1 for name in names):  # "n1 n2": one of each
         raise ValueError
     return names
 

@@ -45,6 +45,7 @@ def test_points_read_as_their_kind():
         ("kill_async_phase=middle", "kill_async_phase='middle' is not an async save's phase"),
         ("kill_async_phase=write", "kill_async_phase needs kill_in_save_at_step"),
         ("node_check_fail=n1++n2", "node_check_fail='n1++n2' is not node names"),
+        ("node_check_fail=n1 n2", "node_check_fail='n1 n2' is not node names (+-separated)"),
         ("raise_at_step=5;rank=1", "is not a step (an integer >= 0); separate points with ','"),
         ("rank=" + "9" * 5000, "rank='" + "9" * inject.SHOWN_MAX + "'... is not a rank"),
     ],
