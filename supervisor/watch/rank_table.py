@@ -37,7 +37,6 @@ class AttemptTable:
     max_step: int | None = None
     resume_step: int | None = None
     resume_source: str | None = None  # memory | durable, when the ranks say (a memory tier)
-    restart_seconds: float | None = None
     done_ranks: set[int] = field(default_factory=set)
     ckpt_complete: int | None = None
     mem_steps: dict[int, int] = field(default_factory=dict)  # rank -> newest memory copy said
@@ -238,7 +237,6 @@ class AttemptTable:
             if self.resume_step is None:
                 self.resume_step = msg["step"]
                 self.resume_source = msg.get("source")
-                self.restart_seconds = msg["restart_seconds"]
                 said = {
                     "step": msg["step"],
                     "restart_seconds": msg["restart_seconds"],
