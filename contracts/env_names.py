@@ -25,6 +25,10 @@ ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
 ENV_STANDBY = "ES_STANDBY"
 # Optional: where the memory checkpoint tier keeps its node-local directories (default /dev/shm).
 ENV_MEM_ROOT = "ES_MEM_ROOT"
+# Optional: "1" gives each node its own memory root, `<ES_MEM_ROOT>/<node name>/`: set for
+# emulated nodes ([launch] emulate_nodes), whose ranks share one host, so that each node's memory
+# tier is its own and a lost node takes only its own away.
+ENV_MEM_PER_NODE = "ES_MEM_PER_NODE"
 # Optional: "1" makes local rank 0 of each node (with more than one rank on it) its node's relay:
 # the node's other ranks send to it over a node-local socket, and it forwards one signed `summary`
 # of their beats and steps per interval instead of each rank's beats ([heartbeat] relay).

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import tempfile
 
-from contracts.env_names import ENV_MEM_ROOT
+from contracts.env_names import ENV_MEM_PER_NODE, ENV_MEM_ROOT, node_name
 
 # --- the memory checkpoint tier's directory -------------------------------------------------------
 # One directory per job on every node (`--mem-ckpt-interval`): `<root>/es-mem-<tag>/`, where the tag
@@ -33,12 +34,38 @@ _MEM_TAG = re.compile(
 MEM_DIR_NAME = re.compile(re.escape(MEM_PREFIX) + _MEM_TAG.pattern, re.ASCII)
 
 
-def mem_root(env: dict[str, str] | os._Environ) -> str:
+def base_root(env: dict[str, str] | os._Environ) -> str:
     """`ES_MEM_ROOT`, else /dev/shm, else (a system without it) the temp dir: the page cache
     then holds the slots, and the tier still works."""
     if env.get(ENV_MEM_ROOT):
         return env[ENV_MEM_ROOT]
     return MEM_ROOT_DEFAULT if os.path.isdir(MEM_ROOT_DEFAULT) else tempfile.gettempdir()
+
+
+def per_node(env: dict[str, str] | os._Environ) -> bool:
+    """Whether each node has a root of its own under the base (`ES_MEM_PER_NODE`: emulated
+    nodes, which share one host)."""
+    return env.get(ENV_MEM_PER_NODE) == "1"
+
+
+def node_root(base: str | os.PathLike, node: str) -> str:
+    """`<base>/<node>`: one node's own root (a node name with a separator, or `.`/`..`, by its
+    hash, so that it stays one directory right under the base)."""
+    safe = (
+        node
+        if node not in ("", ".", "..") and "/" not in node and "\0" not in node
+        else ("node-" + hashlib.sha1(node.encode("utf-8", "surrogatepass")).hexdigest()[:12])
+    )
+    return os.path.join(base, safe)
+
+
+def mem_root(env: dict[str, str] | os._Environ, node: str | None = None) -> str:
+    """The memory root of a rank with this environment: the base root, or with per-node roots
+    its node's own under it (`node`, else the rank's own node name)."""
+    base = base_root(env)
+    if not per_node(env):
+        return base
+    return node_root(base, node if node is not None else node_name(env, socket.gethostname()))
 
 
 def scratch_tag(tag: str) -> str:

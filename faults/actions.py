@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,12 @@ def unmark(ckpt_dir: Path) -> Damage | None:
     (newest.path / ckpt_files.MARKER).unlink(missing_ok=True)
     ckpt_files.fsync_dir(newest.path)
     return Damage(newest.step, str(newest.path), "unmark")
+
+
+def remove_tree(path: str) -> bool:
+    """Remove a directory and all under it (a lost node's memory root); whether it is gone."""
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
 
 
 def now_pair() -> tuple[float, float]:

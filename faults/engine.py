@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contracts import ckpt_files
+from contracts import ckpt_files, scratch
 from faults import actions
 from faults.delivery import Delivery
 from faults.protocols import ControlChannel, RankTable
@@ -75,9 +75,11 @@ class FaultEngine:
         emit: Callable[..., None],
         control: ControlChannel,
         owns_control: bool = False,
+        mem_env: Mapping[str, str] | None = None,
     ) -> None:
         """`control`: the job's channel to its ranks, closed with the engine when it
-        `owns_control` (else the job closes it)."""
+        `owns_control` (else the job closes it). `mem_env`: the ranks' environment when they
+        keep a memory tier (where a lost node's memory root is, `scratch.mem_root`)."""
         self.schedule = Schedule(specs)
         self.world, self.ranks_per_node = world, ranks_per_node
         self.ckpt_dir = ckpt_dir
@@ -91,6 +93,9 @@ class FaultEngine:
         self.ckpts = CkptLedger()
         self.total = 0
         self.faulted: dict[int, tuple[int, ...]] = {}  # attempt -> ranks its disruptive faults hit
+        self.mem_env = dict(mem_env) if mem_env is not None else None
+        self.nodes: list[str] = []  # the job's nodes in rank order (node:N is nodes[N])
+        self.down: set[str] = set()  # nodes a node_loss took away: down until the job ends
 
     # --- hooks --------------------------------------------------------------------------------
     def attempt_started(self, attempt: int) -> None:
@@ -106,6 +111,14 @@ class FaultEngine:
 
     def resize(self, world: int) -> None:
         self.world = world  # a target outside it is never ready: it waits, and never fires
+
+    def set_nodes(self, names: Sequence[str]) -> None:
+        """The job's nodes now, in rank order (a spare swapped in takes its node's place)."""
+        self.nodes = list(names)
+
+    def nodes_down(self) -> frozenset[str]:
+        """The nodes a node_loss took away: their node check fails until the job ends."""
+        return frozenset(self.down)
 
     def on_message(self, msg: dict[str, Any], table: RankTable, now: float) -> None:
         kind = msg["kind"]
@@ -175,6 +188,7 @@ class FaultEngine:
         attempt = self.attempt if self.attempt is not None else -1
         sent = self.delivery.deliver(spec, f.n, attempt, sts, mono)
         errors += sent.errors
+        lost = self._lose_node(f) if act.kind == "node_loss" else None  # once its ranks are killed
         if act.kind in DISRUPTIVE:
             self.disrupted = True
         if act.kind in DISRUPTIVE and act.kind not in CKPT_DAMAGE:  # a rank's fault
@@ -188,6 +202,8 @@ class FaultEngine:
             extra["slow"] = {"delay_s": act.delay_s, "duration_s": act.duration_s}
         if damage is not None:
             extra["damaged"] = damage.as_dict()
+        if lost is not None:
+            extra["node"], extra["mem_root_removed"] = lost
         if f.due_s is not None:
             extra["due_s"] = round(f.due_s, 6)
             extra["late_s"] = round(elapsed - f.due_s, 6)
@@ -240,6 +256,20 @@ class FaultEngine:
             return None, [f"no complete checkpoint with shards in {self.ckpt_dir}"]
         self.ckpts.damaged.add(damage.step)
         return damage, []
+
+    def _lose_node(self, f: Firing) -> tuple[str | None, str | None]:
+        """node_loss: the node goes down for the rest of the job, and its own memory root (with
+        per-node roots; a shared one is not the node's to lose) goes with it: (node, root)."""
+        index = f.spec.target.index
+        node = self.nodes[index] if index < len(self.nodes) else None
+        if node is None:
+            return None, None
+        self.down.add(node)
+        env = self.mem_env
+        if env is None or not scratch.per_node(env):
+            return node, None
+        root = scratch.mem_root(env, node)
+        return node, root if actions.remove_tree(root) else None
 
     def _marker(self, step: int | None) -> dict[str, Any]:
         """The gate's evidence: the `.complete` the fault waited for, and when it was written."""

@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 from contracts.config_table import ConfigError, Table, is_int
 
-ACTIONS = ("kill", "term", "hang", "stall", "slow", "corrupt", "unmark")
+ACTIONS = ("kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss")
 TIME_KEYS = ("at_s", "every_s", "mtbf_s")
 STEP_KEYS = ("at_step", "every_steps")
 # Actions that end the attempt: after one fires, other faults wait for the next attempt.
-DISRUPTIVE = frozenset({"kill", "term", "hang", "stall", "corrupt", "unmark"})
+DISRUPTIVE = frozenset({"kill", "term", "hang", "stall", "corrupt", "unmark", "node_loss"})
 # Actions the rank must carry out inside its own step: always through the control channel.
 IN_STEP = frozenset({"stall", "slow"})
 KNOWN_KEYS = (
@@ -71,9 +71,10 @@ class Trigger:
 @dataclass(frozen=True)
 class Action:
     """What: `signal` for kill (SIGKILL by default); `delay_s`/`duration_s` for slow;
-    `mode` (truncate | flip) for corrupt."""
+    `mode` (truncate | flip) for corrupt; node_loss SIGKILLs a node's ranks, takes its memory
+    root away, and leaves it down."""
 
-    kind: Literal["kill", "term", "hang", "stall", "slow", "corrupt", "unmark"]
+    kind: Literal["kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss"]
     signal: int = signal.SIGKILL
     delay_s: float = 0.0
     duration_s: float = 0.0
@@ -165,6 +166,8 @@ def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> Fa
     trigger = _trigger(p, shape)
     action = _action(p, shape)
     target = _target(p, shape)
+    if action.kind == "node_loss" and target.kind != "node":
+        p.fail("target", f'node_loss takes a node away: expected "node:N", got {str(target)!r}')
     via = p.choice("via", ("auto", "control"), "auto")
     name = p.string("name", "")
     if action.kind == "term" and "signal" in table:

@@ -50,8 +50,18 @@ def held_under(path: str, held: set[str]) -> bool:
 
 
 def root(launch_env: dict[str, str]) -> str:
-    """The memory root the ranks will use: they inherit our environment plus [launch] env."""
-    return scratch.mem_root({**os.environ, **launch_env})
+    """The base of the memory roots the ranks will use: they inherit our environment plus
+    [launch] env."""
+    return scratch.base_root({**os.environ, **launch_env})
+
+
+def roots(launch_env: dict[str, str], emulated_nodes: list[str] | None) -> list[str]:
+    """Where the ranks on this host keep their memory tier: the one root, or with emulated nodes
+    each node's own under it (`scratch.node_root`: the ranks get `ES_MEM_PER_NODE`)."""
+    base = root(launch_env)
+    if not emulated_nodes:
+        return [base]
+    return [scratch.node_root(base, n) for n in dict.fromkeys(emulated_nodes)]
 
 
 def root_problem(path: str) -> str | None:

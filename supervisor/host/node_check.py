@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,22 +62,28 @@ def dirs_to_check(flags: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
     if flags.get("async_ckpt"):
         dirs.append(str(flags.get("ckpt_stage_dir") or hygiene.temp_dir(env)))
     if flags.get("mem_ckpt_interval"):
-        dirs.append(scratch.mem_root(dict(env)))
+        dirs.append(scratch.base_root(dict(env)))  # each emulated node's own root lies under it
     return dirs
 
 
 async def run_on(
-    resolved: Resolved, nodes: Sequence[str], dirs: Sequence[str], timeout: float
+    resolved: Resolved,
+    nodes: Sequence[str],
+    dirs: Sequence[str],
+    timeout: float,
+    down: Collection[str] = (),
 ) -> list[str]:
     """The probe's output lines from one process on each of `nodes`, started by the job's own
-    launcher (the same command line the ranks get, one per node); what came before a timeout."""
+    launcher (the same command line the ranks get, one per node); what came before a timeout.
+    `down`: the emulated nodes a fault took away, whose probe then answers nothing."""
     cfg = resolved.cfg
+    flags: dict[str, Any] = {"dirs": list(dirs)}
+    if down:
+        flags[node_probe.DOWN_FLAG.removeprefix("--")] = sorted(down)
     check_cfg = dataclasses.replace(
         cfg,
         launch=dataclasses.replace(cfg.launch, ranks_per_node=1),
-        worker=dataclasses.replace(
-            cfg.worker, module=node_probe.__name__, flags={"dirs": list(dirs)}
-        ),
+        worker=dataclasses.replace(cfg.worker, module=node_probe.__name__, flags=flags),
     )
     hostfile = resolved.run_dir / "hostfile-check"
     hostfile.write_text("".join(f"{n}\n" for n in nodes))

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from contracts import env_names, inject
 
 MARK = "es-node-check "  # the prefix of a report line among the launcher's own output
+DOWN_FLAG = "--down"  # the nodes the supervisor knows are down (a node_loss fault took them)
 
 
 def writable_problem(directory: str) -> str | None:
@@ -51,9 +52,16 @@ def injected_problems(env: Mapping[str, str], node: str) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> int:
-    """`--dirs DIR...`: one report line for this node."""
-    dirs = list(argv[1:]) if argv[:1] == ["--dirs"] else list(argv)
+    """`--dirs DIR... [--down NODE...]`: one report line for this node; none on a node named
+    down (an emulated node a `node_loss` took away answers nothing, as a dead node would not)."""
+    args, down = list(argv), []
+    if DOWN_FLAG in args:
+        at = args.index(DOWN_FLAG)
+        args, down = args[:at], args[at + 1 :]
+    dirs = args[1:] if args[:1] == ["--dirs"] else args
     node = env_names.node_name(os.environ, socket.gethostname())
+    if node in down:
+        return 0
     problems = [p for d in dirs if (p := writable_problem(d)) is not None]
     problems += injected_problems(os.environ, node)
     print(MARK + json.dumps({"node": node, "problems": problems}), flush=True)

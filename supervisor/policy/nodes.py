@@ -10,7 +10,7 @@ rank keeps its number and the world and mesh stay the same.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -172,6 +172,13 @@ def excluded_now(counts: Mapping[str, int], exclude_after: int, pool: NodePool) 
     if exclude_after <= 0:
         return []
     return [n for n in pool.active if counts.get(n, 0) >= exclude_after]
+
+
+def recheck_before_relaunch(down: Collection[str], pool: NodePool) -> bool:
+    """Whether the nodes must be checked again before the next launch: a node known lost (a
+    `node_loss` took it) is still in the pool. Its check then fails and it is out at once, a
+    spare in its place, without waiting for `exclude_after`."""
+    return any(n in pool.active or n in pool.spares for n in down)
 
 
 def exclude(pool: NodePool, out: Sequence[str], shrink: bool, min_nodes: int) -> NodeChange:

@@ -7,10 +7,13 @@ its own when the job has none), and fed the same calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from contracts import env_names
+from supervisor.host import memdir
 from supervisor.launch import hosts
 from supervisor.watch.control import ControlServer, bind_for
 
@@ -46,6 +49,14 @@ class FaultHooks(Protocol):
         """The job goes on with `world` ranks (fewer nodes): targets beyond it are skipped."""
         ...
 
+    def set_nodes(self, names: Sequence[str]) -> None:
+        """The job's nodes now, in rank order (`node:N` targets names[N])."""
+        ...
+
+    def nodes_down(self) -> frozenset[str]:
+        """The nodes a `node_loss` took away: down (their node check fails) until the job ends."""
+        ...
+
     def close(self) -> None:
         """The job is over (a summary event; sockets closed)."""
         ...
@@ -72,6 +83,12 @@ class NoFaults:
     def resize(self, world: int) -> None:
         pass
 
+    def set_nodes(self, names: Sequence[str]) -> None:
+        pass
+
+    def nodes_down(self) -> frozenset[str]:
+        return frozenset()
+
     def close(self) -> None:
         pass
 
@@ -95,6 +112,11 @@ def for_job(
     if control is None:
         control = ControlServer(key.encode(), job_id, *bind_for(heartbeat_address))
     ckpt = cfg.worker.flags.get("ckpt_dir")
+    mem_env = None
+    if memdir.wanted(cfg.worker.flags):  # where the ranks keep it (a node_loss takes it away)
+        mem_env = {**os.environ, **cfg.launch.env}
+        if cfg.launch.emulate_nodes:
+            mem_env[env_names.ENV_MEM_PER_NODE] = "1"
     return FaultEngine(
         list(cfg.faults),
         job_id=job_id,
@@ -105,4 +127,5 @@ def for_job(
         emit=emit,
         control=control,
         owns_control=owns_control,
+        mem_env=mem_env,
     )

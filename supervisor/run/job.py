@@ -185,6 +185,8 @@ class Job:
                 self._give_up(number, decision.exit_code, decision.reason, **decision.facts)
                 return decision.exit_code, decision.reason
             stop = self.nodes.count_failure(result.attribution, result.number)
+            if stop is None:  # a node known lost: checked again, out at once
+                stop = await self.nodes.recheck(result.number)
             if stop is not None:
                 self._give_up(number, ExitCode.NODES, stop, nodes=self.resolved.pool.as_dict())
                 return ExitCode.NODES, stop
@@ -221,6 +223,7 @@ class Job:
             reason=decision.reason,
             mode="warm" if standby else "cold",
             **({} if standby else {"cold_because": cold_because}),
+            **({"standby_waited_s": waited} if (waited := self._standby_waited()) else {}),
         )
         if decision.delay_s > 0:
             with contextlib.suppress(TimeoutError):
@@ -237,6 +240,9 @@ class Job:
         self.emit("standby_lost", attempt=standby.number, reason=why, was_ready=True)
         await standby.end_standby("go failed")
         return Attempt(self._next_number(), self.context)
+
+    def _standby_waited(self) -> float:
+        return self.standby.waited_s if self.standby is not None else 0.0
 
     def _next_number(self) -> int:
         self.numbers += 1

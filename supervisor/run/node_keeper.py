@@ -1,9 +1,10 @@
 """The job's node pool as failures change it.
 
-Failures laid on a node are counted; a node at `exclude_after`, or one that fails the pre-launch
-check, is out: a spare takes its place, else the job shrinks onto the nodes left (the worker
-flags that world needs, the fault schedule told), else it stops. What to do is `nodes.exclude`'s
-(pure); the keeper acts on it and says so in events.
+Failures laid on a node are counted; a node at `exclude_after`, or one that fails the node check
+(before the first launch, and again before a relaunch once a node is known lost), is out: a
+spare takes its place, else the job shrinks onto the nodes left (the worker flags that world
+needs, the fault schedule told), else it stops. What to do is `nodes.exclude`'s (pure); the
+keeper acts on it and says so in events.
 """
 
 from __future__ import annotations
@@ -32,11 +33,23 @@ class NodeKeeper:
         self.faults = faults
         self.failures: collections.Counter[str] = collections.Counter()  # node -> laid on it
         self.just_excluded: list[str] = []  # by the last attempt's failure: no standby there
+        faults.set_nodes(resolved.pool.active)
 
     async def check(self) -> str | None:
         """Before the first launch of a job of several nodes: one quick process per node
         (`supervisor.host.node_check`) through the job's launcher; a node where none could start,
         or whose directories the ranks could not write, is out before it costs an attempt."""
+        return await self._check_nodes("pre-launch check", None)
+
+    async def recheck(self, attempt: int) -> str | None:
+        """After attempt `attempt` failed, before the relaunch: when a node is known lost (a
+        `node_loss` fault), check the nodes again; the lost one does not answer and is out at
+        once, a spare in its place, whatever its failure count."""
+        if not nodes.recheck_before_relaunch(self.faults.nodes_down(), self.resolved.pool):
+            return None
+        return await self._check_nodes("node check before relaunch", attempt)
+
+    async def _check_nodes(self, what: str, attempt: int | None) -> str | None:
         resolved, launch = self.resolved, self.cfg.launch
         if len(resolved.nodes) < 2 or resolved.kind.this_host_only:
             return None
@@ -44,7 +57,8 @@ class NodeKeeper:
         env = {**os.environ, **launch.env}
         dirs = node_check.dirs_to_check(self.cfg.worker.flags, env)
         started = asyncio.get_running_loop().time()
-        lines = await node_check.run_on(resolved, every, dirs, NODE_CHECK_TIMEOUT_S)
+        down = self.faults.nodes_down()
+        lines = await node_check.run_on(resolved, every, dirs, NODE_CHECK_TIMEOUT_S, down)
         result = node_check.judge(lines, every)
         seconds = asyncio.get_running_loop().time() - started
         self.emit(
@@ -57,8 +71,8 @@ class NodeKeeper:
         )
         if not result.failed:
             return None
-        reasons = {n: f"pre-launch check: {why}" for n, why in result.failed.items()}
-        return self._exclude(reasons, None)
+        reasons = {n: f"{what}: {why}" for n, why in result.failed.items()}
+        return self._exclude(reasons, attempt)
 
     def count_failure(self, blame: nodes.Attribution | None, attempt: int) -> str | None:
         """Count attempt `attempt`'s failure against the node it is laid on (`blame`); a node at
@@ -85,7 +99,7 @@ class NodeKeeper:
             count = self.failures[name]
             self.emit("node_excluded", node=name, reason=why, count=count, **at)
         change = nodes.exclude(resolved.pool, list(reasons), restart.shrink, restart.min_nodes)
-        self.just_excluded = list(reasons)
+        self.just_excluded += [n for n in reasons if n not in self.just_excluded]
         for old, new in change.swaps:
             self.emit("node_swapped", out=old, into=new, **at)
         if change.action == "stop":
@@ -93,6 +107,7 @@ class NodeKeeper:
             return change.reason
         problem = self._shrink(change.pool, attempt) if change.action == "shrink" else None
         resolved.pool = change.pool
+        self.faults.set_nodes(change.pool.active)
         if problem is not None:
             return problem
         resolved.write_hostfile()

@@ -20,7 +20,8 @@ class NodeScratch:
         self.cfg = cfg
         self.job_id = job_id
         self.emit = emit
-        self.mem: memdir.Held | None = None  # the memory tier's directory, held for the job
+        # The memory tier's directories (one per emulated node), held for the job.
+        self.mem: list[memdir.Held] = []
 
     def open(self) -> None:
         """Before the first launch: the memory tier's directory, then the sweep."""
@@ -44,24 +45,25 @@ class NodeScratch:
     def _open_memory_tier(self) -> None:
         """Remove what dead jobs left in this node's memory root, and hold the job's own memory
         directory when its ranks keep one."""
-        root = memdir.root(self.cfg.launch.env)
-        swept = memdir.sweep_abandoned(root)
-        if swept:
-            self.emit("mem_sweep", root=root, paths=swept)
-        if memdir.wanted(self.cfg.worker.flags):
-            self.mem = memdir.hold(root, self.job_id)
-            self.emit("mem_held", path=self.mem.path)
+        launch = self.cfg.launch
+        emulated = list(launch.nodes) if launch.emulate_nodes and launch.nodes else None
+        for root in memdir.roots(launch.env, emulated):
+            swept = memdir.sweep_abandoned(root)
+            if swept:
+                self.emit("mem_sweep", root=root, paths=swept)
+            if memdir.wanted(self.cfg.worker.flags):
+                self.mem.append(memdir.hold(root, self.job_id))
+                self.emit("mem_held", path=self.mem[-1].path)
 
     def _close_memory_tier(self) -> None:
-        """Its memory directory goes (no attempt will resume from it)."""
-        held, self.mem = self.mem, None
-        if held is None:
-            return
-        error = memdir.remove(held)
-        if error is None:
-            self.emit("mem_removed", path=held.path)
-        else:
-            self.emit("mem_remove_failed", path=held.path, error=error)
+        """Its memory directories go (no attempt will resume from them)."""
+        held, self.mem = self.mem, []
+        for one in held:
+            error = memdir.remove(one)
+            if error is None:
+                self.emit("mem_removed", path=one.path)
+            else:
+                self.emit("mem_remove_failed", path=one.path, error=error)
 
     def _sweep(self, when: str) -> None:
         """What killed runs left on this node and nothing holds any more (`hygiene.sweep`)."""
