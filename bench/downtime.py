@@ -33,7 +33,12 @@ cost <= 1.0 s median on the debug preset.
 
 Usage: python bench/downtime.py [--standby on,off] [--mem off|on|on,off] [--target all,rank1]
                                 [--kills 3] [--train-s 2] [--keep] [--size debug|250m]
-                                [--set key=value ...]
+                                [--set key=value ...] [--when ready|unready]
+
+`--when unready` kills right after the standby's launch (once the attempt has stepped and made
+a checkpoint: one every step, `worker.save_interval=1`), before its `standby_ready`: the case
+where the standby cannot be used (issue 27: an unready standby must never make the relaunch
+slower than none).
 """
 
 from __future__ import annotations
@@ -128,6 +133,8 @@ def run_one(args, standby: bool, target: str, mem: bool, tmp: Path) -> tuple[lis
         sets.append("worker.mem_ckpt_interval=1")
     else:  # the demo config keeps a memory copy every step: off means off
         sets.append("worker.mem_ckpt_interval=0")
+    if args.when == "unready":  # a checkpoint at the first step: the kill follows at once
+        sets.append("worker.save_interval=1")
     sets += args.set
     cmd = [sys.executable, "-m", "supervisor", "run", str(cfg), "--quiet"]
     for s in sets:
@@ -144,10 +151,14 @@ def run_one(args, standby: bool, target: str, mem: bool, tmp: Path) -> tuple[lis
             # step again and again (and end the job as making no progress).
             wait_event(run, lambda e, a=attempt: e["event"] == "ckpt_complete"
                        and e["attempt"] == a, proc, timeout)  # fmt: skip
-            if standby:
+            if standby and args.when == "unready":  # right after the standby's launch
+                launched = wait_event(run, lambda e, f=first: e["event"] == "standby_launch"
+                                      and e["mono"] > f["mono"], proc, timeout)  # fmt: skip
+            elif standby:
                 wait_event(run, lambda e, f=first: e["event"] == "standby_ready"
                            and e["mono"] > f["mono"], proc, timeout)  # fmt: skip
-            time.sleep(args.train_s)
+            if args.when == "ready":
+                time.sleep(args.train_s)
             hellos = [e for e in events(run) if e["event"] == "rank_hello"
                       and e["attempt"] == attempt]  # fmt: skip
             pids = [e["pid"] for e in hellos if target == "all" or e["rank"] == 1]
@@ -161,6 +172,14 @@ def run_one(args, standby: bool, target: str, mem: bool, tmp: Path) -> tuple[lis
                                   and e["after"] == a, proc, 60)  # fmt: skip
             kills.append({"attempt": attempt, "kill": kill, "kill_wall": kill_wall,
                           "next": relaunch["attempt"]})  # fmt: skip
+            if standby and args.when == "unready" and any(
+                e["event"] == "standby_ready" and e["attempt"] == launched["attempt"]
+                and e["mono"] < kill for e in events(run)
+            ):  # fmt: skip
+                print(f"NOTE: {run.name}: the standby was ready before kill {len(kills)}")
+            if standby and args.when == "unready":
+                age = kill - launched["mono"]
+                print(f"{run.name}: kill {len(kills)}, {age:.2f} s after the standby's launch")
             attempt = relaunch["attempt"]
         wait_event(run, lambda e: e["event"] == "first_step" and e["attempt"] == attempt, proc,
                    timeout)  # fmt: skip
@@ -336,6 +355,13 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the run dirs (printed)")
     p.add_argument("--size", default="debug", choices=sorted(SIZES))
     p.add_argument("--set", action="append", default=[], help="more config overrides")
+    p.add_argument(
+        "--when",
+        default="ready",
+        choices=("ready", "unready"),
+        help="kill once the standby is ready and --train-s later, or right after "
+        "the standby's launch, before it is ready (standby off: at the same point)",
+    )
     args = p.parse_args()
     modes = [m.strip() == "on" for m in args.standby.split(",")]
     mems = [m.strip() == "on" for m in args.mem.split(",")]

@@ -1,10 +1,13 @@
-"""The warm standby's rules: when it is ready, why the next attempt cannot use it, and how long
-to wait before starting another after one was lost (a broken environment must not loop).
+"""The warm standby's rules: when it is ready, whether the next attempt uses it, waits for it or
+starts cold without it, and how long to wait before starting another after one was lost (a
+broken environment must not loop).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from supervisor.policy.liveness import RankState
 from supervisor.policy.restarts import backoff_delay
@@ -27,6 +30,48 @@ def standby_unusable(
     if bad:
         return f"the standby runs on the failed node {', '.join(bad)}"
     return None
+
+
+# Wait for a standby still starting only when its start is at least this far along (seconds):
+# a cold launch would redo all of it, so waiting must save more than the estimate can be off.
+WAIT_SAVES_AT_LEAST_S = 1.0
+WAIT_SLACK = 0.25  # a wait is bounded by the estimate plus this share of it (at least 0.5 s)
+
+
+@dataclass(frozen=True)
+class StandbyChoice:
+    """What the next attempt does with the standby: `use` it, `wait` up to `wait_s` for it to
+    be ready (then use it, or drop it if it is still not), or `drop` it and start cold (`why`,
+    the relaunch's `cold_because`)."""
+
+    action: Literal["use", "wait", "drop"]
+    why: str | None = None
+    wait_s: float = 0.0
+
+
+def standby_choice(
+    ready: bool,
+    alive: bool,
+    standby_nodes: Sequence[str],
+    bad_nodes: Sequence[str],
+    starting_s: float = 0.0,
+    prepare_s: float | None = None,
+) -> StandbyChoice:
+    """Use, wait for or drop the standby at a failure. `starting_s`: how long the standby has
+    been starting; `prepare_s`: how long a standby of this job took from launch to ready (None
+    when none has been ready yet). A cold launch redoes the standby's whole preparation, so one
+    well along is worth waiting for; anything else is dropped (ended without holding up the
+    cold launch)."""
+    why = standby_unusable(ready, alive, standby_nodes, bad_nodes)
+    if why is None:
+        return StandbyChoice("use")
+    on_bad = standby_unusable(True, alive, standby_nodes, bad_nodes)
+    if on_bad is not None or prepare_s is None:  # gone, on a bad node, or no estimate
+        return StandbyChoice("drop", on_bad or why)
+    left = max(0.0, prepare_s - starting_s)
+    if starting_s >= WAIT_SAVES_AT_LEAST_S and left < starting_s:
+        return StandbyChoice("wait", why, round(left + max(0.5, WAIT_SLACK * left), 3))
+    return StandbyChoice("drop", why)
 
 
 STANDBY_GIVE_UP_AFTER = 5  # standbys lost in a row before ever being ready: stop keeping one

@@ -35,6 +35,7 @@ from supervisor.settings import config as config_mod
 from supervisor.settings import toml_dump
 from supervisor.watch.control import ControlServer, bind_for
 from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
+from supervisor.watch.rank_table import AttemptTable
 
 BAD_MESSAGES_EVERY_S = 5.0
 
@@ -95,8 +96,9 @@ class Job:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
         world = self.resolved.world
         self.faults = fault_hooks.for_job(
-            self.cfg, world, self.key, self.job_id, server.address, self.emit, self.control
-        )
+            self.cfg, world, self.key, self.job_id, server.address, self.emit, self.control,
+            others=self._standby_tables,
+        )  # fmt: skip
         self.nodes = NodeKeeper(self.resolved, self.emit, self.faults)
         self.context = JobContext(
             self.resolved, self.job_id, self.key, server.address, self.launcher, self.faults,
@@ -243,6 +245,11 @@ class Job:
 
     def _standby_waited(self) -> float:
         return self.standby.waited_s if self.standby is not None else 0.0
+
+    def _standby_tables(self) -> list[AttemptTable]:
+        """The standby's ranks, for a fault that takes their node (`node_loss`)."""
+        attempt = self.standby.attempt if self.standby is not None else None
+        return [attempt.table] if attempt is not None else []
 
     def _next_number(self) -> int:
         self.numbers += 1

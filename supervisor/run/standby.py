@@ -4,18 +4,24 @@ A failure then costs the load and one warm step instead of a cold start (imports
 model build, a cold first step). The keeper starts a standby once the running attempt has made
 its first step (so it never slows a start), watches it (liveness; no progress limit while it
 waits), replaces one that is lost after a backoff without spending the restart budget, and hands
-it over on a failure (`take`). `close` leaves no standby process behind.
+it over on a failure (`take`). One not ready then is waited for when it is well along its start
+(a cold launch would redo it), else dropped: ended in the background while the cold attempt
+starts, never holding it up (`close` waits for every such ending). `close` leaves no standby
+process behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 from supervisor.policy import standby_rules
 from supervisor.run.attempt import Attempt
 from supervisor.run.context import JobContext
+
+READY_POLL_S = 0.02  # how often a wait for a standby still starting looks at it
 
 
 class StandbyKeeper:
@@ -34,7 +40,9 @@ class StandbyKeeper:
         self.attempt: Attempt | None = None
         self._task: asyncio.Task | None = None
         self._starting: asyncio.Future | None = None  # a launch under way
-        self._ending: asyncio.Future | None = None  # a lost standby's teardown under way
+        self._endings: set[asyncio.Future] = set()  # standbys' teardowns under way
+        self.prepare_s: float | None = None  # how long the last ready standby took to be ready
+        self.waited_s = 0.0  # how long the last `take` waited for a standby still starting
         self.lost_in_a_row = 0
         self.given_up = False
         self.over = False  # the job is over: keep none from now on
@@ -47,6 +55,7 @@ class StandbyKeeper:
     async def _keep(self) -> None:
         schedule = self.job.resolved.cfg.restart.backoff_s
         while True:
+            await self._ended()  # one standby's processes at a time
             attempt = self.attempt = Attempt(self.next_number(), self.job, standby=True)
             self.route(attempt)
             self._starting = asyncio.ensure_future(attempt.start())
@@ -55,6 +64,7 @@ class StandbyKeeper:
                 why = await attempt.wait_as_standby()
             else:
                 why = f"cannot start: {attempt.launch_error}"
+            self._note_ready(attempt)
             self.lost_in_a_row = 0 if attempt.ready_at is not None else self.lost_in_a_row + 1
             delay = standby_rules.standby_retry_delay(max(1, self.lost_in_a_row), schedule)
             self.job.emit(
@@ -65,8 +75,7 @@ class StandbyKeeper:
                 retry_in_s=delay,
             )
             self.attempt = None
-            self._ending = asyncio.ensure_future(self._end(attempt, "lost"))
-            await asyncio.shield(self._ending)  # a close meanwhile waits for it
+            await asyncio.shield(self._end_later(attempt, "lost"))  # a close waits for it too
             if delay is None:
                 self.given_up = True
                 self.job.emit("standby_off", reason=f"{self.lost_in_a_row} standbys lost in a row")
@@ -74,24 +83,74 @@ class StandbyKeeper:
             await asyncio.sleep(delay)
 
     async def take(self, bad_nodes: Sequence[str] = ()) -> tuple[Attempt | None, str | None]:
-        """The standby for the next attempt, or (None, why a cold launch instead). A standby
-        that cannot be used is ended; in both cases the keeper starts over at `ensure`."""
+        """The standby for the next attempt, or (None, why a cold launch instead). One still
+        starting is waited for when the rules say so; one that cannot be used is dropped, its
+        ending left to run beside the cold launch. Either way the keeper starts over at
+        `ensure`."""
+        choice = self._choice(bad_nodes)
+        self.waited_s = 0.0
+        if choice.action == "wait":
+            t0 = time.monotonic()
+            await self._wait_ready(choice.wait_s)
+            self.waited_s = round(time.monotonic() - t0, 6)
+            choice = self._choice(bad_nodes)
         attempt = self.attempt
+        await self._stop_keeping()
+        self.attempt = None
+        if choice.action == "use":
+            self._note_ready(attempt)
+            return attempt, None
+        if attempt is not None:
+            self._end_later(attempt, "unusable")
+        return None, choice.why
+
+    def _choice(self, bad_nodes: Sequence[str]) -> standby_rules.StandbyChoice:
+        attempt = self.attempt
+        if self.given_up:
+            return standby_rules.StandbyChoice("drop", "standbys kept failing: off for this job")
         alive = attempt is not None and attempt.running is not None
-        why = standby_rules.standby_unusable(
+        return standby_rules.standby_choice(
             ready=attempt is not None and attempt.ready_at is not None,
             alive=alive,
             standby_nodes=attempt.running.plan.nodes if alive else [],
             bad_nodes=bad_nodes,
+            starting_s=time.monotonic() - attempt.table.launched_at if alive else 0.0,
+            prepare_s=self.prepare_s,
         )
-        if self.given_up:
-            why = "standbys kept failing: off for this job"
-        if why is not None:
-            await self.close("unusable")
-            return None, why
-        await self._stop_keeping()
-        self.attempt = None
-        return attempt, None
+
+    async def _wait_ready(self, bound_s: float) -> None:
+        """Until the standby is ready, lost, or `bound_s` has passed."""
+        deadline = time.monotonic() + bound_s
+        attempt, task = self.attempt, self._task
+        while time.monotonic() < deadline and attempt is self.attempt and attempt is not None:
+            if attempt.ready_at is not None or task is None or task.done():
+                return
+            await asyncio.sleep(READY_POLL_S)
+
+    def _note_ready(self, attempt: Attempt | None) -> None:
+        if attempt is not None and attempt.ready_at is not None:
+            self.prepare_s = attempt.ready_at - attempt.table.launched_at
+
+    def _end_later(self, attempt: Attempt, reason: str) -> asyncio.Future:
+        """End `attempt` in the background (a launch under way first finishes); `close` and the
+        next standby wait for it."""
+        starting = self._starting
+
+        async def end() -> None:
+            if starting is not None and not starting.done():
+                with contextlib.suppress(Exception):
+                    await starting  # a launch under way: let it finish, then end it
+            await self._end(attempt, reason)
+
+        ending = asyncio.ensure_future(end())
+        self._endings.add(ending)
+        ending.add_done_callback(self._endings.discard)
+        return ending
+
+    async def _ended(self) -> None:
+        """Until every standby teardown under way is over."""
+        while self._endings:
+            await asyncio.gather(*self._endings, return_exceptions=True)
 
     async def _stop_keeping(self) -> None:
         task, self._task = self._task, None
@@ -104,15 +163,10 @@ class StandbyKeeper:
         """End the standby (if any) and keep none until `ensure` (never again: `for_good`)."""
         self.over = self.over or for_good
         await self._stop_keeping()
-        if self._ending is not None:
-            await self._ending
         attempt, self.attempt = self.attempt, None
-        if attempt is None:
-            return
-        if self._starting is not None and not self._starting.done():
-            with contextlib.suppress(Exception):
-                await self._starting  # a launch under way: let it finish, then end it
-        await self._end(attempt, reason)
+        if attempt is not None:
+            self._end_later(attempt, reason)
+        await self._ended()
 
     async def _end(self, attempt: Attempt, reason: str) -> None:
         await attempt.end_standby(reason)

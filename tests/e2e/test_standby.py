@@ -235,3 +235,39 @@ def test_a_fault_on_every_rank_leaves_the_standby_alone(tmp_path):
     assert "standby_lost" not in before
     relaunch = next(e for e in evs if e["event"] == "relaunch")
     assert (relaunch["attempt"], relaunch["mode"]) == (1, "warm")
+
+
+@pytest.mark.slow
+def test_a_kill_before_the_standby_is_ready_relaunches_cold_at_once(tmp_path, reference):
+    """The unready standby is dropped beside the cold launch: the launch comes first, the
+    standby's end after it, and none of its processes is left."""
+    want = reference(2, *TINY, *SHARED_LAYOUTS["fsdp2"][1], "--train-iters", str(ITERS))
+    run = tmp_path / "run"
+    proc = start(write_config(tmp_path, 2, {"train_iters": ITERS, "save_interval": 5}))
+    try:
+        launch = wait_for(run, lambda e: e["event"] == "standby_launch", proc)
+        mpiexec = psutil.Process(launch["pids"][0])
+        standby = [mpiexec, *mpiexec.children(recursive=True)]
+        kill_ranks(run, 0, 2)
+        assert not any(e["event"] == "standby_ready" for e in events(run)), "a fast host?"
+        rc, out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, out
+    evs = events(run)
+    relaunch = next(e for e in evs if e["event"] == "relaunch")
+    assert relaunch["mode"] == "cold" and relaunch["cold_because"] == "the standby was not ready"
+    assert "standby_waited_s" not in relaunch  # no standby had been ready: nothing to wait for
+    cold, dropped = relaunch["attempt"], launch["attempt"]
+    order = [(e["event"], e.get("attempt"), e.get("reason")) for e in evs]
+    launched = order.index(("launch", cold, None))
+    assert order.index(("standby_exit", dropped, "unusable")) > launched  # ended beside it
+    _, alive = psutil.wait_procs(standby, timeout=20)
+    assert not alive, f"the dropped standby's processes are left: {alive}"
+    ended = next(e for e in evs if e["event"] == "standby_exit" and e["attempt"] == dropped)
+    assert ended["survivors"] == 0
+    got = all_losses(run)
+    assert set(got) == set(want)
+    for step, values in got.items():
+        assert all(v == want[step] for v in values), (step, values, want[step])

@@ -19,7 +19,13 @@ from supervisor.policy.restarts import (
     saved_progress,
     stuck_resume,
 )
-from supervisor.policy.standby_rules import standby_ready, standby_retry_delay, standby_unusable
+from supervisor.policy.standby_rules import (
+    StandbyChoice,
+    standby_choice,
+    standby_ready,
+    standby_retry_delay,
+    standby_unusable,
+)
 from supervisor.settings.config import HeartbeatConfig, ProgressConfig, RestartConfig
 
 HB = HeartbeatConfig(
@@ -259,6 +265,29 @@ def test_which_standby_can_take_over():
     assert standby_unusable(False, True, ["a"], []) == "the standby was not ready"
     on_b = standby_unusable(True, True, ["a", "b"], ["b"])
     assert on_b == "the standby runs on the failed node b"
+
+
+def test_a_standby_is_used_waited_for_or_dropped():
+    assert standby_choice(True, True, ["a"], []) == StandbyChoice("use")
+    gone = standby_choice(False, False, [], [], prepare_s=10.0)
+    assert gone == StandbyChoice("drop", "no standby running")
+    on_bad = standby_choice(False, True, ["a", "b"], ["b"], starting_s=9.0, prepare_s=10.0)
+    assert on_bad.action == "drop" and "failed node b" in (on_bad.why or "")
+    unready = "the standby was not ready"
+    # No standby has been ready yet: nothing says how long this one needs, so no wait.
+    assert standby_choice(False, True, ["a"], [], starting_s=9.0) == StandbyChoice("drop", unready)
+    # Just launched: a cold launch costs no more than waiting for all of its start.
+    early = standby_choice(False, True, ["a"], [], starting_s=0.1, prepare_s=10.0)
+    assert early == StandbyChoice("drop", unready)
+    # Not yet half-way: waiting saves less than the estimate may be off.
+    assert standby_choice(False, True, ["a"], [], starting_s=4.0, prepare_s=10.0).action == "drop"
+    # Well along: wait for the rest of its start, with a slack, rather than redo it all.
+    late = standby_choice(False, True, ["a"], [], starting_s=8.0, prepare_s=10.0)
+    assert late == StandbyChoice("wait", unready, 2.5)
+    overdue = standby_choice(False, True, ["a"], [], starting_s=12.0, prepare_s=10.0)
+    assert overdue == StandbyChoice("wait", unready, 0.5)
+    # A quick start (under a second) is never waited for: a cold one is as quick.
+    assert standby_choice(False, True, ["a"], [], starting_s=0.9, prepare_s=1.0).action == "drop"
 
 
 def test_a_lost_standby_is_retried_with_a_backoff_then_given_up():

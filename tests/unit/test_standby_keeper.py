@@ -1,0 +1,79 @@
+"""The standby keeper's hand-over at a failure: a standby that cannot be used is ended beside the
+cold launch, never before it; one well along its start is waited for."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from supervisor.run.standby import StandbyKeeper
+
+TEARDOWN_S = 0.5  # a slow standby teardown: the hand-over must not wait for it
+
+
+class FakeStandby:
+    def __init__(self, number: int, launched_ago_s: float) -> None:
+        self.number = number
+        self.running = SimpleNamespace(plan=SimpleNamespace(nodes=["n0"]))
+        self.table = SimpleNamespace(launched_at=time.monotonic() - launched_ago_s)
+        self.ready_at: float | None = None
+        self.ended: list[tuple[str, float]] = []
+
+    async def end_standby(self, reason: str) -> None:
+        await asyncio.sleep(TEARDOWN_S)
+        self.ended.append((reason, time.monotonic()))
+
+
+def keeper(standby: FakeStandby, prepare_s: float | None = None) -> tuple[StandbyKeeper, list]:
+    unrouted: list = []
+    k = StandbyKeeper(SimpleNamespace(), lambda: 9, lambda a: None, unrouted.append)
+    k.attempt, k.prepare_s = standby, prepare_s  # type: ignore[assignment]
+    return k, unrouted
+
+
+def test_an_unready_standby_is_dropped_without_holding_up_the_cold_launch():
+    async def main() -> None:
+        standby = FakeStandby(3, launched_ago_s=0.1)
+        k, unrouted = keeper(standby, prepare_s=10.0)
+        t0 = time.monotonic()
+        got, why = await k.take()
+        taken = time.monotonic()
+        assert got is None and why == "the standby was not ready"
+        assert taken - t0 < TEARDOWN_S / 2 and not standby.ended  # its end runs beside
+        await k.close("job over", for_good=True)  # ... and the job's end waits for it
+        assert [r for r, _ in standby.ended] == ["unusable"] and unrouted == [standby]
+        assert standby.ended[0][1] - t0 >= TEARDOWN_S
+
+    asyncio.run(main())
+
+
+def test_a_standby_well_along_its_start_is_waited_for_and_used():
+    async def main() -> None:
+        standby = FakeStandby(3, launched_ago_s=9.0)
+        k, _ = keeper(standby, prepare_s=9.3)
+        k._task = asyncio.get_running_loop().create_task(asyncio.sleep(60))  # its watch
+
+        async def ready_soon() -> None:
+            await asyncio.sleep(0.2)
+            standby.ready_at = time.monotonic()
+
+        asyncio.get_running_loop().create_task(ready_soon())
+        got, why = await k.take()
+        assert got is standby and why is None and 0.15 < k.waited_s < 1.0
+        assert k.prepare_s is not None and k.prepare_s > 9.0 and not standby.ended
+
+    asyncio.run(main())
+
+
+def test_a_waited_for_standby_that_stays_unready_is_dropped_at_the_bound():
+    async def main() -> None:
+        standby = FakeStandby(3, launched_ago_s=9.0)
+        k, _ = keeper(standby, prepare_s=9.3)  # a wait of at most 0.3 + 0.5 s
+        k._task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
+        got, why = await k.take()
+        assert got is None and why == "the standby was not ready" and 0.7 < k.waited_s < 1.5
+        await k.close("job over", for_good=True)
+        assert [r for r, _ in standby.ended] == ["unusable"]
+
+    asyncio.run(main())
