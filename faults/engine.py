@@ -76,10 +76,13 @@ class FaultEngine:
         control: ControlChannel,
         owns_control: bool = False,
         mem_env: Mapping[str, str] | None = None,
+        others: Callable[[], Sequence[RankTable]] | None = None,
     ) -> None:
         """`control`: the job's channel to its ranks, closed with the engine when it
         `owns_control` (else the job closes it). `mem_env`: the ranks' environment when they
-        keep a memory tier (where a lost node's memory root is, `scratch.mem_root`)."""
+        keep a memory tier (where a lost node's memory root is, `scratch.mem_root`). `others`:
+        the rank tables of the job's other live attempts (its standby), whose ranks on a lost
+        node die with it."""
         self.schedule = Schedule(specs)
         self.world, self.ranks_per_node = world, ranks_per_node
         self.ckpt_dir = ckpt_dir
@@ -94,6 +97,7 @@ class FaultEngine:
         self.total = 0
         self.faulted: dict[int, tuple[int, ...]] = {}  # attempt -> ranks its disruptive faults hit
         self.mem_env = dict(mem_env) if mem_env is not None else None
+        self.others = others
         self.nodes: list[str] = []  # the job's nodes in rank order (node:N is nodes[N])
         self.down: set[str] = set()  # nodes a node_loss took away: down until the job ends
 
@@ -179,6 +183,7 @@ class FaultEngine:
     def _fire(self, f: Firing, table: RankTable) -> None:
         spec, act = f.spec, f.spec.action
         wall, mono = actions.now_pair()
+        extra: dict[str, Any] = {}
         elapsed = mono - self.started
         known = self.ckpts.newest_good()
         marker = self._marker(known) if spec.trigger.after_checkpoint else None
@@ -188,14 +193,17 @@ class FaultEngine:
         attempt = self.attempt if self.attempt is not None else -1
         sent = self.delivery.deliver(spec, f.n, attempt, sts, mono)
         errors += sent.errors
-        lost = self._lose_node(f) if act.kind == "node_loss" else None  # once its ranks are killed
+        lost = None
+        if act.kind == "node_loss":  # its standby's ranks too, then (all killed) its memory
+            extra["standby_pids"], more = self._kill_others(f, table.attempt, mono)
+            errors += more
+            lost = self._lose_node(f)
         if act.kind in DISRUPTIVE:
             self.disrupted = True
         if act.kind in DISRUPTIVE and act.kind not in CKPT_DAMAGE:  # a rank's fault
             before = self.faulted.get(table.attempt, ())
             self.faulted[table.attempt] = tuple(sorted({*before, *f.ranks}))
         self.total += 1
-        extra: dict[str, Any] = {}
         if act.kind not in IN_STEP:
             extra["signal"] = signal.Signals(act.signum).name
         if act.kind == "slow":
@@ -256,6 +264,21 @@ class FaultEngine:
             return None, [f"no complete checkpoint with shards in {self.ckpt_dir}"]
         self.ckpts.damaged.add(damage.step)
         return damage, []
+
+    def _kill_others(self, f: Firing, attempt: int, mono: float) -> tuple[list[int], list[str]]:
+        """node_loss: the same ranks of the job's other live attempts than `attempt` (a standby
+        on that node) die too: (their pids, errors)."""
+        pids: list[int] = []
+        errors: list[str] = []
+        for other in self.others() if self.others is not None else ():
+            if other.attempt == attempt:
+                continue
+            sts = [st for r in f.ranks if (st := other.ranks.get(r)) and st.pid and not st.exited]
+            if sts:
+                sent = self.delivery.deliver(f.spec, f.n, other.attempt, sts, mono)
+                pids += [st.pid for st in sts]
+                errors += [f"attempt {other.attempt} {e}" for e in sent.errors]
+        return pids, errors
 
     def _lose_node(self, f: Firing) -> tuple[str | None, str | None]:
         """node_loss: the node goes down for the rest of the job, and its own memory root (with

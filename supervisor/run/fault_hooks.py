@@ -101,9 +101,12 @@ def for_job(
     heartbeat_address: str,
     emit: Callable[..., None],
     control: ControlServer | None = None,
+    others: Callable[[], Sequence[AttemptTable]] | None = None,
 ) -> FaultHooks:
     """The job's fault hooks: the fault engine when the config declares [[faults]], on the
-    job's control channel when it has one (a standby uses it too), else on one of its own."""
+    job's control channel when it has one (a standby uses it too), else on one of its own.
+    `others`: the rank tables of the job's other live attempts (its standby), whose ranks on a
+    node a `node_loss` takes die with it."""
     if not cfg.faults:
         return NoFaults()
     from faults import FaultEngine
@@ -128,4 +131,5 @@ def for_job(
         control=control,
         owns_control=owns_control,
         mem_env=mem_env,
+        others=others,
     )

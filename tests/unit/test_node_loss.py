@@ -76,25 +76,30 @@ def test_node_loss_kills_the_nodes_ranks_and_takes_its_memory_away(tmp_path):
         JobShape(train_iters=10, world=4, nodes=2, ranks_per_node=2),
     )
     events: list[dict] = []
+    standby = AttemptTable(attempt=1, world=4, launched_at=0.0)
     engine = FaultEngine(
         [spec], job_id="job", world=4, ranks_per_node=2, ckpt_dir=None, this_host="h",
         emit=lambda e, **kw: events.append({"event": e, **kw}), control=SimpleNamespace(),
-        mem_env=env,
+        mem_env=env, others=lambda: [standby],
     )  # fmt: skip
     engine.set_nodes(["n0", "n1"])
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    procs = [subprocess.Popen(sleeper) for _ in range(4)]
+    procs = [subprocess.Popen(sleeper) for _ in range(8)]  # 4 ranks, then 4 of the standby
     try:
         table = AttemptTable(attempt=0, world=4, launched_at=0.0)
-        for r, p in enumerate(procs):
+        for r, p in enumerate(procs[:4]):
             msg = {"attempt": 0, "rank": r, "world": 4, "host": "h", "pid": p.pid, "t": 0.0}
             table.update({**msg, "kind": "hello", "phase": "init"}, 0.0)
             table.update({**msg, "kind": "phase", "phase": "train", "step": 2}, 0.0)
             table.update({**msg, "kind": "step", "step": 2, "loss": 1.0, "dt": 0.1}, 0.0)
+        for r, p in enumerate(procs[4:]):
+            msg = {"attempt": 1, "rank": r, "world": 4, "host": "h", "pid": p.pid, "t": 0.0}
+            standby.update({**msg, "kind": "hello", "phase": "standby"}, 0.0)
         engine.attempt_started(0)
         engine.fire_due(table, 0.0)
-        assert [p.wait(10) for p in procs[2:]] == [-signal.SIGKILL] * 2
-        assert all(p.poll() is None for p in procs[:2])  # node 0's ranks run on
+        killed = [*procs[2:4], *procs[6:]]
+        assert [p.wait(10) for p in killed] == [-signal.SIGKILL] * 4
+        assert all(p.poll() is None for p in [*procs[:2], *procs[4:6]])  # node 0's run on
     finally:
         for p in procs:
             p.kill()
@@ -102,6 +107,7 @@ def test_node_loss_kills_the_nodes_ranks_and_takes_its_memory_away(tmp_path):
     (fault,) = [e for e in events if e["event"] == "fault"]
     assert fault["action"] == "node_loss" and fault["ranks"] == [2, 3] and fault["node"] == "n1"
     assert fault["mem_root_removed"] == str(tmp_path / "n1") and "errors" not in fault
+    assert fault["standby_pids"] == [procs[6].pid, procs[7].pid]
     assert not (tmp_path / "n1").exists() and (tmp_path / "n0").is_dir()
     assert engine.nodes_down() == {"n1"} and engine.ranks_faulted(0) == (2, 3)
 
