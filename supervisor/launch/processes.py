@@ -275,7 +275,7 @@ class Launched:
                 await asyncio.wait_for(asyncio.to_thread(p.wait), 5)
             except TimeoutError:
                 pass
-        reap_orphans(exclude=set(self.pids))
+        reap_orphans(exclude={pid for run in [self, *_LIVE] for pid in run.pids})
         survivors = [p.pid for p in self._alive(include_orphans=True)]
         if not survivors:
             _LIVE.discard(self)
@@ -313,9 +313,13 @@ class Launched:
             except psutil.Error:
                 continue
         if include_orphans:
+            try:  # the children before the others' trees: one started in between is theirs
+                children = psutil.Process().children(recursive=True)
+            except psutil.Error:
+                children = []
             others = {pid for run in list(_LIVE) if run is not self for pid in run._tree()}
             try:
-                for child in psutil.Process().children(recursive=True):
+                for child in children:
                     if child.status() != psutil.STATUS_ZOMBIE and child.pid not in found:
                         if child.create_time() >= self.started_wall - 1:
                             if child.pid not in others:
