@@ -390,7 +390,11 @@ def main() -> None:
         for mem in mems:
             w = medians.get(("warm", target, mem), {}).get("downtime")
             c = medians.get(("cold", target, mem), {}).get("downtime")
-            if w is not None and c is not None:
+            if w is not None and c is not None and args.when == "unready":
+                ok = "MET" if w <= c + 0.2 else "NOT MET"
+                print(f"kill {target}, standby not ready: on {w:.3f} s vs off {c:.3f} s "
+                      f"median downtime, {w - c:+.3f} s (goal <= +0.2 s): {ok}")  # fmt: skip
+            elif w is not None and c is not None:
                 print(f"kill {target}{', memory tier on' if mem else ''}: warm {w:.3f} s vs "
                       f"cold {c:.3f} s median downtime: {w / c:.2f}x "
                       f"(goal <= 0.5 s and <= 0.25x)")  # fmt: skip
