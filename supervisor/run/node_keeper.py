@@ -20,6 +20,7 @@ from supervisor.policy import nodes
 from supervisor.run.fault_hooks import FaultHooks
 
 NODE_CHECK_TIMEOUT_S = 60.0  # the pre-launch check of every node, all together
+RECHECK_TRIES = 2  # the check before a relaunch, when no node answered (the launcher failed)
 
 
 class NodeKeeper:
@@ -39,22 +40,35 @@ class NodeKeeper:
         """Before the first launch of a job of several nodes: one quick process per node
         (`supervisor.host.node_check`) through the job's launcher; a node where none could start,
         or whose directories the ranks could not write, is out before it costs an attempt."""
-        return await self._check_nodes("pre-launch check", None)
+        return await self._check_nodes("pre-launch check", None, tries=1)
 
     async def recheck(self, attempt: int) -> str | None:
         """After attempt `attempt` failed, before the relaunch: when a node is known lost (a
         `node_loss` fault), check the nodes again; the lost one does not answer and is out at
-        once, a spare in its place, whatever its failure count."""
+        once, a spare in its place, whatever its failure count. A check that no node answered
+        (the launcher failed) is tried again, RECHECK_TRIES in all."""
         if not nodes.recheck_before_relaunch(self.faults.nodes_down(), self.resolved.pool):
             return None
-        return await self._check_nodes("node check before relaunch", attempt)
+        return await self._check_nodes("node check before relaunch", attempt, RECHECK_TRIES)
 
-    async def _check_nodes(self, what: str, attempt: int | None) -> str | None:
-        resolved, launch = self.resolved, self.cfg.launch
+    async def _check_nodes(self, what: str, attempt: int | None, tries: int) -> str | None:
+        resolved = self.resolved
         if len(resolved.nodes) < 2 or resolved.kind.this_host_only:
             return None
+        for _ in range(tries):
+            result = await self._run_check()
+            if result.reported:
+                break
+        if not result.failed:
+            return None
+        reasons = {n: f"{what}: {why}" for n, why in result.failed.items()}
+        return self._exclude(reasons, attempt)
+
+    async def _run_check(self) -> node_check.CheckResult:
+        """One check of every node, active and spare, said in a `node_check` event."""
+        resolved = self.resolved
         every = list(resolved.pool.active) + list(resolved.pool.spares)
-        env = {**os.environ, **launch.env}
+        env = {**os.environ, **self.cfg.launch.env}
         dirs = node_check.dirs_to_check(self.cfg.worker.flags, env)
         started = asyncio.get_running_loop().time()
         down = self.faults.nodes_down()
@@ -69,10 +83,7 @@ class NodeKeeper:
             failed=result.failed,
             seconds=round(seconds, 3),
         )
-        if not result.failed:
-            return None
-        reasons = {n: f"{what}: {why}" for n, why in result.failed.items()}
-        return self._exclude(reasons, attempt)
+        return result
 
     def count_failure(self, blame: nodes.Attribution | None, attempt: int) -> str | None:
         """Count attempt `attempt`'s failure against the node it is laid on (`blame`); a node at

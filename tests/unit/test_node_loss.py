@@ -184,6 +184,22 @@ def test_a_lost_node_is_swapped_for_the_spare_at_once(tmp_path, monkeypatch):
     assert asyncio.run(keeper.recheck(1)) is None and len(asked) == 1  # out: no check again
 
 
+def test_a_check_no_node_answered_is_tried_again(tmp_path, monkeypatch):
+    answers = [[], None]  # the launcher failed, then every node but the lost one answers
+
+    async def run_on(resolved, every, dirs, timeout, down=()):
+        if answers.pop(0) is not None:
+            return []
+        report = node_probe.MARK + '{{"node": "{}", "problems": []}}'
+        return [report.format(n) for n in every if n not in down]
+
+    monkeypatch.setattr(node_check, "run_on", run_on)
+    keeper, resolved, _, events = _keeper(tmp_path, {"n1"})
+    assert asyncio.run(keeper.recheck(0)) is None and answers == []
+    assert [e["reported"] for e in events if e["event"] == "node_check"] == [0, 3]
+    assert resolved.pool.active == ("n0", "n3", "n2")
+
+
 def test_no_node_lost_no_check_before_a_relaunch(tmp_path, monkeypatch):
     async def run_on(*args, **kwargs):
         raise AssertionError("no check")
