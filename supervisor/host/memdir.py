@@ -21,8 +21,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from contracts import locks, scratch
+from contracts import env_names, locks, scratch
 from supervisor.host import hygiene
+from supervisor.settings.config import LaunchConfig
 
 
 # --- decisions ------------------------------------------------------------------------------------
@@ -53,6 +54,13 @@ def root(launch_env: dict[str, str]) -> str:
     """The base of the memory roots the ranks will use: they inherit our environment plus
     [launch] env."""
     return scratch.base_root({**os.environ, **launch_env})
+
+
+def rank_env(launch: LaunchConfig) -> dict[str, str]:
+    """What the ranks are told of their memory root beyond [launch] env: with emulated nodes
+    (which share one host) each node keeps its own (`ES_MEM_PER_NODE`). The ranks' launch and
+    the fault engine (which takes a lost node's root away) both read it here."""
+    return {env_names.ENV_MEM_PER_NODE: "1"} if launch.emulate_nodes else {}
 
 
 def roots(launch_env: dict[str, str], emulated_nodes: list[str] | None) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from contracts import env_names
+from supervisor.host import memdir
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.processes import Exit, TeardownResult
 from supervisor.launch.resolve import Resolved
@@ -94,8 +95,7 @@ class JobContext:
             env[env_names.ENV_CONTROL_ADDR] = self.control.address
         if standby:
             env[env_names.ENV_STANDBY] = "1"
-        if cfg.launch.emulate_nodes:  # each emulated node its own memory root
-            env[env_names.ENV_MEM_PER_NODE] = "1"
+        env.update(memdir.rank_env(cfg.launch))
         world, ranks_per_node = self.resolved.world, cfg.launch.ranks_per_node
         if relays.relay_wanted(cfg.heartbeat.relay, world, ranks_per_node):
             env[env_names.ENV_HEARTBEAT_RELAY] = "1"

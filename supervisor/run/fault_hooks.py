@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from contracts import env_names
 from supervisor.host import memdir
 from supervisor.launch import hosts
 from supervisor.watch.control import ControlServer, bind_for
@@ -117,9 +116,7 @@ def for_job(
     ckpt = cfg.worker.flags.get("ckpt_dir")
     mem_env = None
     if memdir.wanted(cfg.worker.flags):  # where the ranks keep it (a node_loss takes it away)
-        mem_env = {**os.environ, **cfg.launch.env}
-        if cfg.launch.emulate_nodes:
-            mem_env[env_names.ENV_MEM_PER_NODE] = "1"
+        mem_env = {**os.environ, **cfg.launch.env, **memdir.rank_env(cfg.launch)}
     return FaultEngine(
         list(cfg.faults),
         job_id=job_id,
