@@ -13,7 +13,8 @@ A rank's last-seen time under a relay: the arrival of the relay's last summary, 
 summary said the rank was late (then its own last message, by the relay's clock), whichever is
 newer than what the rank's own forwarded messages say. A relay that goes silent leaves all of its
 node's ranks unseen since its last summary: they are lost together, and the finding names the
-node (`silent_relay`).
+node and every one of its ranks not done (`silent_relay`), also one whose own message came
+straight after the relay's last summary and so passes its deadline a moment later.
 """
 
 from __future__ import annotations
@@ -169,13 +170,21 @@ def suspects(
 
 def silent_relay(finding: Finding, silent: dict[str, RelayState]) -> Finding:
     """A `hang` whose ranks include a silent relay's node: said as that node's failure (the node
-    in the finding, the relay in its reason). Other findings are returned as they are."""
+    in the finding, the relay in its reason, and every one of its ranks not done among the
+    finding's ranks). Other findings are returned as they are.
+
+    Every rank of the node is named, not only those already past their deadline: a rank's own
+    messages that reached the supervisor straight after the relay's last summary (the relay's
+    own step or phase, a member's forwarded one) leave it seen a little later than its node's
+    other ranks, but with the relay silent none of them is heard from any more."""
     if finding.kind != "hang" or not silent:
         return finding
     named = set(finding.ranks)
     involved = [relay for relay in silent.values() if named.intersection(relay.ranks)]
     if not involved:
         return finding
+    for r in involved:
+        named.update(st.rank for st in r.states if st.phase != "done")
     relay = min(involved, key=lambda r: r.last_seen)
     nodes = ", ".join(sorted(r.node for r in involved))
     why = (
@@ -183,4 +192,5 @@ def silent_relay(finding: Finding, silent: dict[str, RelayState]) -> Finding:
         f"for its {len(relay.ranks)} ranks"
         + (f" (silent relays: {nodes})" if len(involved) > 1 else "")
     )
-    return dataclasses.replace(finding, reason=why, node=relay.node)
+    ranks = tuple(sorted(named))
+    return dataclasses.replace(finding, ranks=ranks, reason=why, node=relay.node)

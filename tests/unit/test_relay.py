@@ -188,6 +188,46 @@ def test_a_silent_relay_is_its_nodes_failure():
     assert f.deadline == pytest.approx(105.0)
 
 
+@pytest.mark.parametrize(
+    "said",
+    [
+        (4, "step", {"step": 11, "loss": 1.0, "dt": 0.1}),  # the relay's own step, sent straight
+        (6, "phase", {"phase": "save", "step": 10}),  # a member's, forwarded by the relay
+        (6, "ckpt", {"step": 10, "state": "memory"}),
+    ],
+)
+def test_a_silent_relay_names_every_rank_of_its_node_even_one_heard_after_its_summary(said):
+    """A rank of the node heard from after the relay's last summary (and then nothing: the relay
+    stopped) is past its own deadline a little later than the others: the node's `hang` still
+    names all of its ranks, at the first check past the summary's deadline."""
+    t = fed()
+    rank, kind, fields = said
+    t.update(ident(rank).message(kind, 0.0, **fields), 100.2)
+    for k in range(1, 8):  # only n0's relay is heard from after 100.2
+        now = 100.0 + k
+        t.update(summary(0, range(4), [10 + k] * 4), now)
+        f = t.judge(now + 0.1, HB)
+        if f is not None:
+            break
+    assert f is not None and f.kind == "hang" and f.ranks == (4, 5, 6, 7), f
+    assert f.node == "n1" and "relay of node n1 (rank 4) sent no summary for its 4" in f.reason
+    assert f.deadline == pytest.approx(105.0)
+
+
+def test_a_silent_relay_does_not_name_its_ranks_that_are_done():
+    t = fed()
+    t.update(ident(7).message("done", 0.0, step=10), 100.05)
+    t.update(ident(4).message("step", 0.0, step=11, loss=1.0, dt=0.1), 100.2)
+    f = None
+    for k in range(1, 8):
+        now = 100.0 + k
+        t.update(summary(0, range(4), [10 + k] * 4), now)
+        f = t.judge(now + 0.1, HB)
+        if f is not None:
+            break
+    assert f is not None and f.kind == "hang" and f.ranks == (4, 5, 6) and f.node == "n1", f
+
+
 def test_no_progress_of_one_relayed_rank_is_named():
     t = fed()
     heartbeat = dataclasses.replace(HB, progress=ProgressConfig(train=3.0))
