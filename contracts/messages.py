@@ -20,7 +20,7 @@ PHASES = ("init", "standby", "load", "train", "save", "done")
 # at most one a heartbeat interval each: worker.beat). The others are rank 0's durable saves.
 CKPT_STATES = frozenset({"staged", "written", "complete", "memory"})
 # Where a `resumed` rank's state came from (its optional `source`; absent without a memory tier).
-RESUME_SOURCES = frozenset({"memory", "durable"})
+RESUME_SOURCES = frozenset({"memory", "partner", "durable"})
 MAX_WHY = 2000
 
 COMMON_FIELDS: dict[str, type | tuple[type, ...]] = {

@@ -51,6 +51,7 @@ class TrainArgs:
     async_ckpt: bool
     ckpt_stage_dir: str | None
     mem_ckpt_interval: int
+    mem_partner: str
     metrics_all_ranks: bool
 
 
@@ -196,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="every N steps copy this rank's state into node-local shared memory (two slots, "
         "under $ES_MEM_ROOT or /dev/shm), which outlives the ranks: a relaunch on the same "
         "nodes resumes from it when it is newer than the newest durable checkpoint (0: off)",
+    )
+    c.add_argument(
+        "--mem-partner",
+        choices=("on", "off"),
+        default="on",
+        help="with --mem-ckpt-interval on two nodes or more: each copy is also sent to a rank "
+        "of the next node, which holds it in its memory, so that a node's loss loses no copy",
     )
     return p
 

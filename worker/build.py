@@ -68,6 +68,7 @@ def ckpt_settings(args: TrainArgs) -> CkptSettings:
         async_save=args.async_ckpt,
         stage_dir=args.ckpt_stage_dir,
         mem_interval=args.mem_ckpt_interval,
+        mem_partner=args.mem_partner == "on",
         timeout_s=args.pg_timeout,
     )
 

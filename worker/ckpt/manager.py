@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from contracts.env_names import ENV_JOB_ID
+from contracts.env_names import ENV_JOB_ID, node_name
 from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
 from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
+from worker.ckpt.memory.partner_link import PartnerStats
 from worker.ckpt.resume import Chosen, RunIdentity
 from worker.ckpt.settings import CkptSettings
 from worker.dist import RankInfo
@@ -101,6 +102,8 @@ def create_manager(
             optimizer=optimizer,
             describe=base.describe,
             hooks=hooks,
+            partner=settings.mem_partner,
+            node=node_name(os.environ, info.host),
         )
     if not settings.async_save:
         return SyncManager(base, metrics, beacon, say, memory_tier)
@@ -139,6 +142,7 @@ class SyncManager(CheckpointManager):
         self.memory = memory_tier
         self.memory_handover = 0.0  # what the memory tier's save call blocked, after the step
         self.memory_said = -1  # the newest sealed memory copy said to the supervisor
+        self.partner_seen: PartnerStats | None = None  # the partner counts said so far
 
     def load(self, chosen: Chosen) -> Resumed | None:
         """Collective with the memory tier: a slot that a rank refuses at load (a chunk that
@@ -159,8 +163,9 @@ class SyncManager(CheckpointManager):
             if refused is None:
                 self.memory.resumed_from(held)
                 self.base.last_saved_step = -1  # nothing durable of this step yet
-                resumed = Resumed(meta["step"], meta["tokens_seen"], held.path, "memory", why)
-                self.say(f"RESUMED from step={resumed.step} (memory, {held.path})", flush=True)
+                source = "partner" if chosen.source.from_partner else "memory"
+                resumed = Resumed(meta["step"], meta["tokens_seen"], held.path, source, why)
+                self.say(f"RESUMED from step={resumed.step} ({source}, {held.path})", flush=True)
                 if why:
                     self.say(f"memory tier passed over: {why}", flush=True)
                 return resumed
@@ -175,6 +180,7 @@ class SyncManager(CheckpointManager):
                 memory_at=(self.memory.directory, self.memory.expect),
                 say=self.say,
                 why=why,
+                partner=self.memory.partner_wanted,
             )
             why = chosen.why
             if chosen.source is None:  # the live state is partly a refused slot's by now
@@ -214,6 +220,27 @@ class SyncManager(CheckpointManager):
         if not self.memory.enabled and self.memory.off_reason:  # said once
             self.say(f"WARNING: memory tier off: {self.memory.off_reason}", flush=True)
             self.memory.off_reason = ""
+        if self.memory.link is not None:
+            self._partner_news(self.memory.link.stats())
+
+    def _partner_news(self, now: PartnerStats) -> None:
+        """What the partner copies did since the last step, on the next metrics record (only
+        what changed); a skipped or refused copy said on this rank's output the first time and
+        every tenth time after."""
+        before, self.partner_seen = self.partner_seen, now
+        for name in ("sent", "skipped", "received", "refused", "nbytes", "seconds"):
+            delta = getattr(now, name) - (getattr(before, name) if before else 0)
+            if delta:
+                self.metrics.add_to_next(f"train/mem_partner_{name}", delta)
+        for name, what, last in (
+            ("skipped", "skipped a copy", now.last_skip),
+            ("refused", "refused a copy received", now.last_refusal),
+        ):
+            count, was = getattr(now, name), getattr(before, name) if before else 0
+            if count > was and (was == 0 or count // 10 > was // 10):
+                self.say(
+                    f"WARNING: memory tier: partner {what} ({last}); {count} so far", flush=True
+                )
 
     def close(self, step: int) -> None:
         self.close_memory()

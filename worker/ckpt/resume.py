@@ -20,6 +20,7 @@ from worker.ckpt import memory, rng, safe_load, storage
 from worker.ckpt.settings import CkptSettings
 
 DCP_METADATA = ".metadata"
+MAX_FETCH_ROUNDS = 4  # a failed fetch forgets that copy and the ranks choose again
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ def choose(
     if settings.start_fresh:
         if expect is not None:  # a fresh timeline: never resume the old one's memory later
             memory.forget(memory_dir(settings), rank)
+            memory.forget_held(memory_dir(settings))
         return Chosen(None)
     beacon.phase("load", 0)
     chosen = choose_tiers(
@@ -66,6 +68,7 @@ def choose(
         verify=settings.verify,
         memory_at=(memory_dir(settings), expect) if expect is not None else None,
         say=say,
+        partner=settings.mem_partner,
     )
     if isinstance(chosen.source, Path):
         start_reading(
@@ -82,16 +85,18 @@ def choose_tiers(
     memory_at: tuple[Path, memory.Expect] | None,
     say: Callable,
     why: str | None = None,
+    partner: bool = False,
 ) -> Chosen:
     """Collective: the memory tier first (when `memory_at`: its directory and what a slot must
-    match), else the newest durable checkpoint that verifies, else None. `why`: what was passed
-    over before (a slot refused at load), kept in front of what this choice passes over."""
+    match; `partner`: partner copies count too), else the newest durable checkpoint that
+    verifies, else None. `why`: what was passed over before (a slot refused at load), kept in
+    front of what this choice passes over."""
     if memory_at is not None:  # before the durable tier is read: it may not be needed
         newest_durable = None
         if rank == 0:
             candidates = ckpt_files.resume_candidates(ckpt_files.scan(root))
             newest_durable = candidates[0].step if candidates else None
-        in_memory, passed = choose_memory(*memory_at, newest_durable, say)
+        in_memory, passed = choose_memory(*memory_at, newest_durable, say, partner)
         why = told(why, passed)
         if in_memory is not None:
             return Chosen(in_memory, why)
@@ -132,42 +137,73 @@ def memory_expect(
 
 
 def choose_memory(
-    directory: Path, expect: memory.Expect, newest_durable: int | None, say: Callable
+    directory: Path,
+    expect: memory.Expect,
+    newest_durable: int | None,
+    say: Callable,
+    partner: bool = False,
 ) -> tuple[memory.MemoryChoice | None, str | None]:
-    """Collective: every rank's slot of the newest step that every rank holds complete, when it
-    is newer than the newest complete durable checkpoint (`newest_durable`: rank 0's word);
-    None, on every rank alike, on any doubt. Also what was refused (a slot torn, damaged, of
-    another run), with the first rank that refused one: the same text on every rank."""
-    try:
-        memory.hold(directory)
-        held, refused = memory.find(directory, expect)
-    except OSError as exc:  # this rank holds nothing usable; the agreement still needs it
-        held, refused = [], [f"{directory}: {exc.strerror or exc}"]
-    agreed = memory.agree(held, expect.world, newest_durable)
-    telling = [r for r in refused if not r.endswith(": missing")]  # a slot never written
-    why = memory.first_refusal("; ".join(telling) or None)
-    durable = "none" if agreed.durable is None else f"step {agreed.durable}"
-    if agreed.step is None:
-        if len(agreed.without) < expect.world:  # some rank held a copy: say why it is not used
+    """Collective: every rank's slot of the newest step that every rank holds complete (itself,
+    or with `partner`, through the copy a rank of another node holds: fetched now), when it is
+    newer than the newest complete durable checkpoint (`newest_durable`: rank 0's word); None,
+    on every rank alike, on any doubt. Also what was refused (a slot torn, damaged, of another
+    run), with the first rank that refused one: the same text on every rank."""
+    passed = None
+    for _ in range(MAX_FETCH_ROUNDS):
+        try:
+            memory.hold(directory)
+            held, refused = memory.find(directory, expect)
+            holding = memory.find_held(directory, expect) if partner else {}
+        except OSError as exc:  # this rank holds nothing usable; the agreement still needs it
+            held, holding, refused = [], {}, [f"{directory}: {exc.strerror or exc}"]
+        agreed = memory.agree(held, newest_durable, holding)
+        telling = [r for r in refused if not r.endswith(": missing")]  # a slot never written
+        why = told(passed, memory.first_refusal("; ".join(telling) or None))
+        durable = "none" if agreed.durable is None else f"step {agreed.durable}"
+        if agreed.step is None:
+            if len(agreed.without) < expect.world:  # some rank held a copy: say why not used
+                say(
+                    f"memory tier: no step held complete by every rank (none on rank(s) "
+                    f"{_ranks(agreed.without)}; {why or 'nothing refused'}): "
+                    f"resuming from the durable tier ({durable})",
+                    flush=True,
+                )
+            return None, why
+        if not agreed.use_memory:
             say(
-                f"memory tier: no step held complete by every rank (none on rank(s) "
-                f"{_ranks(agreed.without)}; {why or 'nothing refused'}): "
-                f"resuming from the durable tier ({durable})",
+                f"memory tier: step {agreed.step} is not newer than the durable {durable}: "
+                "resuming from the durable tier",
                 flush=True,
             )
-        return None, why
-    if not agreed.use_memory:
-        say(
-            f"memory tier: step {agreed.step} is not newer than the durable {durable}: "
-            "resuming from the durable tier",
-            flush=True,
-        )
-        return None, why
-    mine = next(h for h in held if h.step == agreed.step)
-    say(f"memory tier: every rank holds step {agreed.step} (durable: {durable})", flush=True)
-    if why:
-        say(f"memory tier: refused: {why}", flush=True)
-    return memory.MemoryChoice(agreed.step, mine), why
+            return None, why
+        mine = next((h for h in held if h.step == agreed.step), None)
+        if agreed.fetch:
+            fetched, problem, failed = memory.fetch(
+                agreed.step,
+                agreed.fetch,
+                job_dir=directory,
+                expect=expect,
+                own=held,
+                holding=holding,
+            )
+            mine = fetched or mine
+            if failed:
+                passed = told(why, memory.first_refusal(problem))
+                say(f"memory tier: a partner copy refused: {passed}; choosing again", flush=True)
+                continue
+            say(
+                f"memory tier: step {agreed.step} from partner copies for rank(s) "
+                f"{_ranks([r for r, _ in agreed.fetch])} (durable: {durable})",
+                flush=True,
+            )
+        else:
+            say(
+                f"memory tier: every rank holds step {agreed.step} (durable: {durable})", flush=True
+            )
+        if why:
+            say(f"memory tier: refused: {why}", flush=True)
+        return memory.MemoryChoice(agreed.step, mine, bool(agreed.fetch)), why
+    return None, passed
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -20,4 +20,5 @@ class CkptSettings:
     async_save: bool  # saves through host buffers and the stage dir (--async-ckpt)
     stage_dir: str | None  # the async mode's node-local stage dir; None: the default one
     mem_interval: int  # a memory-tier copy every this many steps; 0: no memory tier
+    mem_partner: bool  # each copy also held by a rank on the next node (--mem-partner)
     timeout_s: float  # the async saver's process groups' timeout (--pg-timeout)

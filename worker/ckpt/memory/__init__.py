@@ -42,6 +42,8 @@ from worker.ckpt.memory.held import (
     job_dir,
     newest_common,
 )
+from worker.ckpt.memory.partner_copy import PartnerStore, find_held, forget_held
+from worker.ckpt.memory.partner_fetch import fetch
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
     READ_PIECE,
@@ -66,12 +68,16 @@ __all__ = [
     "MappedSlot",
     "MemoryChoice",
     "MemoryTier",
+    "PartnerStore",
     "SlotRefused",
     "agree",
     "checked",
     "digest",
     "find",
+    "fetch",
+    "find_held",
     "first_refusal",
+    "forget_held",
     "forget",
     "hold",
     "inspect",

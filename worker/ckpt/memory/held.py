@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from contracts import locks, scratch
 from worker import collectives
 from worker.ckpt.memory.checksum import record_problem, table_problem
+from worker.ckpt.memory.partners import plan as partner_plan
 from worker.ckpt.memory.slot_file import (
     FORMAT,
     HEADER_BYTES,
@@ -50,10 +51,12 @@ class Held:
 
 @dataclass(frozen=True)
 class MemoryChoice:
-    """Every rank resumes from its own slot of `step`."""
+    """Every rank resumes from its own slot of `step` (`from_partner`: some rank's was fetched
+    from the partner copy another node held, `partner_fetch`)."""
 
     step: int
     held: Held
+    from_partner: bool = False
 
 
 def job_dir(env: dict[str, str] | os._Environ, tag: str) -> Path:
@@ -96,8 +99,8 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
         raise SlotRefused(f"slot {slot}: torn (a copy was cut short)")
     if size != HEADER_BYTES + nbytes or record.get("nbytes") != nbytes:
         raise SlotRefused(f"slot {slot}: {size} bytes, its record says {nbytes}")
-    for key, value in expect.record().items():
-        if record.get(key) != value:
+    for key, value in expect.record().items():  # None: any (a partner copy's node)
+        if value is not None and record.get(key) != value:
             raise SlotRefused(f"slot {slot}: {key} {record.get(key)!r}, this run {value!r}")
     if not isinstance(record.get("step"), int) or not isinstance(record.get("table"), dict):
         raise SlotRefused(f"slot {slot}: incomplete record")
@@ -128,9 +131,10 @@ def newest_common(steps_per_rank: list[list[int]]) -> int | None:
 
 @dataclass(frozen=True)
 class Agreement:
-    step: int | None  # the newest step every rank holds complete
-    without: list[int]  # ranks that hold no complete slot
+    step: int | None  # the newest step every rank holds complete (itself or through a partner)
+    without: list[int]  # ranks that hold no complete slot of their own
     durable: int | None  # the newest complete durable step (rank 0's scan)
+    fetch: list[tuple[int, int]] = field(default_factory=list)  # (rank, holder): from a partner
 
     @property
     def use_memory(self) -> bool:
@@ -138,23 +142,29 @@ class Agreement:
         return self.step is not None and (self.durable is None or self.step > self.durable)
 
 
-def agree(held: list[Held], world: int, newest_durable: int | None) -> Agreement:
-    """Collective, one all-gather: every rank's complete steps, and rank 0's newest durable
-    step, so that every rank takes the same decision."""
-    mine = torch.full((SLOTS + 1,), -1, dtype=torch.int64, device=collectives.group_device())
-    for i, h in enumerate(held[:SLOTS]):
-        mine[i] = h.step
-    if newest_durable is not None:
-        mine[SLOTS] = newest_durable
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    every = [t.tolist() for t in every]
-    steps = [[s for s in t[:SLOTS] if s >= 0] for t in every]
-    durable = int(every[0][SLOTS])
+def agree(
+    held: list[Held],
+    newest_durable: int | None,
+    partner_held: dict[int, list[Held]] | None = None,
+) -> Agreement:
+    """Collective, one all-gather: every rank's complete steps, the steps of the copies it holds
+    for other ranks (`partner_held`: ward -> its copies), and rank 0's newest durable step, so
+    that every rank takes the same decision (`partners.plan`)."""
+    mine = {
+        "own": [h.step for h in held[:SLOTS]],
+        "held": {str(w): [h.step for h in hs] for w, hs in (partner_held or {}).items()},
+        "durable": newest_durable,
+    }
+    every = collectives.all_gather_json(mine)
+    own = [[int(s) for s in e["own"]] for e in every]
+    others = [{int(w): [int(s) for s in steps] for w, steps in e["held"].items()} for e in every]
+    chosen = partner_plan(own, others)
+    durable = every[0]["durable"]
     return Agreement(
-        newest_common(steps),
-        [r for r, s in enumerate(steps) if not s],
-        durable if durable >= 0 else None,
+        chosen.step,
+        [r for r, steps in enumerate(own) if not steps],
+        int(durable) if durable is not None else None,
+        chosen.fetch,
     )
 
 

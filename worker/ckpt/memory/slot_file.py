@@ -45,7 +45,7 @@ class Expect:
     world: int
     mesh: str
     model_fingerprint: str
-    host: str
+    host: str | None  # None: any node (a partner copy, held for a rank of another node)
 
     def record(self) -> dict[str, Any]:
         return {"format": FORMAT, **self.__dict__}

@@ -31,6 +31,7 @@ from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.memory.checksum import checked
 from worker.ckpt.memory.held import Held, find, forget, hold, release
+from worker.ckpt.memory.partner_link import PartnerLink, connect_partners
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
     SLOTS,
@@ -77,12 +78,16 @@ class MemoryTier:
         optimizer: torch.optim.Optimizer,
         describe,
         hooks: SaveFailPoints,
+        partner: bool = False,
+        node: str = "",
     ):
         self.directory, self.expect = directory, expect
         self.interval, self.local_world = interval, local_world
         self.model, self.optimizer = model, optimizer
         self.describe = describe  # (step, tokens, data, gather=False) -> meta without tensors
         self.hooks = hooks
+        self.partner_wanted, self.node = partner, node
+        self.link: PartnerLink | None = None  # set up at the first copy (collective)
         self.enabled = True  # until the first copy's collective check says otherwise
         self.fit_checked = False
         self.off_reason = ""
@@ -119,8 +124,12 @@ class MemoryTier:
         node's free shared memory with a margin, on every node, else the tier is off everywhere.
         Returns why it is off."""
         need = bytes_needed(state) + HEADER_BYTES
+        copies = self.local_world
+        if self.partner_wanted:  # the copies this node holds for the previous node's ranks too
+            self.link, _ = connect_partners(self.directory, self.expect, self.node, need)
+            copies *= 2 if self.link is not None else 1
         problem = self.broken or fit_problem(
-            self.directory, need * SLOTS * self.local_world, self._reusable()
+            self.directory, need * SLOTS * copies, self._reusable()
         )
         ok = torch.tensor(
             [0 if problem else 1], dtype=torch.int64, device=collectives.group_device()
@@ -135,7 +144,7 @@ class MemoryTier:
 
     def _reusable(self) -> int:
         """Bytes of slot files already there (this job's, on this node): reused, not added."""
-        return sum(p.stat().st_size for p in self.directory.glob("rank-*/slot-*.bin"))
+        return sum(p.stat().st_size for p in self.directory.glob("**/rank-*/slot-*.bin"))
 
     # ---- saving ----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -205,6 +214,8 @@ class MemoryTier:
             check_seconds = time.perf_counter() - started
             target.seal(gen, record)
             self.check_seconds, self.sealed = check_seconds, meta["step"]
+            if self.link is not None:  # to the partner, in the background
+                self.link.offer(record, target.block[: stager.nbytes])
         except Exception as exc:  # any failure: the tier goes off, training goes on
             self._seal_failed = f"a seal failed ({type(exc).__name__}: {exc})"
 
@@ -267,6 +278,8 @@ class MemoryTier:
             self._copied.wait()
             self._copy = None
         self._thread.shutdown(wait=True)
+        if self.link is not None:
+            self.link.close()
         for stager in self.stagers:
             stager.close()
         for slot in self.slots:

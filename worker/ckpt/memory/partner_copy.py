@@ -1,0 +1,167 @@
+"""Partner copies on the holder's node: another rank's memory copy, received over the network,
+kept as two slots of the same form as a rank's own (`<job dir>/partner/rank-<ward>/slot-<0|1>`).
+
+A received copy is written between the two generations like a local copy, its bytes checked
+against every tensor's digest as received (the ward's record holds them) before it is sealed; a
+copy that fails stays torn and is never loaded. The sealed record is the ward's, plus who holds
+it (`partner`), with the holder's own generation and a fresh record checksum; the run identity
+(job, rank, world, mesh, model) is the ward's and must be this run's, its node any.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.ckpt.memory.checksum import checked, digest, record_problem, table_problem
+from worker.ckpt.memory.held import Held, inspect
+from worker.ckpt.memory.slot_file import (
+    SLOTS,
+    Expect,
+    MappedSlot,
+    SlotRefused,
+    slot_paths,
+)
+
+PARTNER_DIR = "partner"
+
+
+def partner_dir(job_dir: Path) -> Path:
+    return job_dir / PARTNER_DIR
+
+
+def ward_expect(expect: Expect, ward: int) -> Expect:
+    """What a copy of `ward`'s state must match here: this run, that rank, any node."""
+    return replace(expect, rank=ward, host=None)
+
+
+def bytes_problem(table: dict[str, Any], block: torch.Tensor) -> str | None:
+    """Why `block` (host uint8, a copy's data) is not the bytes its `table` describes: the first
+    tensor whose bytes fail their digest; None when every one passes."""
+    for key, entry in table.items():
+        if "offset" not in entry:
+            continue
+        offset, nbytes = entry["offset"], entry["nbytes"]
+        if digest(block[offset : offset + nbytes]) != entry["digest"]:
+            return f"{key}: its bytes fail their checksum"
+    return None
+
+
+def header_problem(record: Any, expect: Expect, nbytes: int) -> str | None:
+    """Why a received copy's record cannot be held (None: it can): not a sealed record of this
+    run (another job, world, mesh or model), a ward that is not `expect.rank`, a table pointing
+    outside its `nbytes`."""
+    if not isinstance(record, dict) or not isinstance(record.get("gen"), int):
+        return "no record"
+    problem = record_problem(record)
+    if problem:
+        return problem
+    for key, value in expect.record().items():
+        if value is not None and record.get(key) != value:
+            return f"{key} {record.get(key)!r}, this run {value!r}"
+    if record.get("nbytes") != nbytes or not isinstance(record.get("step"), int):
+        return f"{nbytes} bytes received, its record says {record.get('nbytes')!r}"
+    table = record.get("table")
+    if not isinstance(table, dict):
+        return "no table"
+    return table_problem(table, nbytes)
+
+
+class PartnerStore:
+    """The copies this rank holds for others (its wards), each in two alternating slots: a new
+    copy never goes into the slot of the newest complete one."""
+
+    def __init__(self, job_dir: Path, expect: Expect, holder: int, node: str):
+        self.directory = partner_dir(job_dir)
+        self.expect, self.holder, self.node = expect, holder, node
+        self.slots: dict[tuple[int, int], MappedSlot] = {}
+        self.target: dict[int, int] = {}
+        self.gen: dict[int, int] = {}
+
+    def _start(self, ward: int) -> None:
+        """The first copy of `ward`: its slots, and the slot and generation after what is
+        already there (a relaunch holds the previous attempt's copies)."""
+        (self.directory / f"rank-{ward}").mkdir(mode=0o700, parents=True, exist_ok=True)
+        held, _ = find_ward(self.directory, ward_expect(self.expect, ward), self.holder)
+        self.gen[ward] = 1 + max((h.gen for h in held), default=0)
+        self.target[ward] = (held[0].slot + 1) % SLOTS if held else 0
+        for s in range(SLOTS):
+            self.slots[ward, s] = MappedSlot(*slot_paths(self.directory, ward, s))
+
+    def receive(self, record: Any, data: memoryview) -> tuple[int, int]:
+        """Hold a copy received from its rank: (ward, step); SlotRefused naming why it is not
+        held (the slot it was written into then stays torn)."""
+        ward = record.get("rank") if isinstance(record, dict) else None
+        if not isinstance(ward, int) or ward == self.holder or not 0 <= ward < self.expect.world:
+            raise SlotRefused(f"a copy of rank {ward!r}, not one this rank holds")
+        problem = header_problem(record, ward_expect(self.expect, ward), len(data))
+        if problem:
+            raise SlotRefused(f"rank {ward}'s copy: {problem}")
+        if ward not in self.gen:
+            self._start(ward)
+        slot, gen = self.target[ward], self.gen[ward]
+        target = self.slots[ward, slot]
+        if target.block is None or target.block.numel() != len(data):
+            target.map(len(data))
+        target.begin(gen)
+        target.block.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        self.gen[ward] += 1
+        problem = bytes_problem(record["table"], target.block)
+        if problem:
+            raise SlotRefused(f"rank {ward}'s copy of step {record['step']}: {problem}")
+        held = {**record, "gen": gen, "partner": {"holder": self.holder, "node": self.node}}
+        held["partner"]["received_at"] = time.time()
+        target.seal(gen, checked(held))
+        self.target[ward] = (slot + 1) % SLOTS
+        return ward, record["step"]
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.header = slot.block = None
+
+
+def find_ward(directory: Path, expect: Expect, holder: int) -> tuple[list[Held], list[str]]:
+    """The complete copies of `expect.rank` that `holder` holds in `directory`, newest first,
+    and why the others were refused."""
+    held, refused = [], []
+    for slot in range(SLOTS):
+        try:
+            found = inspect(directory, expect.rank, slot, expect)
+        except SlotRefused as exc:
+            refused.append(str(exc))
+            continue
+        keeper = found.record.get("partner")
+        if isinstance(keeper, dict) and keeper.get("holder") == holder:
+            held.append(found)
+    return sorted(held, key=lambda h: h.step, reverse=True), refused
+
+
+def find_held(job_dir: Path, expect: Expect) -> dict[int, list[Held]]:
+    """Every ward's complete copies this rank (`expect.rank`) holds, newest first."""
+    directory = partner_dir(job_dir)
+    out: dict[int, list[Held]] = {}
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return out
+    for name in names:
+        ward = name.removeprefix("rank-")
+        if not name.startswith("rank-") or not ward.isdigit() or int(ward) == expect.rank:
+            continue
+        if int(ward) >= expect.world:
+            continue
+        held, _ = find_ward(directory, ward_expect(expect, int(ward)), expect.rank)
+        if held:
+            out[int(ward)] = held
+    return out
+
+
+def forget_held(job_dir: Path) -> None:
+    """Every partner copy on this node: a fresh timeline must never resume the old one's."""
+    shutil.rmtree(partner_dir(job_dir), ignore_errors=True)

@@ -1,0 +1,237 @@
+"""Partner copies while training: each rank sends every sealed copy of its own to its holder (a
+rank on the next node, `partners.holders`) over ZeroMQ, and holds the copies its wards send.
+
+Never on the training critical path: the copy thread hands the sealed slot to a sender thread
+and returns; the sender sends straight from the slot's mapping (no extra copy) and keeps one copy
+on its way at a time, so a copy sealed while the previous is still on its way is skipped, counted
+and said (a slow or gone partner costs copies, never steps). The slot may be written again
+while it is sent (two copies on); the holder checks every tensor's bytes against its digest
+before sealing, so a copy torn that way is refused there, never held.
+
+A message is two frames: the HMAC-SHA256 (a key rank 0 draws for the run) of a JSON header, then
+the header (the ward's sealed record); then the copy's raw bytes. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from worker import collectives
+from worker.ckpt.memory.partner_copy import PartnerStore
+from worker.ckpt.memory.partners import holders
+from worker.ckpt.memory.slot_file import MAX_RECORD_BYTES, Expect, SlotRefused
+
+MAC_BYTES = 64  # hex HMAC-SHA256
+POLL_MS = 200  # how often the receiver looks whether it is to stop
+SEND_HWM = 2  # messages queued towards the holder before a send would block: it is skipped
+
+
+@dataclass(frozen=True)
+class PartnerStats:
+    """Counts since the link opened; `seconds`/`nbytes` of the copies sent."""
+
+    sent: int
+    skipped: int
+    received: int
+    refused: int
+    seconds: float
+    nbytes: int
+    last_refusal: str | None
+    last_skip: str | None
+
+
+def _sign(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+
+
+class PartnerLink:
+    """This rank's two ends: a PULL socket its wards send to (a receiver thread holds what
+    comes), and a PUSH socket to its holder (a sender thread, one copy on its way at a time)."""
+
+    def __init__(self, store: PartnerStore | None, bind_host: str, max_bytes: int):
+        self.store = store
+        self.ctx = zmq.Context.instance()
+        self.key = b""
+        self._stop = threading.Event()
+        self._busy = threading.Lock()
+        self.sent = self.skipped = self.received = self.refused = self.nbytes = 0
+        self.seconds = 0.0
+        self.last_refusal: str | None = None
+        self.last_skip: str | None = None
+        self.endpoint: str | None = None
+        self._pull = self._push = None
+        self._threads: list[threading.Thread] = []
+        if store is None:
+            return
+        pull = self.ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        try:
+            port = pull.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError:
+            pull.close()
+            return
+        self._pull, self.endpoint = pull, f"tcp://{bind_host}:{port}"
+
+    def start(self, key: bytes, holder_endpoint: str | None) -> None:
+        """Begin receiving (when this rank holds copies) and connect to the holder (when it
+        has one that could bind)."""
+        self.key = key
+        if self._pull is not None:
+            self._spawn(self._receive_loop, "mem-partner-recv")
+        if holder_endpoint:
+            push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, SEND_HWM)
+            push.connect(holder_endpoint)
+            self._push = push
+
+    def _spawn(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def offer(self, record: dict[str, Any], data: torch.Tensor) -> None:
+        """A sealed copy of this rank's (`data`: its bytes, the slot's mapping): sent in the
+        background when the previous one is on its way no more, else skipped."""
+        if self._push is None:
+            return
+        if not self._busy.acquire(blocking=False):
+            self.skipped += 1
+            self.last_skip = f"step {record['step']}: the copy before it was still on its way"
+            return
+        threading.Thread(
+            target=self._send, args=(record, data), name="mem-partner-send", daemon=True
+        ).start()
+
+    def _send(self, record: dict[str, Any], data: torch.Tensor) -> None:
+        try:
+            started = time.perf_counter()
+            body = json.dumps({"record": record}, separators=(",", ":")).encode()
+            frames = [_sign(self.key, body) + body, memoryview(data.numpy())]
+            try:
+                tracker = self._push.send_multipart(
+                    frames, flags=zmq.NOBLOCK, copy=False, track=True
+                )
+            except zmq.Again:
+                self.skipped += 1
+                self.last_skip = f"step {record['step']}: its partner takes no more copies"
+                return
+            except zmq.ZMQError:  # closed meanwhile
+                return
+            while not self._stop.is_set():
+                try:
+                    tracker.wait(0.5)
+                    break
+                except zmq.NotDone:
+                    continue
+            else:
+                return
+            self.sent += 1
+            self.nbytes += data.numel()
+            self.seconds += time.perf_counter() - started
+        finally:
+            self._busy.release()
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        pull = self._pull
+        while not self._stop.is_set():
+            try:
+                if not pull.poll(POLL_MS):
+                    continue
+                frames = pull.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return
+            problem = self._hold(frames)
+            if problem:
+                self.refused += 1
+                self.last_refusal = problem
+            else:
+                self.received += 1
+
+    def _hold(self, frames: list) -> str | None:
+        if len(frames) != 2:
+            return f"{len(frames)} frames, not a copy's 2"
+        head = frames[0].bytes
+        if len(head) > MAC_BYTES + MAX_RECORD_BYTES:
+            return "an oversized header"
+        mac, body = head[:MAC_BYTES], head[MAC_BYTES:]
+        if not hmac.compare_digest(_sign(self.key, body), mac):
+            return "a header not signed with this run's key"
+        try:
+            record = json.loads(body).get("record")
+            self.store.receive(record, frames[1].buffer)
+        except (ValueError, AttributeError) as exc:
+            return f"an unreadable header ({exc})"
+        except SlotRefused as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"could not be held ({exc.strerror or exc})"
+        return None
+
+    def stats(self) -> PartnerStats:
+        return PartnerStats(
+            self.sent,
+            self.skipped,
+            self.received,
+            self.refused,
+            self.seconds,
+            self.nbytes,
+            self.last_refusal,
+            self.last_skip,
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2 * POLL_MS / 1000)
+        with self._busy:  # a send on its way gives up at its next look
+            pass
+        for sock in (self._pull, self._push):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.store is not None:
+            self.store.close()
+
+
+def bind_host(hosts: list[str]) -> str:
+    """Pure rule: loopback when every rank runs on this one host (emulated nodes, one node);
+    else this host's address as its name resolves."""
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.getfqdn())
+
+
+def connect_partners(
+    job_dir: Path, expect: Expect, node: str, own_nbytes: int
+) -> tuple[PartnerLink | None, int]:
+    """Collective, at the memory tier's first copy: every rank's node; when the ranks span two
+    nodes or more, each rank binds its receiver, rank 0 draws the run's key, and every rank
+    connects to its holder. Returns the link (None on one node) and how many copies this rank
+    holds for others (its share of the node's shared memory)."""
+    here = {"node": node, "host": socket.gethostname()}
+    every = collectives.all_gather_json(here)
+    holder = holders([e["node"] for e in every])
+    if holder[expect.rank] is None:
+        return None, 0
+    wards = sum(1 for h in holder if h == expect.rank)
+    store = PartnerStore(job_dir, expect, expect.rank, node) if wards else None
+    link = PartnerLink(store, bind_host([e["host"] for e in every]), 2 * own_nbytes + (16 << 20))
+    key = collectives.broadcast_json(secrets.token_hex(32) if expect.rank == 0 else None)
+    endpoints = collectives.all_gather_json(link.endpoint)
+    link.start(key.encode(), endpoints[holder[expect.rank]])
+    return link, wards
