@@ -103,6 +103,12 @@ class Injection:
     kill_in_mem_copy_at_step: int | None = _point(
         None, STEP, "SIGKILL the rank in the middle of the memory copy of this step"
     )
+    damage_partner_copies_at_step: int | None = _point(
+        None,
+        STEP,
+        "with partner copies: every copy the rank holds for another, from this step on, has a "
+        "byte of its data flipped once sealed (damage in the holder's memory)",
+    )
     node_check_fail: tuple[str, ...] = _point(
         (), NODES, "the pre-launch node check fails on these nodes"
     )

@@ -280,10 +280,16 @@ class FaultEngine:
                 errors += [f"attempt {other.attempt} {e}" for e in sent.errors]
         return pids, errors
 
-    def _lose_node(self, f: Firing) -> tuple[str | None, str | None]:
+    def _lose_node(self, f: Firing) -> tuple[Any, Any]:
         """node_loss: the node goes down for the rest of the job, and its own memory root (with
-        per-node roots; a shared one is not the node's to lose) goes with it: (node, root)."""
-        index = f.spec.target.index
+        per-node roots; a shared one is not the node's to lose) goes with it: (node, root), or
+        for a range of nodes (their names, their roots)."""
+        lost = [self._lose_one(i) for i in f.spec.target.nodes]
+        if f.spec.target.last is None:
+            return lost[0]
+        return [n for n, _ in lost], [r for _, r in lost]
+
+    def _lose_one(self, index: int) -> tuple[str | None, str | None]:
         node = self.nodes[index] if index < len(self.nodes) else None
         if node is None:
             return None, None

@@ -175,7 +175,7 @@ def targets(spec: FaultSpec, n: int, world: int, ranks_per_node: int) -> tuple[i
     if tg.kind == "rank":
         return (tg.index,)
     if tg.kind == "node":
-        return tuple(range(tg.index * ranks_per_node, (tg.index + 1) * ranks_per_node))
+        return tuple(range(tg.nodes[0] * ranks_per_node, (tg.nodes[-1] + 1) * ranks_per_node))
     if tg.kind == "random":
         rng = random.Random(f"{spec.trigger.seed}/{spec.index}/target/{n}")
         return (rng.randrange(world),)

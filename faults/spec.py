@@ -88,12 +88,21 @@ class Action:
 
 @dataclass(frozen=True)
 class Target:
-    """Whom: every rank, one rank, every rank of one node, or one seeded random rank."""
+    """Whom: every rank, one rank, every rank of one node or of neighbouring nodes
+    (`node:A-B`: nodes A to B), or one seeded random rank."""
 
     kind: Literal["all", "rank", "node", "random"] = "all"
     index: int = 0
+    last: int | None = None  # node:A-B: the last node of the range
+
+    @property
+    def nodes(self) -> range:
+        """The node indices a node target names."""
+        return range(self.index, (self.last if self.last is not None else self.index) + 1)
 
     def __str__(self) -> str:
+        if self.kind == "node" and self.last is not None:
+            return f"node:{self.index}-{self.last}"
         return f"{self.kind}:{self.index}" if self.kind in ("rank", "node") else self.kind
 
 
@@ -167,7 +176,10 @@ def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> Fa
     action = _action(p, shape)
     target = _target(p, shape)
     if action.kind == "node_loss" and target.kind != "node":
-        p.fail("target", f'node_loss takes a node away: expected "node:N", got {str(target)!r}')
+        p.fail(
+            "target",
+            f'node_loss takes nodes away: expected "node:N" or "node:A-B", got {str(target)!r}',
+        )
     via = p.choice("via", ("auto", "control"), "auto")
     name = p.string("name", "")
     if action.kind == "term" and "signal" in table:
@@ -304,15 +316,21 @@ def _target(p: Table, shape: JobShape) -> Target:
     kind, _, num = text.partition(":")
     if kind in ("all", "random") and not num:
         return Target(kind)  # type: ignore[arg-type]
-    if kind not in ("rank", "node") or not num.isdigit():
-        p.fail("target", f'expected "all", "rank:N", "node:N" or "random", got {text!r}')
-    target = Target(kind, int(num))  # type: ignore[arg-type]
+    first, dash, last = num.partition("-")
+    whole = first.isdigit() and (not dash or (kind == "node" and last.isdigit()))
+    if kind not in ("rank", "node") or not whole:
+        p.fail(
+            "target", f'expected "all", "rank:N", "node:N", "node:A-B" or "random", got {text!r}'
+        )
+    if dash and int(last) <= int(first):
+        p.fail("target", f"node:{num}: the range's last node must come after its first")
+    target = Target(kind, int(first), int(last) if dash else None)  # type: ignore[arg-type]
     _check_target(target, shape, p)
     return target
 
 
 def _check_target(target: Target, shape: JobShape, p: Table) -> None:
-    kind, index = target.kind, target.index
+    kind, index = target.kind, target.nodes[-1] if target.kind == "node" else target.index
     if kind == "rank" and shape.world is not None and index >= shape.world:
         p.fail("target", f"rank {index} does not exist: the job has {shape.world} ranks")
     if kind == "node" and shape.nodes is not None and index >= shape.nodes:

@@ -52,6 +52,7 @@ def from_env(env: Mapping[str, str], rank: int, async_ckpt: bool) -> Hooks:
         write_delay_s=points.ckpt_delay_s,
         disk_full_at_step=points.disk_full_at_step,
         kill_in_mem_copy_at_step=points.kill_in_mem_copy_at_step,
+        damage_partner_copies_at_step=points.damage_partner_copies_at_step,
     )
 
 
@@ -68,6 +69,7 @@ class InjectedFaults(Hooks):
     write_delay_s: float = 0.0
     disk_full_at_step: int | None = None
     kill_in_mem_copy_at_step: int | None = None
+    damage_partner_copies_at_step: int | None = None
 
     def in_step(self, step: int) -> None:
         if not self.armed:
@@ -93,6 +95,15 @@ class InjectedFaults(Hooks):
     def in_memory_copy(self, step: int) -> None:
         if self.armed and step == self.kill_in_mem_copy_at_step:
             _die()
+
+    def partner_held(self, step: int, path: Path, offset: int) -> None:
+        start = self.damage_partner_copies_at_step
+        if self.armed and start is not None and step >= start:
+            with path.open("r+b") as f:  # one byte flipped: damage, after the seal
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _die() -> None:

@@ -51,9 +51,12 @@ def test_node_loss_takes_a_node_target():
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        ({"target": "rank:1"}, 'faults[0].target: node_loss takes a node away: expected "node:N"'),
-        ({}, "faults[0].target: node_loss takes a node away: expected \"node:N\", got 'all'"),
+        ({"target": "rank:1"}, 'faults[0].target: node_loss takes nodes away: expected "node:N"'),
+        ({}, "faults[0].target: node_loss takes nodes away: expected \"node:N\" or \"node:A-B\", got 'all'"),
         ({"target": "node:3"}, "faults[0].target: node 3 does not exist: the job has 3 node(s)"),
+        ({"target": "node:1-3"}, "faults[0].target: node 3 does not exist: the job has 3 node(s)"),
+        ({"target": "node:2-1"}, "the range's last node must come after its first"),
+        ({"target": "rank:1-2"}, 'faults[0].target: expected "all", "rank:N", "node:N"'),
         ({"target": "node:x"}, 'faults[0].target: expected "all", "rank:N", "node:N"'),
         ({"target": "node:0", "signal": "TERM"}, "signal: does not apply to action 'node_loss'"),
     ],

@@ -33,6 +33,9 @@ class SaveFailPoints(Protocol):
     def in_memory_copy(self, step: int) -> None:
         """The memory copy of `step` has copied the bytes but not sealed its slot."""
 
+    def partner_held(self, step: int, path: Path, offset: int) -> None:
+        """A partner copy of `step` is sealed in `path`; a tensor's bytes start at `offset`."""
+
 
 class NoFailPoints:
     """A save with nothing armed: every point does nothing."""
@@ -49,4 +52,7 @@ class NoFailPoints:
         pass
 
     def in_memory_copy(self, step: int) -> None:
+        pass
+
+    def partner_held(self, step: int, path: Path, offset: int) -> None:
         pass

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory.checksum import checked, digest, record_problem, table_problem
 from worker.ckpt.memory.held import Held, inspect
 from worker.ckpt.memory.slot_file import (
+    HEADER_BYTES,
     SLOTS,
     Expect,
     MappedSlot,
@@ -77,9 +79,12 @@ class PartnerStore:
     """The copies this rank holds for others (its wards), each in two alternating slots: a new
     copy never goes into the slot of the newest complete one."""
 
-    def __init__(self, job_dir: Path, expect: Expect, holder: int, node: str):
+    def __init__(
+        self, job_dir: Path, expect: Expect, holder: int, node: str, hooks: SaveFailPoints
+    ):
         self.directory = partner_dir(job_dir)
         self.expect, self.holder, self.node = expect, holder, node
+        self.hooks = hooks
         self.slots: dict[tuple[int, int], MappedSlot] = {}
         self.target: dict[int, int] = {}
         self.gen: dict[int, int] = {}
@@ -119,6 +124,8 @@ class PartnerStore:
         held["partner"]["received_at"] = time.time()
         target.seal(gen, checked(held))
         self.target[ward] = (slot + 1) % SLOTS
+        first = min((e["offset"] for e in record["table"].values() if "offset" in e), default=0)
+        self.hooks.partner_held(record["step"], target.bin_path, HEADER_BYTES + first)
         return ward, record["step"]
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from worker import collectives
+from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory.partner_copy import PartnerStore
 from worker.ckpt.memory.partners import holders
 from worker.ckpt.memory.slot_file import MAX_RECORD_BYTES, Expect, SlotRefused
@@ -66,6 +67,7 @@ class PartnerLink:
         self.key = b""
         self._stop = threading.Event()
         self._busy = threading.Lock()
+        self._counting = threading.Lock()  # the counts are bumped from the loop and the sender
         self.sent = self.skipped = self.received = self.refused = self.nbytes = 0
         self.seconds = 0.0
         self.last_refusal: str | None = None
@@ -110,8 +112,7 @@ class PartnerLink:
         if self._push is None:
             return
         if not self._busy.acquire(blocking=False):
-            self.skipped += 1
-            self.last_skip = f"step {record['step']}: the copy before it was still on its way"
+            self._skip(record, "the copy before it was still on its way")
             return
         threading.Thread(
             target=self._send, args=(record, data), name="mem-partner-send", daemon=True
@@ -127,8 +128,7 @@ class PartnerLink:
                     frames, flags=zmq.NOBLOCK, copy=False, track=True
                 )
             except zmq.Again:
-                self.skipped += 1
-                self.last_skip = f"step {record['step']}: its partner takes no more copies"
+                self._skip(record, "its partner takes no more copies")
                 return
             except zmq.ZMQError:  # closed meanwhile
                 return
@@ -140,11 +140,17 @@ class PartnerLink:
                     continue
             else:
                 return
-            self.sent += 1
-            self.nbytes += data.numel()
-            self.seconds += time.perf_counter() - started
+            with self._counting:
+                self.sent += 1
+                self.nbytes += data.numel()
+                self.seconds += time.perf_counter() - started
         finally:
             self._busy.release()
+
+    def _skip(self, record: dict[str, Any], why: str) -> None:
+        with self._counting:
+            self.skipped += 1
+            self.last_skip = f"step {record['step']}: {why}"
 
     # ---- receiving -------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -184,6 +190,10 @@ class PartnerLink:
         return None
 
     def stats(self) -> PartnerStats:
+        with self._counting:
+            return self._stats()
+
+    def _stats(self) -> PartnerStats:
         return PartnerStats(
             self.sent,
             self.skipped,
@@ -217,7 +227,7 @@ def bind_host(hosts: list[str]) -> str:
 
 
 def connect_partners(
-    job_dir: Path, expect: Expect, node: str, own_nbytes: int
+    job_dir: Path, expect: Expect, node: str, own_nbytes: int, hooks: SaveFailPoints
 ) -> tuple[PartnerLink | None, int]:
     """Collective, at the memory tier's first copy: every rank's node; when the ranks span two
     nodes or more, each rank binds its receiver, rank 0 draws the run's key, and every rank
@@ -229,7 +239,7 @@ def connect_partners(
     if holder[expect.rank] is None:
         return None, 0
     wards = sum(1 for h in holder if h == expect.rank)
-    store = PartnerStore(job_dir, expect, expect.rank, node) if wards else None
+    store = PartnerStore(job_dir, expect, expect.rank, node, hooks) if wards else None
     link = PartnerLink(store, bind_host([e["host"] for e in every]), 2 * own_nbytes + (16 << 20))
     key = collectives.broadcast_json(secrets.token_hex(32) if expect.rank == 0 else None)
     endpoints = collectives.all_gather_json(link.endpoint)
