@@ -26,7 +26,7 @@ class Failure:
     recompute_s: float | None  # first productive step -> step_at_failure done again
     fault: bool = False
     relaunch: str | None = None  # warm (a standby took over) | cold | None (not relaunched)
-    resumed_source: str | None = None  # memory | durable (a memory tier), None: not said
+    resumed_source: str | None = None  # memory | partner | durable; None: not said
     # A hang or no progress: where its ranks' stacks went, and a line per rank (state, place).
     stacks_dir: str | None = None
     stacks: list[str] = field(default_factory=list)
