@@ -1,9 +1,15 @@
-"""A node lost for good, on emulated nodes (real mpiexec, real SIGKILLs): 3 nodes x 1 rank and 1
-spare, durable saves and the memory tier. A `node_loss` of node 1 kills its rank and takes its
-memory root away; the node check before the relaunch finds it down and the spare takes its place
-at once (exclude_after is 2); no step is held by every rank in memory any more (the lost node's
-copies are gone), so the job resumes from durable, and every loss equals the uninterrupted run's.
-With a standby, its rank on the lost node dies too and the relaunch onto the spare is cold.
+"""A node lost for good, on emulated nodes (real mpiexec, real SIGKILLs, real sockets): each
+rank's memory copies are also held by its partner, the rank of the next node.
+
+- 3 nodes x 1 rank and 1 spare: a `node_loss` of node 1 between two durable saves kills its
+  rank and takes its memory root away; the node check before the relaunch finds it down and the
+  spare takes its place at once (exclude_after is 2). The spare's rank takes its copy from its
+  partner (rank 2), the others from their own memory: resumed from `partner`, at most one step
+  lost, every loss equal to the uninterrupted run's. With a standby, its rank on the lost node
+  dies too, and the relaunch onto the spare is cold and says why.
+- The partner's copies damaged in its memory: refused at the fetch, the resume is durable.
+- Two neighbouring nodes lost at once: rank 1's own copies and those its partner held are both
+  gone, no step is common, the resume is durable.
 """
 
 from __future__ import annotations
@@ -12,41 +18,47 @@ import pytest
 
 from contracts.env_names import ENV_MEM_ROOT
 from tests.e2e.test_nodes_e2e import JOB_TIMEOUT, WORKER, job_config, last_losses, of
-from tests.support import events, run_supervisor, worker_flags
+from tests.support import events, inject_env, run_supervisor, worker_flags
 
-NODE_LOSS = {
-    "name": "lose-node1",
-    "at_step": 6,
-    "after_checkpoint": True,
-    "action": "node_loss",
-    "target": "node:1",
-}
+NODE_LOSS = {"name": "lose-node1", "at_step": 13, "action": "node_loss", "target": "node:1"}
+# Durable saves at 10 and 20, a memory copy every step: the loss at 13 lies between two saves.
+PARTNERED = {**WORKER, "save_interval": 10, "mem_ckpt_interval": 1}
+PLAIN = {k: v for k, v in WORKER.items() if k != "save_interval"}  # the uninterrupted run
+
+
+def lose_nodes(tmp_path, nodes: int, spares: int, fault: dict, restart=None, env=None):
+    """Run the job on `nodes` emulated nodes (+ `spares`) with one node loss: (events, run dir,
+    memory root)."""
+    mem = tmp_path / "mem"
+    names = [f"n{i}" for i in range(nodes + spares)]
+    launch = {"nodes": names, "spares": spares, "env": {ENV_MEM_ROOT: str(mem), **(env or {})}}
+    restart = {"exclude_after": 2, **(restart or {})}
+    config = job_config(tmp_path, launch, restart, [fault], PARTNERED)
+    rc, out = run_supervisor(config, JOB_TIMEOUT)
+    assert rc == 0, out
+    run = tmp_path / "run"
+    return events(run), run, mem, out
+
+
+def last_resume(evs: list[dict]) -> dict:
+    last = of(evs, "launch")[-1]["attempt"]
+    resumed = [e for e in of(evs, "resumed") if e["attempt"] == last]  # the first rank's word
+    assert resumed, evs
+    return resumed[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("standby", [False, True])
-def test_a_lost_node_is_swapped_for_the_spare_at_once_and_the_run_is_the_same(
-    tmp_path, reference, standby
-):
-    plain = {k: v for k, v in WORKER.items() if k != "save_interval"}
-    want = reference(3, *worker_flags(plain))
-
-    mem = tmp_path / "mem"
-    launch = {"nodes": ["n0", "n1", "n2", "n3"], "spares": 1, "env": {ENV_MEM_ROOT: str(mem)}}
-    worker = {**WORKER, "mem_ckpt_interval": 1}
-    restart = {"exclude_after": 2, "standby": standby}
-    config = job_config(tmp_path, launch, restart, [NODE_LOSS], worker)
-    rc, out = run_supervisor(config, JOB_TIMEOUT)
-    assert rc == 0, out
-    run = tmp_path / "run"
-    evs = events(run)
+def test_a_lost_node_s_ranks_resume_from_their_partners_on_the_spare(tmp_path, reference, standby):
+    want = reference(3, *worker_flags(PLAIN))
+    evs, run, mem, out = lose_nodes(tmp_path, 3, 1, NODE_LOSS, {"standby": standby})
     (fault,) = of(evs, "fault")
     assert (fault["action"], fault["node"], fault["ranks"]) == ("node_loss", "n1", [1])
     assert fault["mem_root_removed"] == str(mem / "n1")
-    if standby:  # its standby rank on n1 died with it; the relaunch is cold, onto the spare
+    if standby:  # its standby rank on n1 died with it; the relaunch is cold and says why
         assert len(fault["standby_pids"]) <= 1
         (relaunch,) = of(evs, "relaunch")
-        assert relaunch["mode"] == "cold", relaunch
+        assert relaunch["mode"] == "cold" and relaunch["cold_because"], relaunch
     held = sorted(e["path"] for e in of(evs, "mem_held"))
     assert [p.split("/")[-2] for p in held] == ["n0", "n1", "n2", "n3"]  # one root per node
     checks = of(evs, "node_check")
@@ -57,9 +69,37 @@ def test_a_lost_node_is_swapped_for_the_spare_at_once_and_the_run_is_the_same(
     (swapped,) = of(evs, "node_swapped")
     assert (swapped["out"], swapped["into"]) == ("n1", "n3")
     assert [e["nodes"] for e in of(evs, "launch")] == [["n0", "n1", "n2"], ["n0", "n3", "n2"]]
-    last = of(evs, "launch")[-1]["attempt"]
-    resumed = [e for e in of(evs, "resumed") if e["attempt"] == last]
-    assert resumed and {e.get("source") for e in resumed} == {"durable"}
+    resumed = last_resume(evs)
+    assert resumed["source"] == "partner", (resumed, out[-4000:])
+    assert resumed["step"] > 10 and max(fault["steps"]) - resumed["step"] <= 2  # not durable
     assert last_losses(run) == want  # bit for bit, every step
     assert not (mem / "n1").exists()  # the lost node's memory is gone for good
     assert not [p for p in mem.rglob("es-mem-*")]  # the others' removed when the job ended
+
+
+@pytest.mark.slow
+def test_a_damaged_partner_copy_is_refused_and_the_resume_is_durable(tmp_path, reference):
+    """Rank 2 holds rank 1's copies, each with a byte flipped once sealed; node 1 lost: the
+    fetch refuses the copy, its holder forgets it, and every rank loads durable step 10."""
+    want = reference(3, *worker_flags(PLAIN))
+    damage = inject_env(rank=2, damage_partner_copies_at_step=1)
+    evs, run, _, out = lose_nodes(tmp_path, 3, 1, NODE_LOSS, env=damage)
+    resumed = last_resume(evs)
+    assert (resumed["source"], resumed["step"]) == ("durable", 10), (resumed, out[-4000:])
+    assert "rank 1: the copy of step" in resumed["why"] and "fail their checksum" in resumed["why"]
+    assert last_losses(run) == want
+
+
+@pytest.mark.slow
+def test_two_neighbouring_nodes_lost_leave_no_common_step(tmp_path, reference):
+    """Nodes 1 and 2 of 4 lost at once: rank 1's own copies and the ones rank 2 held of it are
+    gone, so no step is held by every rank; both spares come in, the resume is durable."""
+    want = reference(4, *worker_flags(PLAIN))
+    lose_two = {**NODE_LOSS, "name": "lose-nodes-1-2", "target": "node:1-2"}
+    evs, run, mem, out = lose_nodes(tmp_path, 4, 2, lose_two)
+    (fault,) = of(evs, "fault")
+    assert (fault["node"], fault["ranks"]) == (["n1", "n2"], [1, 2])
+    assert [e["nodes"] for e in of(evs, "launch")][-1] == ["n0", "n4", "n5", "n3"]
+    resumed = last_resume(evs)
+    assert (resumed["source"], resumed["step"]) == ("durable", 10), (resumed, out[-4000:])
+    assert last_losses(run) == want
