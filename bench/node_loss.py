@@ -1,0 +1,292 @@
+"""What a lost node costs with partner copies, against a process crash in the same job (issue 27).
+
+One invocation, two jobs under `python -m supervisor run` on emulated nodes (real mpiexec, real
+SIGKILLs, real sockets), the demo config at the `debug` preset's own sizes (batch 1), 4 nodes x
+1 rank, a memory copy every step, a durable save every 20 steps:
+
+  faults   partner copies on, 1 spare: a process crash (SIGKILL of rank 1) at step 12, then a
+           `node_loss` of node 1 at step 32 (its memory root removed, the spare in its place)
+  plain    partner copies off, no spare, no fault: the uninterrupted run, and the step time
+           without partner copies
+
+Per failure, from the events and rank 0's metrics:
+  lost     steps lost (the report's figure)
+  from     where the resume came from (`resumed` event's `source`)
+  cost     kill -> rank 0's first step past the newest step done before the kill
+Then: durable reads after the node loss (0 wanted), bit-exact losses against the plain run,
+the node loss's cost over the crash's (<= 2 wanted), the step time with partner copies over
+without (median of steady steps: each attempt's first 3 and the 3 after each kill left out;
+<= 1.05 wanted), the bytes/s rank 0 handed to the network against a loopback floor (a ZeroMQ
+PUSH/PULL of the same bytes in this process, best of 5), and 100 damaged partner copies (one
+bit flipped in a real held copy's header fields, tensor bytes or record; copied out of the job's
+memory while it ran) of which none may pass the checks a fetch makes. The last line is JSON.
+
+Usage: python bench/node_loss.py [--standby off|on] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from supervisor.log.events import read_events  # noqa: E402
+from supervisor.reporting.analysis import analyze  # noqa: E402
+from supervisor.reporting.load import load_run  # noqa: E402
+from supervisor.settings import toml_dump  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
+TRAIN_ITERS = 45
+CRASH = {"name": "crash", "at_step": 12, "action": "kill", "target": "rank:1"}
+LOSS = {"name": "lose-node1", "at_step": 32, "action": "node_loss", "target": "node:1"}
+SNAPSHOT_AT = 25  # step at which a held partner copy is copied out for the damage trials
+SKIP_AFTER_START = 3  # steps of each attempt left out of the steady step
+TRIALS = 100
+
+
+def config(out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, standby: bool):
+    raw = tomllib.loads((ROOT / "configs" / "debug.toml").read_text())
+    worker = {k: v for k, v in raw["worker"].items() if k not in SIZE_KEYS}
+    worker.update(
+        model="debug", batch_size=1, train_iters=TRAIN_ITERS, save_interval=20,
+        mem_ckpt_interval=1, mem_partner="on" if partner else "off",
+    )  # fmt: skip
+    nodes = [f"n{i}" for i in range(5 if faults else 4)]
+    raw.update(
+        job={"name": "nodeloss", "run_dir": str(run)},
+        launch={
+            "launcher": "mpiexec", "emulate_nodes": True, "ranks_per_node": 1, "nodes": nodes,
+            "spares": 1 if faults else 0,
+            "env": {"OMP_NUM_THREADS": "1", "ES_MEM_ROOT": str(mem)},
+        },
+        worker=worker,
+        faults=[CRASH, LOSS] if faults else [],
+    )  # fmt: skip
+    raw["restart"] = {**raw.get("restart", {}), "standby": standby, "backoff_s": [0]}
+    raw["restart"]["exclude_after"] = 2
+    out.write_text(toml_dump.dumps(raw))
+    return out
+
+
+def metrics(run: Path) -> dict[int, list[dict]]:
+    """Rank 0's records per attempt."""
+    out: dict[int, list[dict]] = {}
+    for adir in sorted((run / "attempts").iterdir()):
+        path = adir / "metrics-0.jsonl"
+        if path.exists():
+            out[int(adir.name)] = [json.loads(x) for x in path.read_text().splitlines() if x]
+    return out
+
+
+def run_job(cfg: Path, run: Path, mem: Path, snapshot: Path | None) -> None:
+    """The job to its end; with `snapshot`, the partner copies node n2 holds are copied there
+    once rank 0 is past SNAPSHOT_AT (while the job runs: they are gone at its end)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [sys.executable, "-m", "supervisor", "run", str(cfg)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    taken = snapshot is None
+    while proc.poll() is None:
+        if not taken and run.exists():
+            steps = [r["step"] for recs in metrics(run).values() for r in recs]
+            held = list(mem.glob("n2/es-mem-*/partner"))
+            if steps and max(steps) >= SNAPSHOT_AT and held:
+                shutil.copytree(held[0], snapshot)
+                taken = True
+        time.sleep(0.2)
+    out = proc.stdout.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"the job failed ({proc.returncode}):\n{out[-3000:]}")
+    print(out[out.find("== nodeloss") :].strip(), flush=True)
+
+
+def failures(run: Path) -> list[dict]:
+    evs = list(read_events(run / "events.jsonl"))
+    recs = metrics(run)
+    lost = {f.attempt: f.lost_steps for f in analyze(load_run(run)).failures}
+    out = []
+    for fault in (e for e in evs if e["event"] == "fault"):
+        before = fault["step"]
+        after = [r for a, rs in recs.items() if a > fault["attempt"] for r in rs]
+        past = next((r for r in after if r["step"] > before), None)
+        resumed = [e for e in evs if e["event"] == "resumed" and e["attempt"] > fault["attempt"]]
+        out.append({
+            "name": fault["name"], "action": fault["action"], "before": before,
+            "lost": lost.get(fault["attempt"]),
+            "from": resumed[0].get("source") if resumed else None,
+            "resumed": resumed[0]["step"] if resumed else None,
+            "cost_s": round(past["t"] - fault["ts"], 3) if past else None,
+        })  # fmt: skip
+    return out
+
+
+def steady_step(run: Path, kills: list[int]) -> float:
+    """Median dt of rank 0's steps, each attempt's first SKIP_AFTER_START and those right after
+    a kill's step left out."""
+    dts = []
+    for recs in metrics(run).values():
+        for r in recs[SKIP_AFTER_START:]:
+            if not any(k <= r["step"] < k + SKIP_AFTER_START for k in kills):
+                dts.append(r["train/dt"])
+    return statistics.median(dts)
+
+
+def losses(run: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for recs in metrics(run).values():
+        for r in recs:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def partner_rate(run: Path) -> tuple[float | None, int]:
+    """Bytes/s rank 0 handed to the network, and the bytes of one copy."""
+    nbytes = seconds = sent = 0.0
+    for recs in metrics(run).values():
+        for r in recs:
+            nbytes += r.get("train/mem_partner_nbytes", 0)
+            seconds += r.get("train/mem_partner_seconds", 0)
+            sent += r.get("train/mem_partner_sent", 0)
+    return (nbytes / seconds if seconds else None), int(nbytes / sent) if sent else 0
+
+
+def loopback_floor(nbytes: int) -> float:
+    """Bytes/s of one copy's bytes over a ZeroMQ PUSH/PULL on loopback in this process."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    data = bytearray(os.urandom(1024)) * (nbytes // 1024 + 1)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        push.send(memoryview(data)[:nbytes], copy=False)
+        pull.recv(copy=False)
+        best = min(best, time.perf_counter() - t0)
+    push.close(0)
+    pull.close(0)
+    return nbytes / best
+
+
+def damage_trials(snapshot: Path) -> tuple[int, int]:
+    """(trials, copies that passed the fetch's checks) over TRIALS single-bit flips of a real
+    held copy of rank 1's state."""
+    import torch
+
+    from worker.ckpt.memory import find_held
+    from worker.ckpt.memory.partner_copy import bytes_problem, header_problem, ward_expect
+
+    job_dir = snapshot.parent
+    (rank_dir,) = snapshot.glob("rank-1")
+    some = json.loads(next(rank_dir.glob("slot-*.json")).read_text())
+    keys = ("job", "rank", "world", "mesh", "model_fingerprint", "host")
+    from worker.ckpt.memory import Expect
+
+    expect = replace(Expect(**{k: some[k] for k in keys}), rank=2)
+    (held, *_) = find_held(job_dir, expect)[1]
+    bin_path, json_path = held.path, held.path.with_suffix(".json")
+    good = bin_path.read_bytes(), json_path.read_bytes()
+    tensors = [(e["offset"], e["nbytes"]) for e in held.record["table"].values() if "offset" in e]
+    rng, passed = random.Random(27), 0
+    for _ in range(TRIALS):
+        which = rng.choice(["header", "tensor", "record"])
+        path, original = (json_path, good[1]) if which == "record" else (bin_path, good[0])
+        damaged = bytearray(original)
+        if which == "header":
+            at = rng.randrange(32)
+        elif which == "tensor":
+            offset, size = rng.choice(tensors)
+            at = 4096 + offset + rng.randrange(size)
+        else:
+            at = rng.randrange(len(damaged))
+        damaged[at] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(damaged))
+        try:
+            for h in find_held(job_dir, expect).get(1, []):
+                if h.step != held.step:
+                    continue
+                data = torch.frombuffer(bytearray(h.path.read_bytes()[4096:]), dtype=torch.uint8)
+                problem = header_problem(h.record, ward_expect(expect, 1), data.numel())
+                if problem is None and bytes_problem(h.record["table"], data) is None:
+                    passed += 1
+        finally:
+            path.write_bytes(original)
+    return TRIALS, passed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--standby", choices=("off", "on"), default="off")
+    ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-nodeloss-"))
+    try:
+        runs = {}
+        for name, partner, faults in (("plain", False, False), ("faults", True, True)):
+            run, mem = (
+                tmp / name / "run",
+                Path(tempfile.mkdtemp(prefix="es-bench-", dir="/dev/shm")),
+            )
+            cfg = config(tmp / f"{name}.toml", run, mem, partner=partner, faults=faults,
+                         standby=args.standby == "on")  # fmt: skip
+            print(f"--- {name}: partner copies {'on' if partner else 'off'}", flush=True)
+            snapshot = tmp / "snapshot" / "partner" if faults else None
+            run_job(cfg, run, mem, snapshot)
+            shutil.rmtree(mem, ignore_errors=True)
+            runs[name] = run
+        rows = failures(runs["faults"])
+        for r in rows:
+            where = f"resumed {r['resumed']} ({r['from']})"
+            print(f"{r['name']:<12} {r['action']:<10} before {r['before']:>3}  {where}  "
+                  f"lost {r['lost']}  cost {r['cost_s']} s")  # fmt: skip
+        crash = next(r for r in rows if r["action"] == "kill")
+        node = next(r for r in rows if r["action"] == "node_loss")
+        kills = [r["before"] for r in rows]
+        with_p, without = steady_step(runs["faults"], kills), steady_step(runs["plain"], [])
+        want, got = losses(runs["plain"]), losses(runs["faults"])
+        rate, nbytes = partner_rate(runs["faults"])
+        floor = loopback_floor(nbytes) if nbytes else None
+        trials, passed = damage_trials(tmp / "snapshot" / "partner")
+        result = {
+            "standby": args.standby,
+            "node_loss": {
+                "lost": node["lost"], "from": node["from"],
+                "durable_reads": sum(r["from"] == "durable" for r in rows if r is node),
+                "cost_s": node["cost_s"],
+            },
+            "crash": {"lost": crash["lost"], "from": crash["from"], "cost_s": crash["cost_s"]},
+            "node_over_crash": round(node["cost_s"] / crash["cost_s"], 2)
+            if node["cost_s"] and crash["cost_s"] else None,
+            "bit_exact": got == want,
+            "step_s": {"partner": round(with_p, 4), "none": round(without, 4),
+                       "ratio": round(with_p / without, 3)},
+            "partner_bytes_per_s": round(rate) if rate else None,
+            "copy_bytes": nbytes,
+            "loopback_floor_bytes_per_s": round(floor) if floor else None,
+            "damaged": {"trials": trials, "loaded": passed},
+        }  # fmt: skip
+        print(json.dumps(result))
+    finally:
+        if args.keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
