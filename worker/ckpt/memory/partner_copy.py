@@ -10,7 +10,9 @@ it (`partner`), with the holder's own generation and a fresh record checksum; th
 
 from __future__ import annotations
 
+import re
 import shutil
+import stat
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +34,7 @@ from worker.ckpt.memory.slot_file import (
 )
 
 PARTNER_DIR = "partner"
+_WARD_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,8})")  # as slot_file.rank_dir names it
 
 
 def partner_dir(job_dir: Path) -> Path:
@@ -75,15 +78,31 @@ def header_problem(record: Any, expect: Expect, nbytes: int) -> str | None:
     return table_problem(table, nbytes)
 
 
+def _own_dir(path: Path) -> None:
+    """`path` made (0700) if missing; OSError unless it is a directory itself (not a symlink to
+    one: a copy is never written where a link points)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not stat.S_ISDIR(path.lstat().st_mode):
+        raise NotADirectoryError(20, "not a directory of its own", str(path))
+
+
 class PartnerStore:
-    """The copies this rank holds for others (its wards), each in two alternating slots: a new
-    copy never goes into the slot of the newest complete one."""
+    """The copies this rank holds for others (its wards: `wards`, or any rank but itself when
+    None), each in two alternating slots: a new copy never goes into the slot of the newest
+    complete one."""
 
     def __init__(
-        self, job_dir: Path, expect: Expect, holder: int, node: str, hooks: SaveFailPoints
+        self,
+        job_dir: Path,
+        expect: Expect,
+        holder: int,
+        node: str,
+        hooks: SaveFailPoints,
+        wards: set[int] | None = None,
     ):
         self.directory = partner_dir(job_dir)
         self.expect, self.holder, self.node = expect, holder, node
+        self.wards = wards
         self.hooks = hooks
         self.slots: dict[tuple[int, int], MappedSlot] = {}
         self.target: dict[int, int] = {}
@@ -92,7 +111,8 @@ class PartnerStore:
     def _start(self, ward: int) -> None:
         """The first copy of `ward`: its slots, and the slot and generation after what is
         already there (a relaunch holds the previous attempt's copies)."""
-        (self.directory / f"rank-{ward}").mkdir(mode=0o700, parents=True, exist_ok=True)
+        _own_dir(self.directory)
+        _own_dir(self.directory / f"rank-{ward}")
         held, _ = find_ward(self.directory, ward_expect(self.expect, ward), self.holder)
         self.gen[ward] = 1 + max((h.gen for h in held), default=0)
         self.target[ward] = (held[0].slot + 1) % SLOTS if held else 0
@@ -103,8 +123,10 @@ class PartnerStore:
         """Hold a copy received from its rank: (ward, step); SlotRefused naming why it is not
         held (the slot it was written into then stays torn)."""
         ward = record.get("rank") if isinstance(record, dict) else None
-        if not isinstance(ward, int) or ward == self.holder or not 0 <= ward < self.expect.world:
-            raise SlotRefused(f"a copy of rank {ward!r}, not one this rank holds")
+        if type(ward) is not int or ward == self.holder or not 0 <= ward < self.expect.world:
+            raise SlotRefused(f"a copy of rank {str(ward)[:40]}, not one this rank holds")
+        if self.wards is not None and ward not in self.wards:
+            raise SlotRefused(f"a copy of rank {ward}, not one this rank holds")
         problem = header_problem(record, ward_expect(self.expect, ward), len(data))
         if problem:
             raise SlotRefused(f"rank {ward}'s copy: {problem}")
@@ -154,18 +176,20 @@ def find_held(job_dir: Path, expect: Expect) -> dict[int, list[Held]]:
     directory = partner_dir(job_dir)
     out: dict[int, list[Held]] = {}
     try:
+        if directory.is_symlink():
+            return out
         names = [p.name for p in directory.iterdir()]
     except OSError:
         return out
     for name in names:
-        ward = name.removeprefix("rank-")
-        if not name.startswith("rank-") or not ward.isdigit() or int(ward) == expect.rank:
+        if not _WARD_DIR.fullmatch(name):  # junk, or another spelling of a rank's directory
             continue
-        if int(ward) >= expect.world:
+        ward = int(name.removeprefix("rank-"))
+        if ward == expect.rank or ward >= expect.world or (directory / name).is_symlink():
             continue
-        held, _ = find_ward(directory, ward_expect(expect, int(ward)), expect.rank)
+        held, _ = find_ward(directory, ward_expect(expect, ward), expect.rank)
         if held:
-            out[int(ward)] = held
+            out[ward] = held
     return out
 
 

@@ -65,8 +65,8 @@ def _send(dst: int, held: Held | None) -> None:
     device = collectives.group_device()
     try:
         record, data = _read_copy(held) if held is not None else (b"", None)
-    except (OSError, SlotRefused):
-        record, data = b"", None
+    except Exception:  # gone, changed, unreadable: none sent (the rank says so, the ranks
+        record, data = b"", None  # choose again); the rank always hears from its holder
     sizes = [len(record), data.numel()] if data is not None else [NONE_SENT, 0]
     dist.send(torch.tensor(sizes, dtype=torch.int64, device=device), dst=dst)
     if data is None:
@@ -88,8 +88,8 @@ def _receive(src: int) -> tuple[dict | None, torch.Tensor | None]:
     dist.recv(data, src=src)
     try:
         record = json.loads(bytes(raw.cpu().numpy()))
-    except ValueError:
-        record = None
+    except (ValueError, RecursionError):
+        record = {}  # no record: refused by the check
     return record, data.cpu()
 
 
@@ -109,6 +109,23 @@ def _install(
     target.seal(gen, checked({**mine, "gen": gen, "host": expect.host}))
     target.header = target.block = None
     return inspect(job_dir, expect.rank, slot, expect)
+
+
+def _take(
+    step: int, holder: int, job_dir, expect: Expect, own: list[Held], record, data: torch.Tensor
+) -> tuple[Held | None, str | None]:
+    """A copy received from `holder`: checked as a holder checks one (this run's record, the
+    step agreed, every tensor's digest), then installed; (the copy, None) or (None, why not)."""
+    why = header_problem(record, ward_expect(expect, expect.rank), data.numel())
+    if why is None and record["step"] != step:
+        why = f"step {record['step']}, not step {step}"
+    why = why or bytes_problem(record["table"], data)
+    if why:
+        return None, f"the copy of step {step} from rank {holder}: {why}"
+    try:
+        return _install(job_dir, expect, own, record, data), None
+    except (OSError, SlotRefused) as exc:
+        return None, f"the copy of step {step} could not be written here ({exc})"
 
 
 def fetch(
@@ -134,17 +151,10 @@ def fetch(
             if record is None:
                 problem = f"rank {holder} sent no copy of step {step}"
                 continue
-            why = header_problem(record, ward_expect(expect, rank), data.numel())
-            if why is None and record["step"] != step:
-                why = f"step {record['step']}, not step {step}"
-            why = why or bytes_problem(record["table"], data)
-            if why:
-                problem = f"the copy of step {step} from rank {holder}: {why}"
-                continue
-            try:
-                fetched = _install(job_dir, expect, own, record, data)
-            except (OSError, SlotRefused) as exc:
-                problem = f"the copy of step {step} could not be written here ({exc})"
+            try:  # whatever fails here, this rank still joins the ranks' answer below
+                fetched, problem = _take(step, holder, job_dir, expect, own, record, data)
+            except Exception as exc:
+                problem = f"the copy of step {step} from rank {holder}: {type(exc).__name__}: {exc}"
     failed = [
         r for r in collectives.all_gather_json(expect.rank if problem else None) if r is not None
     ]

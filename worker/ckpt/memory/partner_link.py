@@ -9,14 +9,19 @@ while it is sent (two copies on); the holder checks every tensor's bytes against
 before sealing, so a copy torn that way is refused there, never held.
 
 A message is two frames: the HMAC-SHA256 (a key rank 0 draws for the run) of a JSON header, then
-the header (the ward's sealed record); then the copy's raw bytes. Nothing is unpickled.
+the header (the ward's sealed record); then the copy's raw bytes. Nothing is unpickled. Whatever
+arrives (from a stranger, or malformed) is refused with a reason and counted; nothing it holds
+stops the receiver. The link has a ZeroMQ context of its own: once closed, no socket and no
+thread of it is left.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
+import os
 import secrets
 import socket
 import threading
@@ -37,6 +42,7 @@ from worker.ckpt.memory.slot_file import MAX_RECORD_BYTES, Expect, SlotRefused
 MAC_BYTES = 64  # hex HMAC-SHA256
 POLL_MS = 200  # how often the receiver looks whether it is to stop
 SEND_HWM = 2  # messages queued towards the holder before a send would block: it is skipped
+CLOSE_WAIT_S = 30.0  # at most, for the receiver to finish holding a copy when the link closes
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,9 @@ class PartnerLink:
     """This rank's two ends: a PULL socket its wards send to (a receiver thread holds what
     comes), and a PUSH socket to its holder (a sender thread, one copy on its way at a time)."""
 
-    def __init__(self, store: PartnerStore | None, bind_host: str, max_bytes: int):
+    def __init__(self, store: PartnerStore | None, bind_host: str | None, max_bytes: int):
         self.store = store
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()
         self.key = b""
         self._stop = threading.Event()
         self._busy = threading.Lock()
@@ -73,13 +79,15 @@ class PartnerLink:
         self.last_refusal: str | None = None
         self.last_skip: str | None = None
         self.endpoint: str | None = None
+        self.no_holder: str | None = None  # why this rank's copies have nowhere to go
         self._pull = self._push = None
         self._threads: list[threading.Thread] = []
-        if store is None:
+        if store is None or bind_host is None:
             return
         pull = self.ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        pull.setsockopt(zmq.RCVHWM, SEND_HWM)  # per sender: what waits here to be held
         try:
             port = pull.bind_to_random_port(f"tcp://{bind_host}")
         except zmq.ZMQError:
@@ -87,12 +95,14 @@ class PartnerLink:
             return
         self._pull, self.endpoint = pull, f"tcp://{bind_host}:{port}"
 
-    def start(self, key: bytes, holder_endpoint: str | None) -> None:
+    def start(self, key: bytes, holder_endpoint: str | None, holder: int | None = None) -> None:
         """Begin receiving (when this rank holds copies) and connect to the holder (when it
-        has one that could bind)."""
+        has one that could bind; else each copy offered is skipped, saying so)."""
         self.key = key
         if self._pull is not None:
             self._spawn(self._receive_loop, "mem-partner-recv")
+        if holder is not None and not holder_endpoint:
+            self.no_holder = f"its partner (rank {holder}) has no address to receive at"
         if holder_endpoint:
             push = self.ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
@@ -109,7 +119,9 @@ class PartnerLink:
     def offer(self, record: dict[str, Any], data: torch.Tensor) -> None:
         """A sealed copy of this rank's (`data`: its bytes, the slot's mapping): sent in the
         background when the previous one is on its way no more, else skipped."""
-        if self._push is None:
+        if self._push is None or self._stop.is_set():
+            if self.no_holder:
+                self._skip(record, self.no_holder)
             return
         if not self._busy.acquire(blocking=False):
             self._skip(record, "the copy before it was still on its way")
@@ -130,7 +142,9 @@ class PartnerLink:
             except zmq.Again:
                 self._skip(record, "its partner takes no more copies")
                 return
-            except zmq.ZMQError:  # closed meanwhile
+            except zmq.ZMQError as exc:  # closed meanwhile, or no send at all
+                if not self._stop.is_set():
+                    self._skip(record, f"it could not be sent ({exc})")
                 return
             while not self._stop.is_set():
                 try:
@@ -154,20 +168,32 @@ class PartnerLink:
 
     # ---- receiving -------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
+        """Until `close`: hold what comes. This thread owns the receiving socket and the store
+        (it closes both as it ends, a copy being held finished first)."""
         pull = self._pull
-        while not self._stop.is_set():
-            try:
-                if not pull.poll(POLL_MS):
-                    continue
-                frames = pull.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                return
-            problem = self._hold(frames)
-            if problem:
-                self.refused += 1
-                self.last_refusal = problem
-            else:
-                self.received += 1
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not pull.poll(POLL_MS):
+                        continue
+                    frames = pull.recv_multipart(copy=False)
+                except zmq.ZMQError:
+                    return
+                try:
+                    problem = self._hold(frames)
+                except Exception as exc:  # whatever came, the receiver goes on
+                    problem = f"could not be held ({type(exc).__name__}: {exc})"
+                del frames  # not kept until the next message comes
+                with self._counting:
+                    if problem:
+                        self.refused += 1
+                        self.last_refusal = problem[:400]
+                    else:
+                        self.received += 1
+        finally:
+            pull.close(linger=0)
+            if self.store is not None:
+                self.store.close()
 
     def _hold(self, frames: list) -> str | None:
         if len(frames) != 2:
@@ -181,8 +207,8 @@ class PartnerLink:
         try:
             record = json.loads(body).get("record")
             self.store.receive(record, frames[1].buffer)
-        except (ValueError, AttributeError) as exc:
-            return f"an unreadable header ({exc})"
+        except (ValueError, AttributeError, RecursionError) as exc:
+            return f"an unreadable header ({str(exc)[:200]})"
         except SlotRefused as exc:
             return str(exc)
         except OSError as exc:
@@ -206,24 +232,51 @@ class PartnerLink:
         )
 
     def close(self) -> None:
+        """Stop both ends: the receiver ends after the copy it is holding (if any), a send on
+        its way gives up at its next look; then the sockets and the context go."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=2 * POLL_MS / 1000)
+            thread.join(timeout=CLOSE_WAIT_S)
         with self._busy:  # a send on its way gives up at its next look
             pass
-        for sock in (self._pull, self._push):
-            if sock is not None:
-                sock.close(linger=0)
-        if self.store is not None:
-            self.store.close()
+        if self._push is not None:
+            self._push.close(linger=0)
+        if not self._threads and self._pull is not None:  # bound, never started
+            self._pull.close(linger=0)
+            if self.store is not None:
+                self.store.close()
+        if not any(t.is_alive() for t in self._threads):  # else its socket is still open
+            self.ctx.term()
 
 
-def bind_host(hosts: list[str]) -> str:
-    """Pure rule: loopback when every rank runs on this one host (emulated nodes, one node);
-    else this host's address as its name resolves."""
+def bind_host(hosts: list[str], toward: str | None = None) -> str | None:
+    """Loopback when every rank runs on this one host (emulated nodes, one node); else this
+    host's address as its name resolves, unless that is a loopback one (Debian's `127.0.1.1`
+    line in /etc/hosts) or does not resolve: then the address this host reaches `toward` from
+    (the rendezvous host, MASTER_ADDR). None when there is none: this rank holds no copies."""
     if len(set(hosts)) == 1:
         return "127.0.0.1"
-    return socket.gethostbyname(socket.getfqdn())
+    try:
+        address = socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        address = None
+    if address is not None and not ipaddress.ip_address(address).is_loopback:
+        return address
+    return _route_to(toward)
+
+
+def _route_to(host: str | None) -> str | None:
+    """The local address of the route to `host` (a UDP socket's connect sends nothing); None
+    for no host, a loopback one, or no route."""
+    if not host:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(address).is_loopback else address
 
 
 def connect_partners(
@@ -238,10 +291,11 @@ def connect_partners(
     holder = holders([e["node"] for e in every])
     if holder[expect.rank] is None:
         return None, 0
-    wards = sum(1 for h in holder if h == expect.rank)
-    store = PartnerStore(job_dir, expect, expect.rank, node, hooks) if wards else None
-    link = PartnerLink(store, bind_host([e["host"] for e in every]), 2 * own_nbytes + (16 << 20))
+    wards = {r for r, h in enumerate(holder) if h == expect.rank}
+    store = PartnerStore(job_dir, expect, expect.rank, node, hooks, wards) if wards else None
+    address = bind_host([e["host"] for e in every], os.environ.get("MASTER_ADDR"))
+    link = PartnerLink(store, address, 2 * own_nbytes + (16 << 20))
     key = collectives.broadcast_json(secrets.token_hex(32) if expect.rank == 0 else None)
     endpoints = collectives.all_gather_json(link.endpoint)
-    link.start(key.encode(), endpoints[holder[expect.rank]])
-    return link, wards
+    link.start(key.encode(), endpoints[holder[expect.rank]], holder[expect.rank])
+    return link, len(wards)
