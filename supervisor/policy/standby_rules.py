@@ -21,14 +21,20 @@ def standby_ready(ranks: Mapping[int, RankState], world: int) -> bool:
 def standby_unusable(
     ready: bool, alive: bool, standby_nodes: Sequence[str], bad_nodes: Sequence[str]
 ) -> str | None:
-    """Why the next attempt cannot be the standby (it then starts cold), or None to use it."""
+    """Why the next attempt cannot be the standby (it then starts cold), or None to use it.
+    `standby_nodes`: where the standby was launched, alive or not."""
+    bad = ", ".join(sorted(set(standby_nodes) & set(bad_nodes)))
+    if not alive and bad:  # a node loss: its ranks there died, and the whole standby with them
+        return (
+            f"the standby ended with the failed node {bad}: its ranks formed one job and one "
+            "process group with that node's, which a spare cannot join"
+        )
     if not alive:
         return "no standby running"
     if not ready:
         return "the standby was not ready"
-    bad = sorted(set(standby_nodes) & set(bad_nodes))
     if bad:
-        return f"the standby runs on the failed node {', '.join(bad)}"
+        return f"the standby runs on the failed node {bad}"
     return None
 
 

@@ -112,7 +112,7 @@ class StandbyKeeper:
         return standby_rules.standby_choice(
             ready=attempt is not None and attempt.ready_at is not None,
             alive=alive,
-            standby_nodes=attempt.running.plan.nodes if alive else [],
+            standby_nodes=attempt.nodes if attempt is not None else [],
             bad_nodes=bad_nodes,
             starting_s=time.monotonic() - attempt.table.launched_at if alive else 0.0,
             prepare_s=self.prepare_s,

@@ -265,6 +265,9 @@ def test_which_standby_can_take_over():
     assert standby_unusable(False, True, ["a"], []) == "the standby was not ready"
     on_b = standby_unusable(True, True, ["a", "b"], ["b"])
     assert on_b == "the standby runs on the failed node b"
+    lost_with_b = standby_unusable(True, False, ["a", "b"], ["b"])  # a node loss took it too
+    assert lost_with_b.startswith("the standby ended with the failed node b: ")
+    assert "a spare cannot join" in lost_with_b
 
 
 def test_a_standby_is_used_waited_for_or_dropped():

@@ -16,6 +16,7 @@ class FakeStandby:
     def __init__(self, number: int, launched_ago_s: float) -> None:
         self.number = number
         self.running = SimpleNamespace(plan=SimpleNamespace(nodes=["n0"]))
+        self.nodes = ["n0"]
         self.table = SimpleNamespace(launched_at=time.monotonic() - launched_ago_s)
         self.ready_at: float | None = None
         self.ended: list[tuple[str, float]] = []
