@@ -36,7 +36,7 @@ import zmq
 from worker import collectives
 from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory.partner_copy import PartnerStore
-from worker.ckpt.memory.partners import holders
+from worker.ckpt.memory.partners import held_on, holders
 from worker.ckpt.memory.slot_file import MAX_RECORD_BYTES, Expect, SlotRefused
 
 MAC_BYTES = 64  # hex HMAC-SHA256
@@ -284,8 +284,9 @@ def connect_partners(
 ) -> tuple[PartnerLink | None, int]:
     """Collective, at the memory tier's first copy: every rank's node; when the ranks span two
     nodes or more, each rank binds its receiver, rank 0 draws the run's key, and every rank
-    connects to its holder. Returns the link (None on one node) and how many copies this rank
-    holds for others (its share of the node's shared memory)."""
+    connects to its holder. Returns the link (None on one node) and how many ranks of other
+    nodes this node holds copies of, all its ranks together (with uneven nodes, not its own
+    number of ranks: a node of one rank after a node of three holds three)."""
     here = {"node": node, "host": socket.gethostname()}
     every = collectives.all_gather_json(here)
     holder = holders([e["node"] for e in every])
@@ -298,4 +299,4 @@ def connect_partners(
     key = collectives.broadcast_json(secrets.token_hex(32) if expect.rank == 0 else None)
     endpoints = collectives.all_gather_json(link.endpoint)
     link.start(key.encode(), endpoints[holder[expect.rank]], holder[expect.rank])
-    return link, len(wards)
+    return link, held_on([e["node"] for e in every], node)

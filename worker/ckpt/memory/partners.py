@@ -33,6 +33,12 @@ def holders(nodes: list[str]) -> list[int | None]:
     return holder
 
 
+def held_on(nodes: list[str], node: str) -> int:
+    """How many ranks of other nodes `node` holds a copy of, all its ranks together: its share
+    of shared memory besides its own ranks' (uneven nodes: [a, a, a, b] makes b hold three)."""
+    return sum(1 for h in holders(nodes) if h is not None and nodes[h] == node)
+
+
 @dataclass(frozen=True)
 class PartnerPlan:
     """The newest step every rank can resume, from its own copy or from one a partner holds;

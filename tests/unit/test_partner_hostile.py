@@ -1,0 +1,230 @@
+"""Partner copies against hostile or broken input: whatever reaches a rank's partner port (a
+stranger, a malformed message, a copy of a rank it does not hold), whatever lies in the partner
+directory (junk names, links, FIFOs), and a link closed while it works. Nothing stops the
+receiver or shows a traceback, nothing damaged is held, each refusal is one line, and a closed
+link leaves no thread or socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import zmq
+
+from tests.unit.test_partner_copies import EXPECT, NBYTES, copy_of, holder_store, wait_for
+from worker.ckpt import memory
+from worker.ckpt.memory import partner_copy, partner_link, partners
+from worker.hooks import Hooks
+
+KEY = b"k" * 64
+HOLDER = replace(EXPECT, rank=2, host="n2")
+
+
+@pytest.fixture
+def tracebacks(monkeypatch):
+    """What would have printed a thread's traceback."""
+    seen: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: seen.append(repr(a.exc_value)))
+    return seen
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Rank 2, the holder of rank 1's copies only."""
+    store = memory.PartnerStore(tmp_path, HOLDER, 2, "n2", Hooks(), wards={1})
+    link = partner_link.PartnerLink(store, "127.0.0.1", 1 << 20)
+    link.start(KEY, None)
+    yield link
+    link.close()
+
+
+def signed(body: bytes, key: bytes = KEY) -> bytes:
+    return partner_link._sign(key, body) + body
+
+
+def of_record(record) -> bytes:
+    return signed(json.dumps({"record": record}).encode())
+
+
+def send_each(endpoint: str, messages: list[list[bytes]]) -> None:
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 5000)
+    push.connect(endpoint)
+    for frames in messages:
+        push.send_multipart(frames)
+    push.close()
+    ctx.term()
+
+
+def test_whatever_comes_is_refused_in_one_line_and_the_receiver_goes_on(holder, tracebacks):
+    record, data = copy_of(5)
+    raw = data.numpy().tobytes()
+    stranger_s = memory.checked({**record, "rank": 3})  # sealed right, but not a ward of rank 2
+    hostile = [
+        ([b"x"], "1 frames, not a copy's 2"),
+        ([b"a", b"b", b"c"], "3 frames"),
+        ([b"short", b""], "not signed with this run's key"),
+        ([signed(b"{}", b"x" * 64), raw], "not signed with this run's key"),
+        ([signed(b"[1, 2]"), raw], "an unreadable header"),
+        ([signed(b"\xff\xfe"), raw], "an unreadable header"),
+        ([signed(b"[" * 100_000 + b"]" * 100_000), raw], "an unreadable header"),
+        ([of_record("a string"), raw], "a copy of rank None"),
+        ([of_record(memory.checked({**record, "rank": True})), raw], "a copy of rank True"),
+        ([of_record({**record, "rank": -1}), raw], "a copy of rank -1"),
+        ([of_record({**record, "rank": 10**30}), raw], "a copy of rank 1000000"),
+        ([of_record(stranger_s), raw], "a copy of rank 3, not one this rank holds"),
+        ([of_record(record), raw[:-1]], f"{NBYTES - 1} bytes received"),
+        ([of_record({**record, "nbytes": 1 << 50}), raw], "fails its checksum"),
+    ]
+    for frames, says in hostile:
+        before = holder.stats().refused
+        send_each(holder.endpoint, [frames])
+        wait_for(lambda b=before: holder.stats().refused == b + 1, what=holder.stats)
+        said = holder.stats().last_refusal
+        assert says in said and "\n" not in said and len(said) <= 400, (says, said)
+    send_each(holder.endpoint, [[of_record(record), raw]])
+    wait_for(lambda: holder.stats().received == 1, what=holder.stats)
+    assert not tracebacks
+    held = memory.find_held(holder.store.directory.parent, HOLDER)
+    assert list(held) == [1] and [h.step for h in held[1]] == [5]
+
+
+def test_an_oversized_message_drops_its_sender_not_the_receiver(holder, tracebacks):
+    record, data = copy_of(5)
+    send_each(holder.endpoint, [[b"x" * 64, b"\0" * (2 << 20)]])  # over the 1 MiB limit
+    send_each(holder.endpoint, [[of_record(record), data.numpy().tobytes()]])
+    wait_for(lambda: holder.stats().received == 1, what=holder.stats)
+    assert holder.stats().refused == 0 and not tracebacks
+
+
+def test_a_closed_link_leaves_no_thread_and_no_socket(tmp_path):
+    holder = partner_link.PartnerLink(holder_store(tmp_path), "127.0.0.1", 1 << 20)
+    sender = partner_link.PartnerLink(None, "127.0.0.1", 1 << 20)
+    holder.start(KEY, None)
+    sender.start(KEY, holder.endpoint, 2)
+    sender.offer(*copy_of(5))
+    wait_for(lambda: holder.stats().received == 1, what=holder.stats)
+    for link in (sender, holder):
+        link.close()
+        assert link.ctx.closed
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("mem-partner")]
+
+
+def test_a_link_closed_while_it_holds_a_copy_finishes_that_copy_first(tmp_path, tracebacks):
+    store = holder_store(tmp_path)
+    receive, entered = store.receive, threading.Event()
+
+    def slow(record, data):
+        entered.set()
+        time.sleep(0.6)  # longer than the receiver's poll: close used to pull the slot away
+        return receive(record, data)
+
+    store.receive = slow
+    holder = partner_link.PartnerLink(store, "127.0.0.1", 1 << 20)
+    holder.start(KEY, None)
+    record, data = copy_of(5)
+    send_each(holder.endpoint, [[of_record(record), data.numpy().tobytes()]])
+    assert entered.wait(10)
+    holder.close()
+    assert holder.stats().received == 1 and holder.stats().refused == 0 and not tracebacks
+    assert holder.ctx.closed
+    assert [h.step for h in memory.find_held(tmp_path, HOLDER)[1]] == [5]
+
+
+def test_a_holder_without_an_address_is_said_as_a_skipped_copy():
+    sender = partner_link.PartnerLink(None, "127.0.0.1", 1 << 20)
+    try:
+        sender.start(KEY, None, 3)
+        sender.offer(*copy_of(5))
+        assert sender.stats().skipped == 1
+        assert "its partner (rank 3) has no address to receive at" in sender.stats().last_skip
+    finally:
+        sender.close()
+
+
+# --- the partner directory ------------------------------------------------------------------
+def held_copy(tmp_path, step: int = 5):
+    store = holder_store(tmp_path)
+    store.receive(*(lambda r, d: (r, memoryview(d.numpy())))(*copy_of(step)))
+    store.close()
+
+
+def test_junk_in_the_partner_directory_is_passed_over(tmp_path):
+    held_copy(tmp_path)
+    top = partner_copy.partner_dir(tmp_path)
+    for name in ("rank-abc", "rank-999999999999", "rank-", "rank--1", "rank-01", "rank-²", "x"):
+        (top / name).mkdir()
+    (top / "rank-0").write_text("not a directory")
+    os.mkfifo(top / "rank-3")
+    assert list(memory.find_held(tmp_path, HOLDER)) == [1]
+    os.rename(top / "rank-1", tmp_path / "elsewhere")  # the copy itself, behind a link
+    os.symlink(tmp_path / "elsewhere", top / "rank-1")
+    assert memory.find_held(tmp_path, HOLDER) == {}
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_slot_file_that_is_a_link_or_a_fifo_is_never_read(tmp_path, plant):
+    held_copy(tmp_path)
+    json_path = partner_copy.partner_dir(tmp_path) / "rank-1" / "slot-0.json"
+    moved = tmp_path / "moved.json"
+    os.rename(json_path, moved)
+    os.symlink(moved, json_path) if plant == "symlink" else os.mkfifo(json_path)
+    assert memory.find_held(tmp_path, HOLDER) == {}
+
+
+def test_a_ward_directory_that_is_a_link_is_never_written_through(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    partner_copy.partner_dir(tmp_path).mkdir()
+    os.symlink(tmp_path / "elsewhere", partner_copy.partner_dir(tmp_path) / "rank-1")
+    record, data = copy_of(5)
+    with pytest.raises(NotADirectoryError):
+        holder_store(tmp_path).receive(record, memoryview(data.numpy()))
+    assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_partner_path_that_is_a_file_refuses_the_copy_over_the_link(tmp_path, tracebacks):
+    partner_copy.partner_dir(tmp_path).write_text("in the way")
+    holder = partner_link.PartnerLink(holder_store(tmp_path), "127.0.0.1", 1 << 20)
+    try:
+        holder.start(KEY, None)
+        record, data = copy_of(5)
+        send_each(holder.endpoint, [[of_record(record), data.numpy().tobytes()]])
+        wait_for(lambda: holder.stats().refused == 1, what=holder.stats)
+        assert holder.stats().last_refusal.startswith("could not be held (")
+    finally:
+        holder.close()
+    assert not tracebacks
+
+
+# --- where a link listens, how much a node holds ---------------------------------------------
+def test_a_loopback_name_across_hosts_binds_toward_the_rendezvous_or_not_at_all(monkeypatch):
+    monkeypatch.setattr(partner_link.socket, "gethostbyname", lambda _: "127.0.1.1")
+    assert partner_link.bind_host(["a", "b"], None) is None
+    assert partner_link.bind_host(["a", "b"], "127.0.0.1") is None  # no route off this host
+    monkeypatch.setattr(partner_link.socket, "gethostbyname", lambda _: "10.1.2.3")
+    assert partner_link.bind_host(["a", "b"], None) == "10.1.2.3"
+
+    def unresolved(_):
+        raise OSError("no name")
+
+    monkeypatch.setattr(partner_link.socket, "gethostbyname", unresolved)
+    assert partner_link.bind_host(["a", "b"], None) is None
+    assert partner_link.bind_host(["a", "a"], None) == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("nodes", "node", "held"),
+    [
+        (["a", "a", "b", "b"], "a", 2),
+        (["a", "a", "a", "b"], "b", 3),  # a small node after a big one holds them all
+        (["a", "a", "a", "b"], "a", 1),
+        (["a", "a"], "a", 0),  # one node: none
+    ],
+)
+def test_what_a_node_holds_for_others_counts_uneven_nodes(nodes, node, held):
+    assert partners.held_on(nodes, node) == held
