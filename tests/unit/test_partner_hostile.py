@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 import zmq
 
 from tests.unit.test_partner_copies import EXPECT, NBYTES, copy_of, holder_store, wait_for
@@ -46,8 +47,13 @@ def signed(body: bytes, key: bytes = KEY) -> bytes:
     return partner_link._sign(key, body) + body
 
 
-def of_record(record) -> bytes:
-    return signed(json.dumps({"record": record}).encode())
+_numbers = iter(range(1, 1 << 30))
+
+
+def of_record(record, seq: int | None = None) -> bytes:
+    """A signed header of `record`, numbered after every one before (or `seq`)."""
+    seq = next(_numbers) if seq is None else seq
+    return signed(json.dumps({"record": record, "seq": seq}).encode())
 
 
 def send_each(endpoint: str, messages: list[list[bytes]]) -> None:
@@ -73,8 +79,9 @@ def test_whatever_comes_is_refused_in_one_line_and_the_receiver_goes_on(holder, 
         ([signed(b"[1, 2]"), raw], "an unreadable header"),
         ([signed(b"\xff\xfe"), raw], "an unreadable header"),
         ([signed(b"[" * 100_000 + b"]" * 100_000), raw], "an unreadable header"),
-        ([of_record("a string"), raw], "a copy of rank None"),
-        ([of_record(memory.checked({**record, "rank": True})), raw], "a copy of rank True"),
+        ([signed(json.dumps({"record": record}).encode()), raw], "without its copy's rank"),
+        ([of_record("a string"), raw], "a header without its copy's rank and number"),
+        ([of_record(memory.checked({**record, "rank": True})), raw], "without its copy's rank"),
         ([of_record({**record, "rank": -1}), raw], "a copy of rank -1"),
         ([of_record({**record, "rank": 10**30}), raw], "a copy of rank 1000000"),
         ([of_record(stranger_s), raw], "a copy of rank 3, not one this rank holds"),
@@ -92,6 +99,27 @@ def test_whatever_comes_is_refused_in_one_line_and_the_receiver_goes_on(holder, 
     assert not tracebacks
     held = memory.find_held(holder.store.directory.parent, HOLDER)
     assert list(held) == [1] and [h.step for h in held[1]] == [5]
+
+
+def test_a_signed_copy_sent_again_is_refused_as_a_replay(holder):
+    """Someone who saw a copy go by sends its signed header again, its bytes changed so that
+    every page sums the same (two words swapped: the digests, made to catch damage, pass)."""
+    record, data = copy_of(5)
+    header = of_record(record, seq=7)
+    send_each(holder.endpoint, [[header, data.numpy().tobytes()]])
+    wait_for(lambda: holder.stats().received == 1, what=holder.stats)
+    forged = data.clone()
+    words = forged[:8192].view(torch.int64)
+    words[[0, 1]] = words[[1, 0]].clone()
+    assert bool((forged != data).any())
+    assert partner_copy.bytes_problem(record["table"], forged) is None
+    for seq_header in (header, of_record(record, seq=6)):
+        send_each(holder.endpoint, [[seq_header, forged.numpy().tobytes()]])
+        wait_for(lambda: holder.stats().refused >= 1, what=holder.stats)
+    wait_for(lambda: holder.stats().refused == 2, what=holder.stats)
+    assert "rank 1's copy number 6 once more (a replay)" in holder.stats().last_refusal
+    (held,) = memory.find_held(holder.store.directory.parent, HOLDER)[1]
+    assert held.path.read_bytes()[4096 : 4096 + NBYTES] == data.numpy().tobytes()
 
 
 def test_an_oversized_message_drops_its_sender_not_the_receiver(holder, tracebacks):

@@ -9,7 +9,9 @@ while it is sent (two copies on); the holder checks every tensor's bytes against
 before sealing, so a copy torn that way is refused there, never held.
 
 A message is two frames: the HMAC-SHA256 (a key rank 0 draws for the run) of a JSON header, then
-the header (the ward's sealed record); then the copy's raw bytes. Nothing is unpickled. Whatever
+the header (the ward's sealed record and the copy's number, counted up by its sender: a signed
+header sent again, as a replay would, is refused); then the copy's raw bytes, checked against
+the record's digests (which catch damage, not a forgery). Nothing is unpickled. Whatever
 arrives (from a stranger, or malformed) is refused with a reason and counted; nothing it holds
 stops the receiver. The link has a ZeroMQ context of its own: once closed, no socket and no
 thread of it is left.
@@ -79,6 +81,8 @@ class PartnerLink:
         self.last_refusal: str | None = None
         self.last_skip: str | None = None
         self.endpoint: str | None = None
+        self._seq = 0  # the number of this rank's last copy sent (in its signed header)
+        self._seen: dict[Any, int] = {}  # per ward: the number of the last copy taken in
         self.no_holder: str | None = None  # why this rank's copies have nowhere to go
         self._pull = self._push = None
         self._threads: list[threading.Thread] = []
@@ -133,7 +137,9 @@ class PartnerLink:
     def _send(self, record: dict[str, Any], data: torch.Tensor) -> None:
         try:
             started = time.perf_counter()
-            body = json.dumps({"record": record}, separators=(",", ":")).encode()
+            self._seq += 1  # one sender thread at a time (`_busy`)
+            body = json.dumps({"record": record, "seq": self._seq}, separators=(",", ":"))
+            body = body.encode()
             frames = [_sign(self.key, body) + body, memoryview(data.numpy())]
             try:
                 tracker = self._push.send_multipart(
@@ -205,7 +211,14 @@ class PartnerLink:
         if not hmac.compare_digest(_sign(self.key, body), mac):
             return "a header not signed with this run's key"
         try:
-            record = json.loads(body).get("record")
+            message = json.loads(body)
+            record, seq = message.get("record"), message.get("seq")
+            ward = record.get("rank") if isinstance(record, dict) else None
+            if type(seq) is not int or type(ward) is not int:
+                return "a header without its copy's rank and number"
+            if seq <= self._seen.get(ward, 0):  # signed, but taken in before: sent again
+                return f"rank {ward}'s copy number {seq} once more (a replay)"
+            self._seen[ward] = seq
             self.store.receive(record, frames[1].buffer)
         except (ValueError, AttributeError, RecursionError) as exc:
             return f"an unreadable header ({str(exc)[:200]})"
