@@ -225,8 +225,8 @@ class SyncManager(CheckpointManager):
 
     def _partner_news(self, now: PartnerStats) -> None:
         """What the partner copies did since the last step, on the next metrics record (only
-        what changed); a skipped or refused copy said on this rank's output the first time and
-        every tenth time after."""
+        what changed); a skipped or refused copy said on this rank's output (every rank's, not
+        only rank 0's) the first time and every tenth time after."""
         before, self.partner_seen = self.partner_seen, now
         for name in ("sent", "skipped", "received", "refused", "nbytes", "seconds"):
             delta = getattr(now, name) - (getattr(before, name) if before else 0)
@@ -237,10 +237,8 @@ class SyncManager(CheckpointManager):
             ("refused", "refused a copy received", now.last_refusal),
         ):
             count, was = getattr(now, name), getattr(before, name) if before else 0
-            if count > was and (was == 0 or count // 10 > was // 10):
-                self.say(
-                    f"WARNING: memory tier: partner {what} ({last}); {count} so far", flush=True
-                )
+            if count > was and (was == 0 or count // 10 > was // 10):  # every rank its own
+                print(f"WARNING: memory tier: partner {what} ({last}); {count} so far", flush=True)
 
     def close(self, step: int) -> None:
         self.close_memory()

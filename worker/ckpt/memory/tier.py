@@ -125,11 +125,11 @@ class MemoryTier:
         Returns why it is off."""
         need = bytes_needed(state) + HEADER_BYTES
         copies = self.local_world
-        if self.partner_wanted:  # the copies this node holds for the previous node's ranks too
-            self.link, _ = connect_partners(
+        if self.partner_wanted:  # and the copies this node holds for other nodes' ranks
+            self.link, held = connect_partners(
                 self.directory, self.expect, self.node, need, self.hooks
             )
-            copies *= 2 if self.link is not None else 1
+            copies += held if self.link is not None else 0
         problem = self.broken or fit_problem(
             self.directory, need * SLOTS * copies, self._reusable()
         )
