@@ -52,7 +52,7 @@ def test_node_loss_takes_a_node_target():
     ("extra", "says"),
     [
         ({"target": "rank:1"}, 'faults[0].target: node_loss takes nodes away: expected "node:N"'),
-        ({}, "node_loss takes nodes away: expected \"node:N\" or \"node:A-B\", got 'all'"),
+        ({}, 'node_loss takes nodes away: expected "node:N" or "node:A-B", got \'all\''),
         ({"target": "node:3"}, "faults[0].target: node 3 does not exist: the job has 3 node(s)"),
         ({"target": "node:1-3"}, "faults[0].target: node 3 does not exist: the job has 3 node(s)"),
         ({"target": "node:2-1"}, "the range's last node must come after its first"),
