@@ -68,10 +68,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# What a run's events and metrics say, beside this script (a script's folder is on sys.path).
+from downtime_figures import PARTS, records, row, steady_step  # noqa: E402
+
 from supervisor.log.events import read_events  # noqa: E402
 from supervisor.reporting.analysis import analyze  # noqa: E402
 from supervisor.reporting.load import load_run  # noqa: E402
-from supervisor.reporting.model import Failure  # noqa: E402
 from supervisor.settings import toml_dump  # noqa: E402
 
 SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len",
@@ -92,8 +94,6 @@ SIZES = {
 }
 STEADY_STEPS = 5  # at the end of a run: steps with no standby preparing, for the steady step
 MARGIN_GOAL_S = 0.15  # issue 27: warm, memory tier: median cost <= the steady step + this
-PARTS = ("imports", "process_group", "model_build", "warmup", "standby_wait", "choose", "load",
-         "first_step")  # fmt: skip
 
 
 def events(run: Path) -> list[dict]:
@@ -220,21 +220,6 @@ def run_one(args, standby: bool, target: str, mem: bool, tmp: Path) -> tuple[lis
     return [row(evs, k, run, failures.get(k["attempt"])) for k in kills], steady_step(evs, run)
 
 
-def records(run: Path, attempt: int) -> list[dict]:
-    """Rank 0's metrics of `attempt` (a torn last line skipped)."""
-    try:
-        lines = (run / "attempts" / f"{attempt:03d}" / "metrics-0.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def wait_past(run: Path, killed: int, attempt: int, proc: subprocess.Popen, timeout: float):
     """Until `attempt` has done a step past the newest step `killed` reached (attempt_end's
     max_step; no wait when it is not known)."""
@@ -264,88 +249,6 @@ def wait_steps(
             raise SystemExit(f"the supervisor exited early ({proc.returncode})")
         time.sleep(0.05)
     raise SystemExit("timed out waiting for steady steps")
-
-
-def row(evs: list[dict], k: dict, run: Path, failure: Failure | None) -> dict:
-    def one(name: str, attempt: int) -> dict | None:
-        return next((e for e in evs if e["event"] == name and e.get("attempt") == attempt), None)
-
-    a, n = k["attempt"], k["next"]
-    ex = one("exit", a) or one("rank_exit", a) or one("hang", a)
-    relaunch = next(e for e in evs if e["event"] == "relaunch" and e.get("after") == a)
-    started = one("standby_go", n) or one("launch", n)
-    resumed, first = one("resumed", n), one("first_step", n)
-    out = {"how": relaunch.get("mode", "cold"), "next": n}
-    if not (ex and started and first):
-        return {**out, "incomplete": True}
-    seen = ex.get("exit_mono", ex.get("detected_mono", ex["mono"]))
-    out.update(
-        prep_cost=prep_cost(evs, a, n, run),
-        downtime=first["mono"] - k["kill"],
-        restart=resumed["restart_seconds"] if resumed else None,
-        detect=seen - k["kill"],
-        relaunch=started["mono"] - seen,
-        resumed=resumed["step"] if resumed else 0,
-        parts=startup_parts(run / "attempts" / f"{n:03d}" / "metrics-0.jsonl"),
-        lost=failure.lost_steps if failure else None,
-        source=(failure.resumed_source if failure else None) or (resumed or {}).get("source"),
-        cost=None,
-    )
-    before = failure.step_at_failure if failure else None
-    past = [r for r in records(run, n) if before is not None and r["step"] > before]
-    if past:
-        out["cost"] = past[0]["t"] - k["kill_wall"]
-    return out
-
-
-def steady_step(evs: list[dict], run: Path) -> float | None:
-    """The run's steady step: the median `train/dt` of rank 0's steps, leaving out each
-    attempt's first (a start's) and every step that overlapped a standby's preparation."""
-    launched = {e["attempt"]: e["ts"] for e in evs if e["event"] == "standby_launch"}
-    ready = {e["attempt"]: e["ts"] for e in evs if e["event"] == "standby_ready"}
-    end = max((e["ts"] for e in evs), default=0.0)
-    windows = [(t, ready.get(n, end)) for n, t in launched.items()]
-    attempts = sorted({e["attempt"] for e in evs if e["event"] in ("launch", "standby_go")})
-    steps = [r for a in attempts for r in records(run, a)[1:]]
-
-    def beside_a_standby(r: dict) -> bool:
-        return any(lo < r["t"] and r["t"] - r["train/dt"] < hi for lo, hi in windows)
-
-    dts = [r["train/dt"] for r in steps if not beside_a_standby(r)]
-    return statistics.median(dts) if dts else None
-
-
-def prep_cost(evs: list[dict], a: int, n: int, run: Path) -> float | None:
-    """What the standby's preparation cost attempt `a` that it ran beside: the seconds its steps
-    took beyond the attempt's own median step while standby `n` prepared (launch -> ready)."""
-    launch = next((e for e in evs if e["event"] == "standby_launch" and e["attempt"] == n), None)
-    ready = next((e for e in evs if e["event"] == "standby_ready" and e["attempt"] == n), None)
-    if launch is None or ready is None:
-        return None
-    try:
-        lines = (run / "attempts" / f"{a:03d}" / "metrics-0.jsonl").read_text().splitlines()
-        steps = [json.loads(x) for x in lines][1:]  # not the first: it is a start's
-    except (OSError, ValueError):
-        return None
-    # A step's record is written when it ends: it overlapped the window if it ended after the
-    # launch and began before the ready.
-    inside = [r for r in steps if launch["ts"] < r["t"] and r["t"] - r["train/dt"] < ready["ts"]]
-    outside = [r["train/dt"] for r in steps if r not in inside]
-    if not inside or not outside:
-        return None
-    steady = statistics.median(outside)
-    return sum(max(0.0, r["train/dt"] - steady) for r in inside)
-
-
-def startup_parts(path: Path) -> dict[str, float]:
-    try:
-        first = json.loads(path.read_text().splitlines()[0])
-    except (OSError, IndexError, ValueError):
-        return {}
-    parts = {p: first[f"startup/{p}"] for p in PARTS if f"startup/{p}" in first}
-    if "train/standby_prepare_seconds" in first:
-        parts["prepare"] = first["train/standby_prepare_seconds"]
-    return parts
 
 
 def show(title: str, rows: list[dict], step: float | None) -> dict[str, float | None]:
