@@ -44,6 +44,7 @@ class StandbyKeeper:
         self.prepare_s: float | None = None  # how long the last ready standby took to be ready
         self.waited_s = 0.0  # how long the last `take` waited for a standby still starting
         self.lost_in_a_row = 0
+        self.lost_nodes: list[str] = []  # where the last standby lost ran (a node loss takes it)
         self.given_up = False
         self.over = False  # the job is over: keep none from now on
 
@@ -74,7 +75,7 @@ class StandbyKeeper:
                 was_ready=attempt.ready_at is not None,
                 retry_in_s=delay,
             )
-            self.attempt = None
+            self.attempt, self.lost_nodes = None, list(attempt.nodes)
             await asyncio.shield(self._end_later(attempt, "lost"))  # a close waits for it too
             if delay is None:
                 self.given_up = True
@@ -96,7 +97,7 @@ class StandbyKeeper:
             choice = self._choice(bad_nodes)
         attempt = self.attempt
         await self._stop_keeping()
-        self.attempt = None
+        self.attempt, self.lost_nodes = None, []
         if choice.action == "use":
             self._note_ready(attempt)
             return attempt, None
@@ -112,7 +113,7 @@ class StandbyKeeper:
         return standby_rules.standby_choice(
             ready=attempt is not None and attempt.ready_at is not None,
             alive=alive,
-            standby_nodes=attempt.nodes if attempt is not None else [],
+            standby_nodes=attempt.nodes if attempt is not None else self.lost_nodes,
             bad_nodes=bad_nodes,
             starting_s=time.monotonic() - attempt.table.launched_at if alive else 0.0,
             prepare_s=self.prepare_s,

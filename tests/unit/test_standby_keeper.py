@@ -78,3 +78,18 @@ def test_a_waited_for_standby_that_stays_unready_is_dropped_at_the_bound():
         assert [r for r, _ in standby.ended] == ["unusable"]
 
     asyncio.run(main())
+
+
+def test_a_standby_lost_with_a_failed_node_is_named_at_the_relaunch():
+    """A node loss kills the standby's ranks there: the keeper sees it lost before the relaunch
+    asks, and the cold relaunch still says why (not merely that none runs)."""
+
+    async def main() -> None:
+        k, _ = keeper(FakeStandby(3, launched_ago_s=5.0))
+        k.attempt, k.lost_nodes = None, ["n0", "n1"]
+        got, why = await k.take(["n1"])
+        assert got is None and why.startswith("the standby ended with the failed node n1: ")
+        assert k.lost_nodes == []  # said once: the next standby is another
+        assert (await k.take(["n1"]))[1] == "no standby running"
+
+    asyncio.run(main())
