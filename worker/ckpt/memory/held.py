@@ -99,15 +99,22 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
         raise SlotRefused(f"slot {slot}: torn (a copy was cut short)")
     if size != HEADER_BYTES + nbytes or record.get("nbytes") != nbytes:
         raise SlotRefused(f"slot {slot}: {size} bytes, its record says {nbytes}")
+    problem = identity_problem(record, expect, nbytes)
+    if problem:
+        raise SlotRefused(f"slot {slot}: {problem}")
+    return Held(slot, record["step"], record["gen"], record, bin_path)
+
+
+def identity_problem(record: dict[str, Any], expect: Expect, nbytes: int) -> str | None:
+    """Why a sealed record is not a copy of this run's state for `expect.rank` (another job,
+    world, mesh, model or node; a None in `expect`: any), or its table does not fit its `nbytes`
+    of data; None when it is. A slot's and a received partner copy's check alike."""
     for key, value in expect.record().items():  # None: any (a partner copy's node)
         if value is not None and record.get(key) != value:
-            raise SlotRefused(f"slot {slot}: {key} {record.get(key)!r}, this run {value!r}")
+            return f"{key} {record.get(key)!r}, this run {value!r}"
     if not isinstance(record.get("step"), int) or not isinstance(record.get("table"), dict):
-        raise SlotRefused(f"slot {slot}: incomplete record")
-    outside = table_problem(record["table"], nbytes)
-    if outside:
-        raise SlotRefused(f"slot {slot}: {outside}")
-    return Held(slot, record["step"], record["gen"], record, bin_path)
+        return "incomplete record"
+    return table_problem(record["table"], nbytes)
 
 
 def find(directory: Path, expect: Expect) -> tuple[list[Held], list[str]]:

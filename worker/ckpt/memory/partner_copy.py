@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from worker.ckpt.fail_points import SaveFailPoints
-from worker.ckpt.memory.checksum import checked, digest, record_problem, table_problem
-from worker.ckpt.memory.held import Held, inspect
+from worker.ckpt.memory.checksum import checked, digest, record_problem
+from worker.ckpt.memory.held import Held, identity_problem, inspect
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
     SLOTS,
@@ -67,15 +67,9 @@ def header_problem(record: Any, expect: Expect, nbytes: int) -> str | None:
     problem = record_problem(record)
     if problem:
         return problem
-    for key, value in expect.record().items():
-        if value is not None and record.get(key) != value:
-            return f"{key} {record.get(key)!r}, this run {value!r}"
-    if record.get("nbytes") != nbytes or not isinstance(record.get("step"), int):
+    if record.get("nbytes") != nbytes:
         return f"{nbytes} bytes received, its record says {record.get('nbytes')!r}"
-    table = record.get("table")
-    if not isinstance(table, dict):
-        return "no table"
-    return table_problem(table, nbytes)
+    return identity_problem(record, expect, nbytes)
 
 
 def _own_dir(path: Path) -> None:
