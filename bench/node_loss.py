@@ -43,6 +43,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Rank 0's metrics of an attempt, beside this script (a script's folder is on sys.path).
+from downtime_figures import records  # noqa: E402
+
 from supervisor.log.events import read_events  # noqa: E402
 from supervisor.reporting.analysis import analyze  # noqa: E402
 from supervisor.reporting.load import load_run  # noqa: E402
@@ -84,13 +87,9 @@ def config(out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, stan
 
 
 def metrics(run: Path) -> dict[int, list[dict]]:
-    """Rank 0's records per attempt."""
-    out: dict[int, list[dict]] = {}
-    for adir in sorted((run / "attempts").iterdir()):
-        path = adir / "metrics-0.jsonl"
-        if path.exists():
-            out[int(adir.name)] = [json.loads(x) for x in path.read_text().splitlines() if x]
-    return out
+    """Rank 0's records per attempt (read while the job runs: a torn last line is skipped)."""
+    attempts = sorted(int(adir.name) for adir in (run / "attempts").iterdir())
+    return {a: recs for a in attempts if (recs := records(run, a))}
 
 
 def run_job(cfg: Path, run: Path, mem: Path, snapshot: Path | None) -> None:
