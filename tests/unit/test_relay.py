@@ -175,14 +175,19 @@ def test_a_single_silent_rank_is_named_not_its_node():
     assert f.deadline == pytest.approx(105.0)
 
 
-def test_a_silent_relay_is_its_nodes_failure():
-    t = fed()
-    for k in range(1, 8):  # only n0's relay is heard from after 100
+def first_finding_with_only_n0_heard(t):
+    """Judge each second after 100 while only n0's relay sends summaries: the first finding."""
+    for k in range(1, 8):
         now = 100.0 + k
         t.update(summary(0, range(4), [10 + k] * 4), now)
         f = t.judge(now + 0.1, HB)
         if f is not None:
-            break
+            return f
+    return None
+
+
+def test_a_silent_relay_is_its_nodes_failure():
+    f = first_finding_with_only_n0_heard(fed())
     assert f is not None and f.kind == "hang" and f.ranks == (4, 5, 6, 7)
     assert f.node == "n1" and "relay of node n1 (rank 4)" in f.reason
     assert f.deadline == pytest.approx(105.0)
@@ -203,12 +208,7 @@ def test_a_silent_relay_names_every_rank_of_its_node_even_one_heard_after_its_su
     t = fed()
     rank, kind, fields = said
     t.update(ident(rank).message(kind, 0.0, **fields), 100.2)
-    for k in range(1, 8):  # only n0's relay is heard from after 100.2
-        now = 100.0 + k
-        t.update(summary(0, range(4), [10 + k] * 4), now)
-        f = t.judge(now + 0.1, HB)
-        if f is not None:
-            break
+    f = first_finding_with_only_n0_heard(t)
     assert f is not None and f.kind == "hang" and f.ranks == (4, 5, 6, 7), f
     assert f.node == "n1" and "relay of node n1 (rank 4) sent no summary for its 4" in f.reason
     assert f.deadline == pytest.approx(105.0)
