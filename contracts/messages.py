@@ -53,7 +53,22 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # [phase, count] runs), `late` ([rank, age_s] for each rank not heard from since the relay's
     # previous summary: its last message is `age_s` old; every other one was heard from since).
     "summary": {"node": str, "ranks": list, "steps": list, "phases": (str, list), "late": list},
-}
+    # The numerical guard (rank 0, once for the job): step `step` was not applied; `fault`:
+    # NUMERIC_FAULTS; `value` the value judged (a str for a non-finite one: "nan", "inf");
+    # `what`: "loss" or "grad_norm"; `ranks`: the ranks behind it; `action`: the guard's.
+    "numeric_fault": {
+        "step": int, "ranks": list, "fault": str, "value": (int, float, str), "what": str,
+        "action": str,
+    },
+    # ... and rolled back from the bad step to a checkpoint's, skipping data positions "A-B".
+    "rollback": {"from_step": int, "to_step": int, "skip": str},
+}  # fmt: skip
+NUMERIC_FAULTS = frozenset({"nan", "inf", "spike"})
+# Stragglers (worker.step_clock): a `beat` and a `step` may carry the latest step's `compute` and
+# `wait` (seconds in collectives); a `summary` may carry `compute`, one per rank in its rank
+# order (null: not said yet). Optional: senders without them are accepted.
+TIMING_FIELDS = ("compute", "wait")
+MAX_TIMING_S = 1e6
 # The most ranks one summary may speak for (a node's ranks; 16 KiB hold ~1,000 of them).
 MAX_RELAY_RANKS = 1024
 
@@ -136,6 +151,10 @@ def validate(message: dict[str, Any]) -> None:
         raise BadMessage(f"unknown checkpoint state {message['state']!r}")
     if kind == "summary":
         validate_summary(message)
+    if kind == "beat" or kind == "step":
+        validate_timing(message)
+    if kind == "numeric_fault":
+        validate_numeric_fault(message)
     if kind == "resumed" and "source" in message:
         source = message["source"]
         if source.__class__ is not str:
@@ -230,6 +249,36 @@ def validate_summary(message: dict[str, Any]) -> None:
             or not any(first <= entry[0] < first + count for first, count in ranks)
         ):
             raise BadMessage("summary late: expected [rank, age_s] of its own ranks")
+    if "compute" in message:
+        _summary_compute(message, n)
+
+
+def _seconds(value: Any) -> bool:
+    return value.__class__ in _NUMBERS and 0 <= value < MAX_TIMING_S
+
+
+def validate_timing(message: dict[str, Any]) -> None:
+    """A beat's or step's optional `compute` and `wait`: seconds, finite and >= 0."""
+    for name in TIMING_FIELDS:
+        if name in message and not _seconds(message[name]):
+            raise BadMessage(f"field {name!r}: expected seconds >= 0")
+
+
+def _summary_compute(message: dict[str, Any], n: int) -> None:
+    compute = message["compute"]
+    if compute.__class__ is not list or len(compute) != n:
+        raise BadMessage("summary compute: expected one per rank")
+    for value in compute:
+        if value is not None and not _seconds(value):
+            raise BadMessage("summary compute: expected seconds >= 0 or null")
+
+
+def validate_numeric_fault(message: dict[str, Any]) -> None:
+    ranks = message["ranks"]
+    if message["fault"] not in NUMERIC_FAULTS:
+        raise BadMessage(f"unknown numeric fault {message['fault']!r}")
+    if len(ranks) > MAX_RELAY_RANKS or any(r.__class__ is not int for r in ranks):
+        raise BadMessage("numeric_fault ranks: expected a list of ranks")
 
 
 def _exact(kind: type | tuple[type, ...]) -> frozenset[type]:

@@ -53,9 +53,12 @@ class NodeRelay:
         self.socket = sock
         return True
 
-    def summarize(self, send: Send, phase: str, step: int, now: float) -> None:
-        """The relay's beat: its own beat folded in, then the node's summary to the supervisor."""
-        self.core.own("beat", {"phase": phase, "step": step}, now)
+    def summarize(
+        self, send: Send, phase: str, step: int, now: float, timing: dict | None = None
+    ) -> None:
+        """The relay's beat (with its latest step's `timing`, if any): its own beat folded in,
+        then the node's summary to the supervisor."""
+        self.core.own("beat", {"phase": phase, "step": step, **(timing or {})}, now)
         frame = self.core.summary_frame(time.time(), now)
         if frame is not None:
             send(frame)

@@ -89,6 +89,10 @@ class Beacon:
 
     def step(self, step: int, loss: float, dt: float) -> None: ...
 
+    def timing(self, compute: float, wait: float) -> None:
+        """The coming step's compute and wait in collectives (worker.step_clock): its `step`
+        message and the beats after it carry them."""
+
     def ckpt(self, step: int, state: str) -> None: ...
 
     def resumed(
@@ -96,6 +100,14 @@ class Beacon:
     ) -> None: ...
 
     def error(self, message: str) -> None: ...
+
+    def numeric_fault(
+        self, step: int, ranks: list[int], kind: str, value: float | str, what: str, action: str
+    ) -> None:
+        """Rank 0, for the job: the numerical guard found step `step` bad (not applied)."""
+
+    def rollback(self, from_step: int, to_step: int, skip: str) -> None:
+        """Rank 0, for the job: the guard rolled back from the bad step to a checkpoint's."""
 
     def done(self, step: int) -> None: ...
 
@@ -161,6 +173,7 @@ class ZmqBeacon(Beacon):
         # Read by the sender thread for beats; plain attribute writes are atomic under the GIL.
         self._phase = "init"
         self._step = 0
+        self._timing: dict[str, float] = {}  # the latest step's compute and wait (stragglers)
         self._dropped = 0  # not queued: the queue was full
         self._push: _Push | None = None  # the thread's, once it runs
         self._last_step_sent = -float("inf")
@@ -194,7 +207,10 @@ class ZmqBeacon(Beacon):
             if now - self._last_step_sent < self._interval:
                 return
             self._last_step_sent = now
-        self._put("step", step=int(step), loss=float(loss), dt=float(dt))
+        self._put("step", step=int(step), loss=float(loss), dt=float(dt), **self._timing)
+
+    def timing(self, compute: float, wait: float) -> None:
+        self._timing = {"compute": round(compute, 6), "wait": round(wait, 6)}
 
     def ckpt(self, step: int, state: str) -> None:
         if state == "memory":
@@ -223,6 +239,22 @@ class ZmqBeacon(Beacon):
     def error(self, message: str) -> None:
         # Leave room for the envelope under the protocol's size limit.
         self._put("error", message=str(message)[: messages.MAX_MESSAGE_BYTES // 2])
+
+    def numeric_fault(
+        self, step: int, ranks: list[int], kind: str, value: float | str, what: str, action: str
+    ) -> None:
+        self._put(
+            "numeric_fault",
+            step=int(step),
+            ranks=[int(r) for r in ranks][: messages.MAX_RELAY_RANKS],
+            fault=kind,
+            value=value,
+            what=what,
+            action=action,
+        )
+
+    def rollback(self, from_step: int, to_step: int, skip: str) -> None:
+        self._put("rollback", from_step=int(from_step), to_step=int(to_step), skip=skip)
 
     def done(self, step: int) -> None:
         self._phase, self._step = "done", int(step)
@@ -314,9 +346,10 @@ class ZmqBeacon(Beacon):
                 now = time.monotonic()
                 if now >= next_beat:
                     if relay is None:
-                        self._send("beat", time.time(), phase=self._phase, step=self._step)
+                        beat = {"phase": self._phase, "step": self._step, **self._timing}
+                        self._send("beat", time.time(), **beat)
                     else:
-                        relay.summarize(push.send, self._phase, self._step, now)
+                        relay.summarize(push.send, self._phase, self._step, now, self._timing)
                     next_beat = now + self._interval
                     self._parent.check()
                 wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
@@ -366,12 +399,22 @@ class ZmqBeacon(Beacon):
 class StepFaults:
     """The training loop's per-step hook for the supervisor's in-step faults: `stall` blocks
     inside the step for good (the beat thread keeps beating: progress is lost, liveness is not);
-    `slow` sleeps `delay_s` at every step until `duration_s` has passed (a straggler)."""
+    `slow` sleeps `delay_s` at every step until `duration_s` has passed (a straggler); `nan` and
+    `spike` are handed to the numerical guard (`numeric`)."""
 
     def __init__(self, beacon: Beacon) -> None:
         self._beacon = beacon
         self._delay_s = 0.0
         self._slow_until = 0.0
+        self._numeric: list[tuple[int, str, float]] = []
+
+    def numeric(self) -> list[tuple[int, str, float]]:
+        """`nan` and `spike` commands since the last call, as (step, kind, factor) for the
+        numerical guard (worker.guard_step), which applies each at the first step it runs at or
+        after the command's step: one that comes early is held, one that comes late applies at
+        the next step."""
+        out, self._numeric = self._numeric, []
+        return out
 
     def apply(self) -> None:
         for cmd in self._beacon.commands():
@@ -381,5 +424,7 @@ class StepFaults:
             if cmd["action"] == "slow":
                 self._delay_s = cmd["delay_s"]
                 self._slow_until = time.monotonic() + cmd["duration_s"]
+            if cmd["action"] in ("nan", "spike"):
+                self._numeric.append((cmd["step"], cmd["action"], cmd["factor"]))
         if self._delay_s and time.monotonic() < self._slow_until:
             time.sleep(self._delay_s)

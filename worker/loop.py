@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from worker import guard_step
 from worker.args import TrainArgs
 from worker.beat import Beacon, StepFaults
 from worker.build import Setup, Training, build
@@ -25,6 +25,7 @@ from worker.parallel import clip_grad_norm
 from worker.presets import ModelConfig
 from worker.standby import build_after_go
 from worker.startup import Startup
+from worker.step_clock import CLOCK
 
 
 def run(
@@ -53,17 +54,25 @@ def run(
     step, tokens_seen = t.start_step, t.start_tokens
     beacon.phase("train", step)
     in_step_faults = StepFaults(beacon)  # faults/: stall or slow this rank when told to
+    said_startup = False
     while step < args.train_iters:
         step += 1
         started = time.perf_counter()
+        CLOCK.start()
         t.hooks.in_step(step)
         in_step_faults.apply()
-        loss = train_step(t, step)
-        mean_loss, stopping = agree(loss, stop_requested(), info.world)
+        t.guard.pending += in_step_faults.numeric()
+        done = train_step(t, step, stop_requested())
+        if done.verdict is not None:  # not applied: skipped, or rolled back to a checkpoint
+            step, tokens_seen = guard_step.recover(t, step, done, tokens_seen)
+            continue
+        mean_loss, stopping = done.mean_loss, done.stopping
         tokens_seen += t.tokens_per_step
         dt = time.perf_counter() - started
-        if step == t.start_step + 1:
+        if not said_startup:
+            said_startup = True
             report_startup(t)
+        report_timing(t, step)
         report_step(t, step, mean_loss, dt)
         t.ckpt.poll(step)
         if not stopping and step < args.train_iters:  # the memory tier serves a relaunch
@@ -77,26 +86,41 @@ def run(
     return 0
 
 
-def train_step(t: Training, step: int) -> torch.Tensor:
-    """Forward, backward, clip, update. Returns this rank's loss."""
-    inputs, targets = batch(t.source, step, t.dp_rank, t.args.batch_size)
+def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepped:
+    """Forward, backward, clip; the agreement, which the numerical guard judges the step by;
+    the update unless the step is bad (worker.guard_step)."""
+    factor, poisoned = t.guard.due(step)  # faults injected into this rank, if any
+    inputs, targets = batch(t.source, t.guard.position(step), t.dp_rank, t.args.batch_size)
     logits = t.model(inputs.to(t.device))
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(t.device).flatten())
+    if factor != 1.0:
+        loss = loss * factor
     loss.backward()
-    clip_grad_norm(t.model.parameters(), t.args.grad_clip)
+    params = [p for p in t.model.parameters() if p.grad is not None]
+    if poisoned:
+        guard_step.poison(params)
+    local = guard_step.local_norm(params) if t.guard.cfg.on else 0.0
+    grad_norm = clip_grad_norm(params, t.args.grad_clip).item()
     t.ckpt.before_update()  # a save's staging copy ran beside forward and backward
-    t.optimizer.step()
-    t.scheduler.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    return loss
+    mean_loss, stopping, nonfinite = agree(loss.item(), local, stop_requested, t.info.world)
+    verdict = t.guard.judge(mean_loss, grad_norm, nonfinite)
+    if verdict is None:
+        t.optimizer.step()
+        t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)  # a bad step's gradients go with them
+    return guard_step.Stepped(loss.item(), local, mean_loss, stopping, verdict)
 
 
-def agree(loss: torch.Tensor, stop_requested: bool, world: int) -> tuple[float, bool]:
-    """The stop agreement: one small all-reduce carries both the mean loss and whether any rank
-    was asked to stop, so every rank stops after the same step."""
-    shared = torch.tensor([loss.item(), float(stop_requested)], dtype=torch.float64)
-    dist.all_reduce(shared)
-    return shared[0].item() / world, shared[1].item() > 0
+def agree(
+    loss: float, local_grad: float, stop_requested: bool, world: int
+) -> tuple[float, bool, int]:
+    """The stop agreement: one small all-reduce carries the mean loss, whether any rank was
+    asked to stop, so every rank stops after the same step, and how many ranks hold a
+    non-finite loss or gradient (the guard's; the mean is then NaN on every rank)."""
+    shared = guard_step.shared_values(loss, local_grad, stop_requested)
+    with CLOCK.waiting():
+        dist.all_reduce(shared)
+    return guard_step.agreed(shared, world)
 
 
 def save_due(args: TrainArgs, step: int, stopping: bool) -> bool:
@@ -125,6 +149,15 @@ def report_step(t: Training, step: int, mean_loss: float, dt: float) -> None:
     t.beacon.step(step, mean_loss, dt)
     if step % t.args.log_every == 0 or step == t.args.train_iters:
         t.say(human_line(entry, t.args.train_iters), flush=True)
+
+
+def report_timing(t: Training, step: int) -> None:
+    """The step's compute and wait in collectives (worker.step_clock): the beacon carries them
+    to the supervisor's straggler score."""
+    compute, wait = CLOCK.split()
+    t.beacon.timing(compute, wait)
+    t.metrics.add_to_next("train/compute_seconds", compute)
+    t.metrics.add_to_next("train/wait_seconds", wait)
 
 
 def finish(t: Training, step: int) -> None:

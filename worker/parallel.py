@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from worker.layout import Layout
+from worker.step_clock import CLOCK, timed_collectives
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -54,6 +55,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    if mesh.device_type == "cpu":  # gloo: each rank's wait in collectives, timed (step_clock)
+        for part in (*model.layers, model):
+            timed_collectives(part)
     return model
 
 
@@ -74,11 +78,10 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     for p in params:
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    local = [torch.nn.utils.get_total_norm(grads, 2.0) for grads in groups.values()]
+    with CLOCK.waiting():  # the norms' all-reduces: time in collectives (step_clock)
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in local]
+        total = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
