@@ -68,6 +68,7 @@ RANK = Kind("a rank (an integer >= 0)", _whole)
 STEP = Kind("a step (an integer >= 0)", _whole)
 SECONDS = Kind("seconds (a number >= 0)", _seconds)
 PHASE = Kind(f"an async save's phase ({', '.join(ASYNC_PHASES)})", _phase)
+FACTOR = Kind("a factor (a number >= 0)", _seconds)
 NODES = Kind(f"node names ({LIST_SEPARATOR}-separated)", _names)
 
 
@@ -109,6 +110,13 @@ class Injection:
         "with partner copies: every copy the rank holds for another, from this step on, has a "
         "byte of its data flipped once sealed (damage in the holder's memory)",
     )
+    nan_at_step: int | None = _point(
+        None, STEP, "a NaN in one of the rank's gradients at this step (the numerical guard's)"
+    )
+    spike_at_step: int | None = _point(
+        None, STEP, "the rank's loss at this step scaled by spike_factor (the numerical guard's)"
+    )
+    spike_factor: float = _point(100.0, FACTOR, "what spike_at_step scales the loss by")
     node_check_fail: tuple[str, ...] = _point(
         (), NODES, "the pre-launch node check fails on these nodes"
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from contracts import inject
 from contracts.env_names import ENV_INJECT
 from worker.errors import UsageError
+from worker.guard import ACTIONS, GuardConfig, parse_ranges
 from worker.layout import Layout, check_model_fits, plan_layout
 from worker.presets import PRESETS, ModelConfig, resolve_config
 
@@ -53,6 +54,12 @@ class TrainArgs:
     mem_ckpt_interval: int
     mem_partner: str
     metrics_all_ranks: bool
+    guard: str = "skip"
+    guard_factor: float = 4.0
+    guard_grad_factor: float = 50.0
+    guard_warmup: int = 20
+    guard_skip_batches: int = 1
+    skip_batches: str = ""
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -205,7 +212,76 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --mem-ckpt-interval on two nodes or more: each copy is also sent to a rank "
         "of the next node, which holds it in its memory, so that a node's loss loses no copy",
     )
+    add_guard_flags(p)
     return p
+
+
+def add_guard_flags(p: argparse.ArgumentParser) -> None:
+    """The numerical guard (worker.guard) and the data positions a run skips."""
+    g = p.add_argument_group("numerical guard")
+    g.add_argument(
+        "--guard",
+        choices=ACTIONS,
+        default="skip",
+        help="what a bad step (a non-finite loss or gradient, or a spike) does: it is never "
+        "applied; skip: its batch is dropped and the step redone with the next; rollback: "
+        "the newest checkpoint is reloaded and the batches since it skipped; off: no checks",
+    )
+    g.add_argument(
+        "--guard-factor",
+        type=float,
+        default=4.0,
+        help="a mean loss above its running baseline x this is a spike",
+    )
+    g.add_argument(
+        "--guard-grad-factor",
+        type=float,
+        default=50.0,
+        help="a global gradient norm (before clipping) above its running baseline x this is a "
+        "spike",
+    )
+    g.add_argument(
+        "--guard-warmup",
+        type=int,
+        default=20,
+        help="good steps before spikes are judged, and the baseline's averaging window",
+    )
+    g.add_argument(
+        "--guard-skip-batches",
+        type=int,
+        default=1,
+        help="rollback: skip at least this many data positions from the checkpoint's on",
+    )
+    g.add_argument(
+        "--skip-batches",
+        default="",
+        metavar="A-B[,C-D]",
+        help="data positions no step trains on, from the start (positions count from 1; a "
+        "checkpoint records the ranges it skipped, so a run given them reproduces it)",
+    )
+
+
+def guard_config(a: TrainArgs) -> GuardConfig:
+    return GuardConfig(
+        a.guard, a.guard_factor, a.guard_grad_factor, a.guard_warmup, a.guard_skip_batches
+    )
+
+
+def check_guard(a: TrainArgs) -> None:
+    for flag, value in (
+        ("--guard-factor", a.guard_factor),
+        ("--guard-grad-factor", a.guard_grad_factor),
+    ):
+        if not (math.isfinite(value) and value > 1):
+            raise UsageError(f"{flag} must be a number above 1, got {value}")
+    if a.guard_warmup < 1:
+        raise UsageError(f"--guard-warmup must be at least 1, got {a.guard_warmup}")
+    if a.guard_skip_batches < 1:
+        raise UsageError(f"--guard-skip-batches must be at least 1, got {a.guard_skip_batches}")
+    try:
+        parse_ranges(a.skip_batches)
+    except ValueError as exc:
+        raise UsageError(f"--skip-batches: {exc}") from None
 
 
 def parse_args(argv: list[str] | None) -> TrainArgs:
@@ -254,6 +330,7 @@ def check_args(a: TrainArgs) -> None:
         raise UsageError(
             f"--mem-ckpt-interval must be 0 (off) or positive, got {a.mem_ckpt_interval}"
         )
+    check_guard(a)
     if (a.save_interval or a.async_ckpt or a.mem_ckpt_interval) and not a.ckpt_dir:
         raise UsageError(
             "--save-interval, --async-ckpt and --mem-ckpt-interval need --ckpt-dir (the memory "

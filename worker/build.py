@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from worker.args import TrainArgs
+from worker.args import TrainArgs, guard_config
 from worker.beat import Beacon
 from worker.ckpt import owner, resume
 from worker.ckpt.checkpointer import Resumed
@@ -28,6 +28,7 @@ from worker.ckpt.manager import CheckpointManager, create_manager
 from worker.ckpt.settings import CkptSettings
 from worker.data import SyntheticData, TokenFileData
 from worker.dist import RankInfo, init_process_group, select_device, set_threads
+from worker.guard_step import GuardRun
 from worker.hooks import Hooks
 from worker.layout import Layout
 from worker.metrics import MetricsLog, metrics_dir
@@ -117,6 +118,7 @@ class Training:
     hooks: Hooks
     say: Callable[..., None]  # prints on rank 0 only
     startup: Startup
+    guard: GuardRun  # the numerical guard: skipped data positions, baseline (worker.guard_step)
 
     @property
     def start_step(self) -> int:
@@ -127,8 +129,9 @@ class Training:
         return self.resumed.tokens_seen if self.resumed else 0
 
     def data_position(self, step: int) -> dict[str, Any]:
-        """The data record of a checkpoint saved at the end of `step`."""
-        return {**self.data_desc, "next_step": step + 1}
+        """The data record of a checkpoint saved at the end of `step`: with the data positions
+        skipped so far and the guard's baseline (a resumed run goes on with both)."""
+        return {**self.data_desc, "next_step": step + 1, **self.guard.record()}
 
 
 def build(setup: Setup) -> Training:
@@ -239,6 +242,12 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
         hooks=state.hooks,
         say=setup.say,
         startup=setup.startup,
+        guard=GuardRun.start(
+            guard_config(args),
+            args.skip_batches,
+            resumed.data if resumed is not None else None,
+            state.hooks.numeric_faults(),
+        ),
     )
 
 

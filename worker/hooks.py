@@ -32,6 +32,10 @@ class Hooks(NoFailPoints):
     def in_step(self, step: int) -> None:
         """At the start of every step."""
 
+    def numeric_faults(self) -> list[tuple[int, str, float]]:
+        """(step, "nan" | "spike", factor): what the numerical guard must catch on this rank."""
+        return []
+
 
 def from_env(env: Mapping[str, str], rank: int, async_ckpt: bool) -> Hooks:
     """This rank's hooks from `ES_INJECT` in `env`; UsageError (exit 2) on a bad value."""
@@ -53,6 +57,9 @@ def from_env(env: Mapping[str, str], rank: int, async_ckpt: bool) -> Hooks:
         disk_full_at_step=points.disk_full_at_step,
         kill_in_mem_copy_at_step=points.kill_in_mem_copy_at_step,
         damage_partner_copies_at_step=points.damage_partner_copies_at_step,
+        nan_at_step=points.nan_at_step,
+        spike_at_step=points.spike_at_step,
+        spike_factor=points.spike_factor,
     )
 
 
@@ -70,6 +77,15 @@ class InjectedFaults(Hooks):
     disk_full_at_step: int | None = None
     kill_in_mem_copy_at_step: int | None = None
     damage_partner_copies_at_step: int | None = None
+    nan_at_step: int | None = None
+    spike_at_step: int | None = None
+    spike_factor: float = 100.0
+
+    def numeric_faults(self) -> list[tuple[int, str, float]]:
+        if not self.armed:
+            return []
+        faults = [(self.nan_at_step, "nan", 1.0), (self.spike_at_step, "spike", self.spike_factor)]
+        return [(s, kind, factor) for s, kind, factor in faults if s is not None]
 
     def in_step(self, step: int) -> None:
         if not self.armed:

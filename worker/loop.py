@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from worker import guard_step
+from worker import guard_recover, guard_step
 from worker.args import TrainArgs
 from worker.beat import Beacon, StepFaults
 from worker.build import Setup, Training, build
@@ -64,7 +64,7 @@ def run(
         t.guard.pending += in_step_faults.numeric()
         done = train_step(t, step, stop_requested())
         if done.verdict is not None:  # not applied: skipped, or rolled back to a checkpoint
-            step, tokens_seen = guard_step.recover(t, step, done, tokens_seen)
+            step, tokens_seen = guard_recover.recover(t, step, done, tokens_seen)
             continue
         mean_loss, stopping = done.mean_loss, done.stopping
         tokens_seen += t.tokens_per_step

@@ -43,6 +43,7 @@ class Resumed:
     path: Path
     source: str = "durable"  # or "memory": the node-local tier (worker.ckpt.memory)
     why: str | None = None  # what the memory tier passed over and why (resume.Chosen.why)
+    data: dict[str, Any] | None = None  # the checkpoint's data record (skipped ranges, guard)
 
 
 @contextmanager
@@ -218,4 +219,9 @@ class Checkpointer:
         if self.rank < len(rngs) and meta["world"] == self.world:
             rng.restore(rngs[self.rank], f"{directory / ckpt_files.META} (rank {self.rank})")
         self.last_saved_step = meta["step"]
-        return Resumed(step=meta["step"], tokens_seen=meta["tokens_seen"], path=directory)
+        return Resumed(
+            step=meta["step"],
+            tokens_seen=meta["tokens_seen"],
+            path=directory,
+            data=meta.get("data"),
+        )

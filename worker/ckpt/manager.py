@@ -60,6 +60,11 @@ class CheckpointManager:
     def close(self, step: int) -> None:
         """Before exit: drain and mark a save in flight."""
 
+    def rollback(self) -> Resumed | None:
+        """Collective, for the numerical guard: the newest checkpoint (memory tier or durable)
+        back into the live state; None when there is none to go back to."""
+        return None
+
 
 def create_manager(
     settings: CkptSettings,
@@ -164,7 +169,9 @@ class SyncManager(CheckpointManager):
                 self.memory.resumed_from(held)
                 self.base.last_saved_step = -1  # nothing durable of this step yet
                 source = "partner" if chosen.source.from_partner else "memory"
-                resumed = Resumed(meta["step"], meta["tokens_seen"], held.path, source, why)
+                resumed = Resumed(
+                    meta["step"], meta["tokens_seen"], held.path, source, why, meta.get("data")
+                )
                 self.say(f"RESUMED from step={resumed.step} ({source}, {held.path})", flush=True)
                 if why:
                     self.say(f"memory tier passed over: {why}", flush=True)
@@ -196,6 +203,26 @@ class SyncManager(CheckpointManager):
         if why:
             self.say(f"memory tier passed over: {why}", flush=True)
         return resumed
+
+    def rollback(self) -> Resumed | None:
+        """Saves in flight drained first (`drain`), so the newest complete one counts; then
+        chosen and loaded as a relaunch would (a slot refused at load: the next choice)."""
+        self.drain()
+        memory_at = None
+        if self.memory is not None and self.memory.enabled:
+            memory_at = (self.memory.directory, self.memory.expect)
+        chosen = resume.choose_tiers(
+            self.base.root,
+            rank=self.base.rank,
+            verify=self.base.verify,
+            memory_at=memory_at,
+            say=self.say,
+            partner=self.memory.partner_wanted if memory_at else False,
+        )
+        return self.load(chosen)
+
+    def drain(self) -> None:
+        """Sync saves leave nothing in flight."""
 
     def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         if self.memory is not None and self.memory.due(step):
@@ -343,6 +370,9 @@ class AsyncManager(SyncManager):
         report = self.saver.poll()
         if report is not None:
             self._report([report])
+
+    def drain(self) -> None:
+        self._report(self.saver.drain())
 
     def close(self, step: int) -> None:
         self.step = step

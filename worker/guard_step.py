@@ -1,0 +1,137 @@
+"""The numerical guard in the training loop: what it does with worker.guard's decisions.
+
+After backward and clipping and before the update, each rank says in the step's one agreement
+(the all-reduce that already carries the loss and the stop) whether its own loss or gradients
+are non-finite; with the mean loss and the global gradient norm, which every rank holds alike,
+every rank then judges the step the same (`GuardRun.judge`). A bad step drops its gradients and
+makes no optimizer or scheduler step, so nothing of it reaches the weights; one more small
+all-reduce names the ranks behind it. Then `skip` redoes the step with the next data position,
+`rollback` reloads the newest checkpoint in the process (memory tier or durable) and skips the
+positions since it. Rank 0 says each as one message (`numeric_fault`, `rollback`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker import guard
+from worker.guard import Baseline, GuardConfig, Range, Verdict
+
+
+@dataclass
+class GuardRun:
+    """The guard's state in a run: its settings, the skipped data positions, the baseline, and
+    the numeric faults injected into this rank that have not fired yet."""
+
+    cfg: GuardConfig
+    ranges: tuple[Range, ...] = ()
+    baseline: Baseline = field(default_factory=Baseline)
+    pending: list[tuple[int, str, float]] = field(default_factory=list)  # (step, kind, factor)
+
+    @classmethod
+    def start(
+        cls, cfg: GuardConfig, flag_ranges: str, data: dict[str, Any] | None, faults: list
+    ) -> GuardRun:
+        """From the flags and the data record of the checkpoint resumed (None: a fresh start):
+        its skipped ranges and baseline come back with it."""
+        run = cls(cfg, guard.parse_ranges(flag_ranges), pending=list(faults))
+        run.restore(data)
+        return run
+
+    def restore(self, data: dict[str, Any] | None) -> None:
+        data = data or {}
+        try:
+            resumed = guard.parse_ranges(str(data.get("skip", "")))
+        except ValueError:
+            resumed = ()
+        self.ranges = guard.merge([*self.ranges, *resumed])
+        self.baseline = Baseline.from_record(data.get("guard"))
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint's data record holds of the guard."""
+        return {"skip": guard.format_ranges(self.ranges), "guard": self.baseline.record()}
+
+    def position(self, step: int) -> int:
+        return guard.position(step, self.ranges)
+
+    def skip(self, positions: Range) -> None:
+        self.ranges = guard.merge([*self.ranges, positions])
+
+    def due(self, step: int) -> tuple[float, bool]:
+        """This rank's injected faults for `step` (each fires once, at the first step at or
+        after its own): the factor its loss is scaled by, and whether a gradient is poisoned."""
+        factor, poison = 1.0, False
+        for item in [p for p in self.pending if p[0] <= step]:
+            self.pending.remove(item)
+            if item[1] == "nan":
+                poison = True
+            else:
+                factor *= item[2]
+        return factor, poison
+
+    def judge(self, mean_loss: float, grad_norm: float, nonfinite: int) -> Verdict | None:
+        """Every rank alike; a good step moves the baseline."""
+        if not self.cfg.on:
+            return None
+        verdict = guard.judge(self.cfg, self.baseline, mean_loss, grad_norm, nonfinite)
+        if verdict is None:
+            self.baseline = self.baseline.updated(mean_loss, grad_norm, self.cfg.warmup)
+        return verdict
+
+
+def poison(params: list[torch.nn.Parameter]) -> None:
+    """The `nan` fault: one element of this rank's local gradient set to NaN."""
+    for p in params:
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = math.nan
+            return
+
+
+def local_norm(params: list[torch.nn.Parameter]) -> float:
+    """This rank's own gradients' norm (before clipping mixes every rank's in)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    grads = [g for g in grads if g is not None and g.numel()]
+    if not grads:
+        return 0.0
+    return torch.nn.utils.get_total_norm(grads, 2.0).item()
+
+
+def shared_values(loss: float, local_grad: float, stop_requested: bool) -> torch.Tensor:
+    """This rank's part of the step's agreement: its loss (0 when not finite, so the sum stays
+    finite), whether it was asked to stop, whether its loss or gradients are non-finite."""
+    nonfinite = not (math.isfinite(loss) and math.isfinite(local_grad))
+    own = 0.0 if nonfinite else loss
+    return torch.tensor([own, float(stop_requested), float(nonfinite)], dtype=torch.float64)
+
+
+def agreed(shared: torch.Tensor, world: int) -> tuple[float, bool, int]:
+    """The all-reduced agreement: the mean loss (NaN on every rank when any rank's loss or
+    gradients are not finite), whether to stop, how many ranks are non-finite."""
+    count = int(shared[2].item())
+    mean = math.nan if count else shared[0].item() / world
+    return mean, shared[1].item() > 0, count
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """One step as the loop sees it once the ranks agreed."""
+
+    loss: float  # this rank's
+    local_grad: float  # this rank's own gradient norm (0 with the guard off)
+    mean_loss: float
+    stopping: bool
+    verdict: Verdict | None  # None: a good step, applied
+
+
+def every_rank(loss: float, local_grad: float, rank: int, world: int) -> tuple[list, list]:
+    """A bad step only: every rank's own loss and gradient norm (one all-reduce of 2 x world)."""
+    table = torch.zeros(2, world, dtype=torch.float64)
+    table[0, rank], table[1, rank] = loss, local_grad
+    dist.all_reduce(table)
+    return table[0].tolist(), table[1].tolist()
