@@ -35,6 +35,8 @@ _LEVELS = {
     "node_excluded": "warning",
     "node_swapped": "warning",
     "shrink": "warning",
+    # A rank that slows every step of the job (supervisor.policy.stragglers).
+    "straggler": "warning",
 }
 _HIDDEN = ("ts", "mono", "level", "timestamp")
 

@@ -23,10 +23,12 @@ from supervisor.policy import error_lines, exits, nodes
 from supervisor.policy.exits import Outcome
 from supervisor.policy.liveness import Finding
 from supervisor.policy.restarts import AttemptRecord
+from supervisor.policy.stragglers import StragglerFinding
 from supervisor.run import attempt_events, attribution, finding_stacks, teardown
 from supervisor.run.context import JobContext, Running
 from supervisor.run.rank_watch import RankWatch
 from supervisor.run.stop import StopRequests
+from supervisor.run.stragglers import StragglerWatch
 from supervisor.run.teardown import WatchEnd
 from supervisor.watch.rank_table import AttemptTable
 
@@ -55,6 +57,7 @@ class AttemptResult:
     finding: Finding | None
     record: AttemptRecord
     attribution: nodes.Attribution | None = None  # the node a failure is laid on, if any
+    replace: StragglerFinding | None = None  # stopped to relaunch without this straggler's node
 
 
 class Attempt:
@@ -79,6 +82,11 @@ class Attempt:
         self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
         self.nodes = list(job.resolved.pool.active)  # where its ranks run, in rank order
         self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
+        spares = job.resolved.pool.spares
+        self.stragglers = StragglerWatch(
+            self.cfg, self.table.world, self.nodes, lambda: len(spares), self.emit
+        )
+        self.replaced: StragglerFinding | None = None  # stopped for this straggler
 
     @property
     def ready_at(self) -> float | None:
@@ -252,9 +260,11 @@ class Attempt:
         exit_task = asyncio.create_task(running.wait())
         watch_task = asyncio.create_task(self.watch.until_finding(running, self._quiet_check))
         stop_task = asyncio.create_task(stop.more_than(0))
+        replace_task = asyncio.create_task(self.stragglers.replace_due.wait())
         try:
             done, _ = await asyncio.wait(
-                {exit_task, watch_task, stop_task}, return_when=asyncio.FIRST_COMPLETED
+                {exit_task, watch_task, stop_task, replace_task},
+                return_when=asyncio.FIRST_COMPLETED,
             )
             self.state = AttemptState.ENDING
             self.job.faults.attempt_over()  # nothing more into an attempt that is ending
@@ -266,18 +276,23 @@ class Attempt:
                     await self._found(finding, detected)
                 return await self._judged(finding, exit_task)
             grace = self.cfg.restart.stop_grace_s
+            if replace_task in done and not stop.count:  # the straggler's node is to go
+                self.replaced = self.stragglers.replacing
+            why = "straggler" if self.replaced else None
             grace_end = await teardown.forward_stop(
-                running, exit_task, stop, grace, self.emit, self.table
+                running, exit_task, stop, grace, self.emit, self.table, why
             )
             return WatchEnd("stop", exit_task, exit=grace_end, stopping=True)
         finally:
             watch_task.cancel()
             stop_task.cancel()
+            replace_task.cancel()
 
     def _quiet_check(self, now: float) -> None:
         """A check of the running attempt that found nothing: time triggers of the faults (and
         anything else now due)."""
         self.job.faults.fire_due(self.table, now)
+        self.stragglers.check(self.table.ckpt_complete)
 
     async def _judged(self, finding: Finding, exit_task: asyncio.Task) -> WatchEnd:
         """A finding ended the watch; for a rank gone, the launcher usually follows at once, and
@@ -316,12 +331,15 @@ class Attempt:
         )
         fields = attempt_events.end_fields(outcome, finding, record, t, error, blame)
         self.emit("attempt_end", **fields)
-        return AttemptResult(self.number, outcome, finding, record, blame)
+        replace = self.replaced if outcome.kind == "stopped" else None
+        return AttemptResult(self.number, outcome, finding, record, blame, replace)
 
     # --- what the ranks report ------------------------------------------------------------------
     def on_message(self, msg: dict[str, Any], now: float) -> None:
         """A verified rank message of this attempt (faults see it once the attempt runs)."""
         if self.watch.on_message(msg, now) and self.on_stepped is not None:
             self.on_stepped()
+        if self.state is AttemptState.RUNNING and msg["attempt"] == self.number:
+            self.stragglers.on_message(msg)
         if self.faults_see:
             self.job.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers

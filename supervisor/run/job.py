@@ -24,7 +24,7 @@ from supervisor.launch.resolve import Resolved
 from supervisor.log.events import EventLog
 from supervisor.policy import restarts
 from supervisor.policy.restarts import AttemptRecord, Decision
-from supervisor.run import fault_hooks
+from supervisor.run import fault_hooks, stragglers
 from supervisor.run.attempt import Attempt, AttemptResult
 from supervisor.run.context import JobContext, Launcher
 from supervisor.run.node_keeper import NodeKeeper
@@ -172,6 +172,11 @@ class Job:
             number = attempt.number
             result = await self._attempt(attempt)
             self.history.append(result.record)
+            if result.replace is not None and not self.stop.count:  # its node out, relaunched
+                attempt = await stragglers.replace(result, self)
+                if isinstance(attempt, Attempt):
+                    continue
+                return attempt
             decision = restarts.decide(
                 result.outcome,
                 self.history,

@@ -101,6 +101,12 @@ class NodeKeeper:
         }
         return self._exclude(reasons, attempt) if out else None
 
+    def drop_straggler(self, node: str, why: str, attempt: int) -> str | None:
+        """A straggler's node is out (`[stragglers] action = "replace"`), whatever its failure
+        count: a spare takes its place, else the job shrinks."""
+        self.just_excluded = []
+        return self._exclude({node: why}, attempt)
+
     def _exclude(self, reasons: dict[str, str], attempt: int | None) -> str | None:
         """Take the nodes of `reasons` out: a spare takes each place, else the job shrinks
         (`nodes.exclude`)."""

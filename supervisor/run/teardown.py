@@ -35,9 +35,12 @@ async def forward_stop(
     grace: float,
     emit: Callable[..., None],
     table: AttemptTable,
+    reason: str | None = None,
 ) -> Exit | None:
-    """Forward the user's stop; wait for the ranks to save and exit (or a second request)."""
-    emit("stop", signal=running.plan.stop_signal.name, grace_s=grace)
+    """Forward the user's stop (or the supervisor's own, `reason` saying why); wait for the
+    ranks to save and exit (or a second request)."""
+    why = {"reason": reason} if reason else {}
+    emit("stop", signal=running.plan.stop_signal.name, grace_s=grace, **why)
     running.signal_stop()
     second = asyncio.create_task(stop.more_than(1))
     done, _ = await asyncio.wait(

@@ -13,7 +13,14 @@ from typing import Any
 from contracts import scratch
 from contracts.config_table import ConfigError
 from supervisor.settings import worker_spec
-from supervisor.settings.config import AUTO, AUTO_PHASES, Config, flags_from_table
+from supervisor.settings.config import (
+    AUTO,
+    AUTO_PHASES,
+    GUARD_FLAGS,
+    Config,
+    flags_from_table,
+    guard_flags,
+)
 from supervisor.settings.launcher_kinds import KIND_FACTS
 
 PHASE_NAMES = ("init", "load", "train", "save")
@@ -220,6 +227,52 @@ def check(cfg: Config) -> None:
             f"heartbeat.auto_max.{phase}",
             _got(more, v, auto=False),
         )
+    check_stragglers(cfg)
+    check_guard(cfg)
+
+
+def check_stragglers(cfg: Config) -> None:
+    """[stragglers]: a threshold above a typical rank's score (1.0) and a window to judge over."""
+    st = cfg.stragglers
+    if not (_finite(st.threshold) and st.threshold > 1):
+        raise ConfigError(
+            cfg.source,
+            "stragglers.threshold",
+            f"expected a score > 1 (a rank's compute over the median; 1.0 is typical), "
+            f"got {st.threshold!r}",
+        )
+    if not 2 <= st.window <= 1000:
+        raise ConfigError(
+            cfg.source,
+            "stragglers.window",
+            f"expected 2 to 1000 observations (about one a heartbeat interval), got {st.window}",
+        )
+
+
+def check_guard(cfg: Config) -> None:
+    """[guard]: factors above 1, a warm-up and a skip of at least 1; a key set both here and as
+    its [worker] flag is one value too many."""
+    g = cfg.guard
+    for key in ("factor", "grad_factor"):
+        value = getattr(g, key)
+        if not (_finite(value) and value > 1):
+            raise ConfigError(
+                cfg.source,
+                f"guard.{key}",
+                f"expected a number above 1 (x the baseline), got {value!r}",
+            )
+    for key in ("warmup", "skip_batches"):
+        if getattr(g, key) < 1:
+            raise ConfigError(
+                cfg.source, f"guard.{key}", f"expected 1 or more, got {getattr(g, key)}"
+            )
+    for key, flag in GUARD_FLAGS.items():
+        if flag in cfg.worker.flags and flag in guard_flags(g):
+            raise ConfigError(
+                cfg.source,
+                f"worker.{flag}",
+                f"set twice: keep guard.{key} or worker.{flag}, not both",
+            )
 
 
 def name_problem(name: str) -> str | None:

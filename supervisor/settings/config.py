@@ -134,19 +134,67 @@ class HeartbeatConfig:
 
 
 @dataclass
+class StragglersConfig:
+    """Slow ranks (supervisor.policy.stragglers): each rank's step compute over the job's
+    median, judged over a window of observations (about one a heartbeat interval)."""
+
+    enabled: bool = True
+    # "report": a `straggler` event; "replace": also, at the next durable checkpoint, a graceful
+    # stop and a relaunch with a spare in the slow node's place (or without it, with shrink).
+    action: Literal["report", "replace"] = "report"
+    # A rank whose median score over the last `window` observations is above this is slow.
+    threshold: float = 1.6
+    window: int = 10
+
+
+@dataclass
+class GuardConfig:
+    """The numerical guard in the ranks (worker.guard): what a bad step (a non-finite loss or
+    gradient, or a spike) does. Passed to the worker as its `--guard*` flags (GUARD_FLAGS)."""
+
+    action: Literal["off", "skip", "rollback"] = "skip"
+    factor: float = 4.0  # a mean loss above its running baseline x this is a spike
+    grad_factor: float = 50.0  # the same for the global gradient norm
+    warmup: int = 20  # good steps before spikes are judged; the baseline's window
+    skip_batches: int = 1  # rollback: at least this many data positions skipped
+
+
+# [guard] key -> the [worker] key (worker flag) it is passed as.
+GUARD_FLAGS = {
+    "action": "guard",
+    "factor": "guard_factor",
+    "grad_factor": "guard_grad_factor",
+    "warmup": "guard_warmup",
+    "skip_batches": "guard_skip_batches",
+}
+
+
+def guard_flags(guard: GuardConfig) -> dict[str, Any]:
+    """[guard]'s keys that differ from the worker's defaults, as [worker] keys."""
+    default = GuardConfig()
+    return {
+        flag: getattr(guard, key)
+        for key, flag in GUARD_FLAGS.items()
+        if getattr(guard, key) != getattr(default, key)
+    }
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     # [[faults]], parsed (each keeps its table, for the resolved dump); checked again in resolve.
     faults: list[FaultSpec] = field(default_factory=list)
     source: str = "<config>"
 
     def worker_flags(self) -> list[str]:
         """The worker's command-line flags from [worker], in the table's order."""
-        return flags_from_table(self.worker.flags)
+        return flags_from_table({**self.worker.flags, **guard_flags(self.guard)})
 
 
 # --- worker flags ------------------------------------------------------------------------------

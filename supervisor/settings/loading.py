@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # The tables of a job config, in the order the README shows them.
-TABLES = ("job", "launch", "worker", "restart", "heartbeat", "faults")
+TABLES = ("job", "launch", "worker", "restart", "heartbeat", "stragglers", "guard", "faults")
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 

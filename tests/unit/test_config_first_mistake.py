@@ -48,7 +48,7 @@ def test_misspelt_tables_get_a_suggestion_and_the_known_list(tmp_path, capsys, o
     path = demo_with(tmp_path, old, new)
     err = one_line_error(capsys, ["validate", str(path)])
     assert f"{path}: {key}: unknown key ({hint})" in err
-    assert "known: job, launch, worker, restart, heartbeat, faults" in err
+    assert "known: job, launch, worker, restart, heartbeat, stragglers, guard, faults" in err
 
 
 def test_the_set_examples_of_help_work_on_the_demo_as_printed(tmp_path, capsys):

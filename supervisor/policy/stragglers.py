@@ -1,0 +1,128 @@
+"""Stragglers: which ranks' steps are slow against the job's, from their compute seconds alone.
+
+A slow rank makes every other rank wait for it in the step's collectives: its own compute (the
+step's seconds less its wait in collectives, worker.step_clock) is long, theirs is not. So each
+observation scores every rank's compute over the median of all ranks' computes; a rank whose
+median score over its last `window` observations is above `threshold` is a straggler. Medians
+on both sides keep one noisy step, or one noisy rank, from moving anything. One finding per
+episode: a rank flagged is flagged again only after its window's median fell back to the
+threshold or below. A node's ranks flagged at once are one finding, named with their node.
+
+Pure: fed observations, returns findings; the supervisor acts (supervisor.run.stragglers).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+# A median compute below this is taken as this: a rank of a job whose steps are all wait (or
+# nearly nothing) is not scored against a denominator of noise.
+MIN_MEDIAN_S = 1e-3
+MIN_RANKS = 2  # fewer ranks have no median to be slow against
+
+
+@dataclass(frozen=True)
+class StragglerFinding:
+    """The ranks of one node found slow at one observation: the `straggler` event's facts."""
+
+    ranks: tuple[int, ...]
+    node: str
+    score: float  # the highest of the ranks' window medians
+    step: int
+    window: int
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "ranks": list(self.ranks),
+            "node": self.node,
+            "score": round(self.score, 3),
+            "step": self.step,
+            "window": self.window,
+        }
+
+
+def scores(computes: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's compute over the median compute of all of them (1.0: a typical rank)."""
+    if len(computes) < MIN_RANKS:
+        return {}
+    median = max(statistics.median(computes.values()), MIN_MEDIAN_S)
+    return {rank: c / median for rank, c in computes.items()}
+
+
+def window_score(history: deque[float] | list[float], window: int) -> float | None:
+    """A rank's score over its last `window` observations (their median); None before it has
+    that many."""
+    if len(history) < window:
+        return None
+    return statistics.median(list(history)[-window:])
+
+
+@dataclass
+class StragglerScore:
+    """Every rank's recent scores and which are flagged now (IO-free: the caller feeds it)."""
+
+    threshold: float
+    window: int
+    history: dict[int, deque[float]] = field(default_factory=dict)
+    flagged: set[int] = field(default_factory=set)
+    observations: int = 0
+
+    def observe(
+        self, step: int, computes: Mapping[int, float], node_of: Callable[[int], str]
+    ) -> list[StragglerFinding]:
+        """One observation (each rank's latest step compute, at about `step`): the findings it
+        makes, one per node with a rank newly above the threshold."""
+        now = scores(computes)
+        if not now:
+            return []
+        self.observations += 1
+        new: dict[str, list[tuple[int, float]]] = {}
+        for rank, score in now.items():
+            hist = self.history.get(rank)
+            if hist is None:
+                hist = self.history[rank] = deque(maxlen=self.window)
+            hist.append(score)
+            over = window_score(hist, self.window)
+            if over is None:
+                continue
+            if rank in self.flagged:
+                if over <= self.threshold:
+                    self.flagged.discard(rank)  # recovered: the next episode is a new finding
+            elif over > self.threshold:
+                self.flagged.add(rank)
+                new.setdefault(node_of(rank), []).append((rank, over))
+        return [
+            StragglerFinding(
+                tuple(r for r, _ in found), node, max(s for _, s in found), step, self.window
+            )
+            for node, found in sorted(new.items())
+        ]
+
+
+@dataclass(frozen=True)
+class Response:
+    """What the supervisor does about a finding: `replace` (at the next durable checkpoint, a
+    graceful stop and a relaunch without the node), else only the event; `said`: in words."""
+
+    replace: bool
+    said: str
+
+
+def respond(
+    action: str, spares: int, shrink: bool, active: int, min_nodes: int, pending: bool
+) -> Response:
+    """`[stragglers] action` against what the job has: a spare takes the slow node's place;
+    without one, shrink (when allowed and enough nodes are left) excludes it; else, or while a
+    replacement is already pending, the finding is reported only."""
+    if action != "replace":
+        return Response(False, "reported")
+    if pending:
+        return Response(False, "reported: a replacement is already pending")
+    if spares > 0:
+        return Response(True, "a spare takes its node's place after the next durable checkpoint")
+    if shrink and active - 1 >= min_nodes:
+        return Response(True, "its node is excluded (shrink) after the next durable checkpoint")
+    return Response(False, "reported only: no spare, and shrink is off or too few nodes are left")

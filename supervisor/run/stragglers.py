@@ -1,0 +1,99 @@
+"""An attempt's stragglers: scored as its ranks report, said in `straggler` events, and with
+`[stragglers] action = "replace"` a replacement set up for the next durable checkpoint.
+
+The score and the response are pure (supervisor.policy.stragglers); this feeds them, emits, and
+sets `replace_due` once the checkpoint after a finding is complete: the attempt then stops its
+ranks gracefully and the job relaunches without the slow node (supervisor.run.job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from contracts.exit_codes import ExitCode
+from supervisor.policy import stragglers
+from supervisor.policy.restarts import Decision
+from supervisor.policy.stragglers import StragglerFinding
+from supervisor.settings.config import Config
+from supervisor.watch.step_times import StepTimes
+
+
+class StragglerWatch:
+    """One attempt's straggler score; `replacing`: the finding whose node is to go, once
+    `replace_due` is set."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        world: int,
+        nodes: Sequence[str],
+        spares: Callable[[], int],
+        emit: Callable[..., None],
+    ) -> None:
+        st = cfg.stragglers
+        self.cfg = cfg
+        self.on = st.enabled
+        self.times = StepTimes(world)
+        self.score = stragglers.StragglerScore(st.threshold, st.window)
+        self.nodes = list(nodes)
+        self.spares = spares
+        self.emit = emit
+        self.replacing: StragglerFinding | None = None
+        self.replace_due = asyncio.Event()
+
+    def node_of(self, rank: int) -> str:
+        per = self.cfg.launch.ranks_per_node
+        index = rank // per
+        return self.nodes[index] if index < len(self.nodes) else f"rank {rank}'s node"
+
+    def on_message(self, msg: dict[str, Any]) -> None:
+        if self.on:
+            self.times.take(msg)
+
+    def check(self, ckpt_complete: int | None) -> None:
+        """At each quiet check: score a new observation, say what it found; set `replace_due`
+        once a durable checkpoint newer than the pending finding's step is complete."""
+        if not self.on:
+            return
+        seen = self.times.observation()
+        if seen is not None:
+            for finding in self.score.observe(seen[0], seen[1], self.node_of):
+                self._found(finding)
+        pending = self.replacing
+        if pending is not None and ckpt_complete is not None and ckpt_complete > pending.step:
+            self.replace_due.set()
+
+    def _found(self, finding: StragglerFinding) -> None:
+        restart = self.cfg.restart
+        response = stragglers.respond(
+            self.cfg.stragglers.action,
+            self.spares(),
+            restart.shrink,
+            len(self.nodes),
+            restart.min_nodes,
+            pending=self.replacing is not None,
+        )
+        if response.replace:
+            self.replacing = finding
+        action = "replace" if response.replace else "report"
+        self.emit("straggler", **finding.fields(), action=action, done=response.said)
+
+
+async def replace(result: Any, job: Any) -> Any:
+    """An attempt stopped to leave a straggler's node (`result.replace`): that node out (a
+    spare in its place, or shrink: the job's NodeKeeper), then the job's relaunch. Returns the
+    next attempt, or (exit code, why) once the job said in `give_up` why it ends."""
+    found: StragglerFinding = result.replace
+    ranks = ", ".join(str(r) for r in found.ranks)
+    why = f"straggler: rank(s) {ranks} scored {found.score:.2f} at step {found.step}"
+    stop = job.nodes.drop_straggler(found.node, why, result.number)
+    if stop is None:
+        reason = f"straggler on {found.node} replaced ({why})"
+        attempt = await job._relaunch(result.number, Decision("relaunch", ExitCode.DONE, reason))
+        if attempt is not None:
+            return attempt
+    code, why = (ExitCode.INTERRUPTED, "interrupted") if stop is None else (ExitCode.NODES, stop)
+    job._give_up(result.number, code, why, nodes=job.resolved.pool.as_dict())
+    return code, why
