@@ -202,47 +202,29 @@ def test_sigterm_saves_at_stop_step_and_loses_nothing(tmp_path):
     assert steps == list(range(1, stop_step + 4))  # no step lost, none repeated
 
 
-@pytest.mark.slow
-def test_retention_keeps_exactly_k(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    out = run_worker(
-        2,
-        *TINY,
-        "--train-iters",
-        "10",
-        "--save-interval",
-        "2",
-        "--ckpt-keep",
-        "2",
-        "--ckpt-dir",
-        str(ckpt),
-        "--outdir",
-        str(tmp_path),
-    )
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory) -> Path:
+    """One run's checkpoint dir (10 steps, a save every 2, the newest 2 kept), shared by the
+    retention test and the another-model test (one job for both)."""
+    root = tmp_path_factory.mktemp("kept")
+    ckpt = root / "ckpt"
+    out = run_worker(2, *TINY, "--train-iters", "10", "--save-interval", "2", "--ckpt-keep", "2",
+                     "--ckpt-dir", str(ckpt), "--outdir", str(root))  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert [(f.step, f.complete) for f in ckpt_files.scan(ckpt)] == [(8, True), (10, True)]
+    return ckpt
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+def test_retention_keeps_exactly_k(kept):
+    assert [(f.step, f.complete) for f in ckpt_files.scan(kept)] == [(8, True), (10, True)]
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, kept):
     ckpt = tmp_path / "ckpt"
-    made = run_worker(
-        2, *TINY, "--train-iters", "2", "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path)
-    )
-    assert made.returncode == 0
-    other = run_worker(
-        2,
-        *TINY,
-        "--dim",
-        "64",
-        "--train-iters",
-        "4",
-        "--ckpt-dir",
-        str(ckpt),
-        "--outdir",
-        str(tmp_path),
-        timeout=90,
-    )
+    shutil.copytree(kept, ckpt)
+    other = run_worker(2, *TINY, "--dim", "64", "--train-iters", "12", "--ckpt-dir", str(ckpt),
+                       "--outdir", str(tmp_path), timeout=90)  # fmt: skip
     assert other.returncode == 2
     assert "is of another model (dim=32" in other.stderr
     assert "this run builds dim=64" in other.stderr
@@ -260,48 +242,21 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     ids=["fsdp4-to-2", "fsdp2-to-4", "fsdp_tp-to-fsdp"],
 )
 def test_resume_reshards_to_another_world(tmp_path, saved, loaded):
-    """Same global batch before and after, so the resumed losses follow the uninterrupted run
-    to float tolerance (reduction order differs across layouts)."""
+    """Same global batch before and after, so the resumed losses follow the saving run's own
+    (checkpoints change no loss: it is the uninterrupted run) to float tolerance (reduction
+    order differs across layouts)."""
     (r1, f1, b1), (r2, f2, b2) = saved, loaded
     ckpt = tmp_path / "ckpt"
-    base = run_worker(
-        r1, *TINY, *f1, "--batch-size", b1, "--train-iters", "8", "--outdir", str(tmp_path / "base")
-    )
-    first = run_worker(
-        r1,
-        *TINY,
-        *f1,
-        "--batch-size",
-        b1,
-        "--train-iters",
-        "8",
-        "--save-interval",
-        "4",
-        "--ckpt-dir",
-        str(ckpt),
-        "--outdir",
-        str(tmp_path / "a"),
-    )
-    ckpt_files.remove(
-        [f for f in ckpt_files.scan(ckpt) if f.step == 8]
-    )  # resume from 4 on the new world
-    second = run_worker(
-        r2,
-        *TINY,
-        *f2,
-        "--batch-size",
-        b2,
-        "--train-iters",
-        "8",
-        "--ckpt-dir",
-        str(ckpt),
-        "--outdir",
-        str(tmp_path / "b"),
-    )
-    for out in (base, first, second):
-        assert out.returncode == 0, out.stdout + out.stderr
+    common = [*TINY, "--train-iters", "8", "--ckpt-dir", str(ckpt)]
+    first = run_worker(r1, *common, *f1, "--batch-size", b1, "--save-interval", "4",
+                       "--outdir", str(tmp_path / "a"))  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    ckpt_files.remove([f for f in ckpt_files.scan(ckpt) if f.step == 8])  # resume from 4
+    second = run_worker(r2, *common, *f2, "--batch-size", b2, "--outdir", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stdout + second.stderr
     assert "RESUMED from step=4" in second.stdout
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "base/metrics-0.jsonl")}
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "a/metrics-0.jsonl")}
+    assert sorted(want) == list(range(1, 9))
     got = read_metrics(tmp_path / "b/metrics-0.jsonl")
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     for r in got:
