@@ -7,6 +7,7 @@ Every resume from memory must compute the uninterrupted run's losses bit for bit
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -100,6 +101,33 @@ def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
     return args, the_job_dir(Path(env["ES_MEM_ROOT"]))
 
 
+@pytest.fixture(scope="module")
+def failed_at_8(tmp_path_factory):
+    """The run that failed at step 8, run once for the three tests that start from it: each
+    gets it back as it was left (its outdir, checkpoints and memory slots restored at the same
+    paths, so the slots' run identity holds) through the returned `fresh()`."""
+    root = tmp_path_factory.mktemp("at8")
+    mem = (
+        Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
+        / f"es-test-{root.name}-{os.getpid()}"
+    )
+    mem.mkdir(mode=0o700)
+    env = rank_env(ES_MEM_ROOT=str(mem))
+    args, directory = _fail_at_step_8(root / "job", env)
+    kept = tmp_path_factory.mktemp("at8-kept")
+    shutil.copytree(root / "job", kept / "job", symlinks=True)
+    shutil.copytree(mem, kept / "mem", symlinks=True)
+
+    def fresh() -> tuple[list[str], Path, dict, Path]:
+        for live, saved in ((root / "job", kept / "job"), (mem, kept / "mem")):
+            shutil.rmtree(live, ignore_errors=True)
+            shutil.copytree(saved, live, symlinks=True)
+        return args, directory, env, root / "job"
+
+    yield fresh
+    shutil.rmtree(mem, ignore_errors=True)
+
+
 @pytest.mark.slow
 def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, reference, mem_root):
     """Rank 1 dies inside its copy of step 7 (slots: 6 whole, 7 torn); rank 0 holds 6 whole.
@@ -128,33 +156,28 @@ def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, reference, mem_root):
 
 
 @pytest.mark.slow
-def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(
-    tmp_path, reference, mem_root
-):
-    env = rank_env(ES_MEM_ROOT=str(mem_root))
-    args, directory = _fail_at_step_8(tmp_path, env)
+def test_a_missing_slot_on_one_rank_sends_every_rank_to_the_durable_tier(reference, failed_at_8):
+    args, directory, env, job = failed_at_8()
     shutil.rmtree(directory / "rank-1")
     again = run_worker(2, *args, env=env)
     assert again.returncode == 0, again.stderr
     assert "memory tier: no step held complete by every rank (none on rank(s) 1" in again.stdout
-    assert f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
-    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(job / 'm-ckpt', 4)})" in again.stdout
+    assert_same_losses(uninterrupted(reference, 2), job / "m/metrics-0.jsonl")
 
 
 @pytest.mark.slow
-def test_another_world_size_resumes_from_the_durable_tier_resharded(tmp_path, mem_root):
-    env = rank_env(ES_MEM_ROOT=str(mem_root))
-    args, _ = _fail_at_step_8(tmp_path, env)
+def test_another_world_size_resumes_from_the_durable_tier_resharded(failed_at_8):
+    args, _, env, job = failed_at_8()
     again = run_worker(4, *args, env=env)
     assert again.returncode == 0, again.stderr
     assert "(memory" not in again.stdout
-    assert f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(job / 'm-ckpt', 4)})" in again.stdout
 
 
 @pytest.mark.slow
-def test_no_resume_ignores_and_forgets_the_memory_tier(tmp_path, mem_root):
-    env = rank_env(ES_MEM_ROOT=str(mem_root))
-    args, directory = _fail_at_step_8(tmp_path, env)
+def test_no_resume_ignores_and_forgets_the_memory_tier(failed_at_8):
+    args, directory, env, _ = failed_at_8()
     crash = inject_env(rank=1, raise_at_step=3)
     fresh = run_worker(2, *args, "--no-resume", env={**env, **crash})
     assert fresh.returncode != 0
