@@ -13,8 +13,10 @@ from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadM
 # --- supervisor -> ranks: control (fault injection, standby) -------------------------------------
 # signal: the rank signals itself (`signal` = the number); stall: it blocks inside its next step
 # while its beat thread keeps beating; slow: it sleeps `delay_s` per step for `duration_s`.
+# nan / spike: a NaN in one of its gradients / its loss scaled by `factor`, at the first step it
+# runs at or after `step` (the numerical guard's faults: worker.guard_step).
 # go / exit: a standby rank resumes and trains / ends (`fault` is 0 for both).
-CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "go", "exit"})
+CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "nan", "spike", "go", "exit"})
 STANDBY_ACTIONS = frozenset({"go", "exit"})
 CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
@@ -28,6 +30,8 @@ CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "signal": int,
     "delay_s": NUMBER,
     "duration_s": NUMBER,
+    "step": int,
+    "factor": NUMBER,
 }
 _CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
 
@@ -48,6 +52,8 @@ def control_message(
     signal: int = 0,
     delay_s: float = 0.0,
     duration_s: float = 0.0,
+    step: int = 0,
+    factor: float = 1.0,
 ) -> dict[str, Any]:
     return {
         "v": VERSION,
@@ -61,6 +67,8 @@ def control_message(
         "signal": signal,
         "delay_s": float(delay_s),
         "duration_s": float(duration_s),
+        "step": int(step),
+        "factor": float(factor),
     }
 
 

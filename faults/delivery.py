@@ -71,7 +71,7 @@ class Delivery:
             if via == "signal":
                 err = actions.send_signal(st.pid, act.signum)
             else:
-                command = self._command(spec, attempt, st.rank)
+                command = self._command(spec, attempt, st.rank, st.step)
                 err = self.control.send(attempt, st.rank, command)
                 if err is not None and "not connected" in err:
                     later[st.rank], err = command, None
@@ -89,7 +89,7 @@ class Delivery:
                 retry.timer.cancel()
         self.retrying.clear()
 
-    def _command(self, spec: FaultSpec, attempt: int, rank: int) -> dict[str, Any]:
+    def _command(self, spec: FaultSpec, attempt: int, rank: int, step: int) -> dict[str, Any]:
         act = spec.action
         return control_msgs.control_message(
             self.job_id,
@@ -101,6 +101,8 @@ class Delivery:
             signal=0 if act.kind in IN_STEP else act.signum,
             delay_s=act.delay_s,
             duration_s=act.duration_s,
+            step=step + 1,  # nan / spike: the rank's next step (a late command: the one after)
+            factor=act.factor,
         )
 
     # --- ranks not connected yet: retried on the loop, never waited for -------------------------

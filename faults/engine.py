@@ -208,6 +208,8 @@ class FaultEngine:
             extra["signal"] = signal.Signals(act.signum).name
         if act.kind == "slow":
             extra["slow"] = {"delay_s": act.delay_s, "duration_s": act.duration_s}
+        if act.kind == "spike":
+            extra["factor"] = act.factor
         if damage is not None:
             extra["damaged"] = damage.as_dict()
         if lost is not None:

@@ -17,13 +17,17 @@ from typing import Any, Literal
 
 from contracts.config_table import ConfigError, Table, is_int
 
-ACTIONS = ("kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss")
+ACTIONS = (
+    "kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss", "nan", "spike",
+)  # fmt: skip
 TIME_KEYS = ("at_s", "every_s", "mtbf_s")
 STEP_KEYS = ("at_step", "every_steps")
 # Actions that end the attempt: after one fires, other faults wait for the next attempt.
 DISRUPTIVE = frozenset({"kill", "term", "hang", "stall", "corrupt", "unmark", "node_loss"})
 # Actions the rank must carry out inside its own step: always through the control channel.
-IN_STEP = frozenset({"stall", "slow"})
+IN_STEP = frozenset({"stall", "slow", "nan", "spike"})
+# The numerical guard's faults (worker.guard_step): a bad step the ranks must catch, not a kill.
+NUMERIC = frozenset({"nan", "spike"})
 KNOWN_KEYS = (
     "name",
     "at_s",
@@ -40,6 +44,7 @@ KNOWN_KEYS = (
     "signal",
     "delay_s",
     "duration_s",
+    "factor",
     "mode",
     "target",
     "via",
@@ -72,12 +77,16 @@ class Trigger:
 class Action:
     """What: `signal` for kill (SIGKILL by default); `delay_s`/`duration_s` for slow;
     `mode` (truncate | flip) for corrupt; node_loss SIGKILLs a node's ranks, takes its memory
-    root away, and leaves it down."""
+    root away, and leaves it down; nan poisons a gradient of the target ranks, spike scales
+    their loss by `factor` (the numerical guard's to catch)."""
 
-    kind: Literal["kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss"]
+    kind: Literal[
+        "kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss", "nan", "spike"
+    ]
     signal: int = signal.SIGKILL
     delay_s: float = 0.0
     duration_s: float = 0.0
+    factor: float = 1.0
     mode: Literal["truncate", "flip"] = "truncate"
 
     @property
@@ -134,6 +143,7 @@ class JobShape:
     world: int | None = None
     nodes: int | None = None
     ranks_per_node: int = 1
+    guard: str = "skip"  # the numerical guard's action ([guard] action, or [worker] guard)
 
 
 def shape_of(cfg: Any, world_nodes: int | None = None) -> JobShape:
@@ -153,6 +163,7 @@ def shape_of(cfg: Any, world_nodes: int | None = None) -> JobShape:
         world=nodes * ranks_per_node if nodes else None,
         nodes=nodes,
         ranks_per_node=ranks_per_node,
+        guard=str(flags.get("guard", getattr(getattr(cfg, "guard", None), "action", "skip"))),
     )
 
 
@@ -279,6 +290,16 @@ def _action(p: Table, shape: JobShape) -> Action:
         fields["delay_s"] = p.number("delay_s", positive=True)
         fields["duration_s"] = p.number("duration_s", positive=True)
         allowed |= {"delay_s", "duration_s"}
+    if kind == "spike":
+        fields["factor"] = p.number("factor", 100.0, positive=True)
+        if fields["factor"] <= 1:
+            p.fail(
+                "factor", f"a spike scales the loss up: expected above 1, got {fields['factor']}"
+            )
+        allowed.add("factor")
+    if kind in NUMERIC and shape.guard == "off":
+        p.fail("action", f'{kind} is for the numerical guard to catch: it is off (guard.action = '
+               '"off"); set guard.action to "skip" or "rollback"')  # fmt: skip
     if kind == "corrupt":
         fields["mode"] = p.choice("mode", ("truncate", "flip"), "truncate")
         allowed.add("mode")
@@ -287,7 +308,7 @@ def _action(p: Table, shape: JobShape) -> Action:
                    'resume detects them, or use mode = "truncate"')  # fmt: skip
     if kind in ("corrupt", "unmark") and shape.save_interval == 0:
         p.fail("action", f"{kind} needs checkpoints: set worker.save_interval")
-    for key in ("signal", "delay_s", "duration_s", "mode"):
+    for key in ("signal", "delay_s", "duration_s", "factor", "mode"):
         if key in p.raw and key not in allowed and not (key == "signal" and kind == "term"):
             p.fail(key, f"does not apply to action {kind!r}")
     if kind in IN_STEP and p.raw.get("via", "auto") not in ("auto", "control"):

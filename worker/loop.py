@@ -104,6 +104,7 @@ def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepp
     t.ckpt.before_update()  # a save's staging copy ran beside forward and backward
     mean_loss, stopping, nonfinite = agree(loss.item(), local, stop_requested, t.info.world)
     verdict = t.guard.judge(mean_loss, grad_norm, nonfinite)
+    t.metrics.add_to_next("train/grad_norm", grad_norm)
     if verdict is None:
         t.optimizer.step()
         t.scheduler.step()

@@ -37,6 +37,9 @@ _LEVELS = {
     "shrink": "warning",
     # A rank that slows every step of the job (supervisor.policy.stragglers).
     "straggler": "warning",
+    # The numerical guard caught a bad step (not applied) / rolled back to a checkpoint.
+    "numeric_fault": "warning",
+    "rollback": "warning",
 }
 _HIDDEN = ("ts", "mono", "level", "timestamp")
 
@@ -261,6 +264,8 @@ FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "hang": {"detected_mono": _NUM + _NONE},
     "no_progress": {"detected_mono": _NUM + _NONE},
     "auto_limit": {"seconds": _NUM + _NONE},
+    "numeric_fault": {"kind": (str,), "value": _NUM + (str,), "ranks": (list,)},
+    "rollback": {"from_step": _INT, "to_step": _INT, "skip": (str,)},
 }  # fmt: skip
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
 

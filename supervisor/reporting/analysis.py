@@ -15,6 +15,7 @@ import math
 import statistics
 from typing import Any
 
+from supervisor.reporting.guard_md import guard_rows
 from supervisor.reporting.load import RunData, StepRecord
 from supervisor.reporting.model import Analysis, Failure, NodeEvent, Totals
 from supervisor.reporting.saving import checkpoints_of, memory_tier, young_daly
@@ -100,6 +101,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         notes=list(data.notes),
         node_events=node_events,
         memory=memory_tier(records),
+        guard=guard_rows(ev, t0),
     )
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.reporting.guard_md import GuardRow
+
 
 @dataclass
 class Failure:
@@ -184,6 +186,7 @@ class Analysis:
     notes: list[str] = field(default_factory=list)  # what the run dir lacks
     node_events: list[NodeEvent] = field(default_factory=list)  # the start's first
     memory: MemoryTier | None = None  # None: no memory tier ran
+    guard: list[GuardRow] = field(default_factory=list)  # the numerical guard's events
 
     @property
     def shows_nodes(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.reporting.guard_md import guard_md
 from supervisor.reporting.model import Analysis, Failure, NodeEvent
 
 
@@ -268,6 +269,9 @@ def render(a: Analysis) -> str:
     stacks = stacks_md(a)
     if stacks:
         lines += ["## Stacks at each hang or no progress", "", *stacks, ""]
+    guard = guard_md(a.guard)
+    if guard:
+        lines += ["## Numerical guard", "", *guard, ""]
     lines += ["## Totals", "", *totals_md(a), ""]
     lines += ["## Checkpoints", "", *checkpoints_md(a), ""]
     memory = memory_md(a)

@@ -19,7 +19,7 @@ from supervisor.settings.config import HeartbeatConfig
 from supervisor.watch import relays
 from supervisor.watch.auto_limits import Learner
 from supervisor.watch.relays import RelayState
-from supervisor.watch.table_events import EventToEmit
+from supervisor.watch.table_events import GUARD_EVENTS, EventToEmit, guard_event
 
 
 @dataclass
@@ -247,6 +247,9 @@ class AttemptTable:
                 if "why" in msg:
                     said["why"] = msg["why"]
                 events.append(EventToEmit("resumed", said))
+        elif kind in GUARD_EVENTS:
+            if rank == 0:  # the job's one word on it
+                events.append(guard_event(msg))
         elif kind == "error":
             self.errors[rank] = msg["message"]
             events.append(EventToEmit("rank_error", {"rank": rank, "message": msg["message"]}))
