@@ -1,0 +1,91 @@
+"""A bad step never reaches the weights: the loop's own `train_step`, on one rank's gloo group,
+with a NaN put into a gradient (the `nan` fault's path) and with a spiked loss."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from worker.ckpt.manager import CheckpointManager
+from worker.data import SyntheticData
+from worker.guard import GuardConfig
+from worker.guard_step import GuardRun
+from worker.loop import train_step
+from worker.metrics import MetricsLog
+from worker.model import Transformer
+from worker.presets import resolve_config
+
+SIZES = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+         "vocab_size": 64, "seq_len": 16}  # fmt: skip
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def training(warmup: int = 2) -> SimpleNamespace:
+    torch.manual_seed(0)
+    cfg = resolve_config("debug", **SIZES)
+    model = Transformer(cfg)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        source=SyntheticData(cfg.vocab_size, cfg.seq_len, seed=0),
+        guard=GuardRun(GuardConfig("skip", warmup=warmup)),
+        args=SimpleNamespace(batch_size=2, grad_clip=1.0),
+        info=SimpleNamespace(rank=0, world=1),
+        device=torch.device("cpu"),
+        dp_rank=0,
+        ckpt=CheckpointManager(),
+        metrics=MetricsLog(None),
+    )
+
+
+def state(t: SimpleNamespace) -> list[torch.Tensor]:
+    moments = [v.clone() for s in t.optimizer.state.values() for v in s.values()]
+    return [p.detach().clone() for p in t.model.parameters()] + moments
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("fault", "step", "kind"), [("nan", 3, "nan"), ("spike", 3, "spike")])
+def test_a_bad_step_leaves_weights_optimizer_and_schedule_as_they_were(
+    one_rank_group, fault, step, kind
+):
+    t = training()
+    for s in (1, 2):
+        assert train_step(t, s, False).verdict is None
+    before, lr_step = state(t), t.scheduler.last_epoch
+    t.guard.pending.append((step, fault, 1e4))
+    done = train_step(t, step, False)
+    assert done.verdict is not None and done.verdict.kind == kind
+    assert same(state(t), before)
+    assert t.scheduler.last_epoch == lr_step
+    assert all(p.grad is None for p in t.model.parameters())
+    # the next good step moves the weights again, and finitely
+    assert train_step(t, step, False).verdict is None
+    assert not same(state(t), before)
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
+def test_a_good_step_is_applied_and_moves_the_baseline(one_rank_group):
+    t = training()
+    before = state(t)
+    done = train_step(t, 1, False)
+    assert done.verdict is None and math.isfinite(done.mean_loss)
+    assert not same(state(t), before)
+    assert t.guard.baseline.good == 1 and t.guard.baseline.loss == done.mean_loss
