@@ -11,6 +11,7 @@ from contracts import ckpt_files, locks
 from contracts.exit_codes import ExitCode
 from supervisor.commands.tail import events_path
 from supervisor.log import events as events_mod
+from supervisor.reporting.stragglers_md import straggler_rows, stragglers_lines
 from supervisor.settings import config as config_mod
 
 
@@ -64,6 +65,7 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     left = "?" if max_restarts is None else max(0, max_restarts - restarts)
     out.append(f"attempts: {len(launches)}   restarts: {restarts} of {max_restarts} (left {left})")
     out += nodes_lines(events)
+    out += stragglers_lines(straggler_rows(events))
     ckpt_step, ckpt = _newest_checkpoint(resolved, events)
     step = step_line(steps_seen(events, run_dir), ckpt_step)
     if step:

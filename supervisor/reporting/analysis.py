@@ -19,6 +19,7 @@ from supervisor.reporting.guard_md import guard_rows
 from supervisor.reporting.load import RunData, StepRecord
 from supervisor.reporting.model import Analysis, Failure, NodeEvent, Totals
 from supervisor.reporting.saving import checkpoints_of, memory_tier, young_daly
+from supervisor.reporting.stragglers_md import straggler_rows
 
 DETECTED_BY = {
     "exit": "exit",
@@ -102,6 +103,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         node_events=node_events,
         memory=memory_tier(records),
         guard=guard_rows(ev, t0),
+        stragglers=straggler_rows(ev),
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.reporting.guard_md import GuardRow
+from supervisor.reporting.stragglers_md import StragglerRow
 
 
 @dataclass
@@ -187,6 +188,7 @@ class Analysis:
     node_events: list[NodeEvent] = field(default_factory=list)  # the start's first
     memory: MemoryTier | None = None  # None: no memory tier ran
     guard: list[GuardRow] = field(default_factory=list)  # the numerical guard's events
+    stragglers: list[StragglerRow] = field(default_factory=list)  # `straggler` events
 
     @property
     def shows_nodes(self) -> bool:

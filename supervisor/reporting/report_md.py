@@ -6,6 +6,7 @@ from pathlib import Path
 
 from supervisor.reporting.guard_md import guard_md
 from supervisor.reporting.model import Analysis, Failure, NodeEvent
+from supervisor.reporting.stragglers_md import stragglers_md
 
 
 def _s(v: float | None, digits: int = 2) -> str:
@@ -272,6 +273,9 @@ def render(a: Analysis) -> str:
     guard = guard_md(a.guard)
     if guard:
         lines += ["## Numerical guard", "", *guard, ""]
+    stragglers = stragglers_md(a.stragglers)
+    if stragglers:
+        lines += ["## Stragglers", "", *stragglers, ""]
     lines += ["## Totals", "", *totals_md(a), ""]
     lines += ["## Checkpoints", "", *checkpoints_md(a), ""]
     memory = memory_md(a)
