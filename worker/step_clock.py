@@ -86,9 +86,3 @@ def timed_collectives(module: Any) -> None:
     accelerator's collectives are left to FSDP's streams)."""
     module.set_custom_all_gather(TimedAllGather())
     module.set_custom_reduce_scatter(TimedReduceScatter())
-
-
-def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> None:
-    """`dist.all_reduce`, its seconds on the clock."""
-    with CLOCK.waiting():
-        dist.all_reduce(tensor, **kwargs)

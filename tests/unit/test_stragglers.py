@@ -6,6 +6,7 @@ that carries them, and the `[stragglers]` config's checks."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from supervisor.watch.step_times import StepTimes
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
 from worker.relay import RelayCore
+from worker.step_clock import StepClock
 
 K = KEY.encode()
 NODES = ["n0", "n1", "n2", "n3"]
@@ -205,3 +207,15 @@ def test_a_bad_stragglers_value_is_one_clear_error(table, key):
     with pytest.raises(ConfigError) as err:
         from_dict({"stragglers": table})
     assert err.value.key == key
+
+
+def test_the_step_clock_splits_compute_from_wait():
+    clock = StepClock()
+    clock.start()
+    with clock.waiting():
+        time.sleep(0.03)
+    time.sleep(0.02)
+    compute, wait = clock.split()
+    assert wait >= 0.03 and compute >= 0.02 and wait < 0.03 + 1.0
+    clock.start()
+    assert clock.wait == 0.0
