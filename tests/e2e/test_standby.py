@@ -218,7 +218,8 @@ def test_a_fault_on_every_rank_leaves_the_standby_alone(tmp_path):
     """`target = "all"` is the running attempt's ranks: the waiting standby takes over."""
     kill = {"name": "kill-all", "at_s": [35], "action": "kill", "target": "all"}
     run = tmp_path / "run"
-    proc = start(write_config(tmp_path, 2, {"train_iters": 120, "save_interval": 5},
+    # 40 paced steps outlast the kill at 35 s; the warm attempt then runs the rest unpaced.
+    proc = start(write_config(tmp_path, 2, {"train_iters": 40, "save_interval": 5},
                               faults=(PACE, kill)))  # fmt: skip
     try:
         rc, out = finish(proc)
