@@ -56,7 +56,7 @@ class TrainArgs:
     metrics_all_ranks: bool
     guard: str = "skip"
     guard_factor: float = 4.0
-    guard_grad_factor: float = 50.0
+    guard_grad_factor: float = 10.0
     guard_warmup: int = 20
     guard_skip_batches: int = 1
     skip_batches: str = ""
@@ -236,7 +236,7 @@ def add_guard_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--guard-grad-factor",
         type=float,
-        default=50.0,
+        default=10.0,
         help="a global gradient norm (before clipping) above its running baseline x this is a "
         "spike",
     )

@@ -26,7 +26,7 @@ class GuardConfig:
 
     action: str = "off"
     factor: float = 4.0  # the mean loss above baseline x this is a spike
-    grad_factor: float = 50.0  # the global gradient norm above baseline x this is a spike
+    grad_factor: float = 10.0  # the global gradient norm above baseline x this is a spike
     warmup: int = 20  # good steps before spikes are judged; also the baseline's window
     skip_batches: int = 1  # rollback: skip at least this many data positions
 

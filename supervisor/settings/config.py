@@ -154,7 +154,7 @@ class GuardConfig:
 
     action: Literal["off", "skip", "rollback"] = "skip"
     factor: float = 4.0  # a mean loss above its running baseline x this is a spike
-    grad_factor: float = 50.0  # the same for the global gradient norm
+    grad_factor: float = 10.0  # the same for the global gradient norm
     warmup: int = 20  # good steps before spikes are judged; the baseline's window
     skip_batches: int = 1  # rollback: at least this many data positions skipped
 

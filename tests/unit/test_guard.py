@@ -136,5 +136,5 @@ def test_bad_guard_flags_are_one_clear_message(flags, said):
 
 def test_guard_flags_reach_the_config():
     args = parse_args(["--guard", "rollback", "--guard-skip-batches", "5"])
-    assert guard_config(args) == GuardConfig("rollback", 4.0, 50.0, 20, 5)
+    assert guard_config(args) == GuardConfig("rollback", 4.0, 10.0, 20, 5)
     assert parse_args([]).guard == "skip"
