@@ -1,4 +1,7 @@
-"""Batches that are a pure function of (seed, step, sample index).
+"""Batches that are a pure function of (seed, data position, sample index).
+
+The data position of step s is s unless the run skips positions (worker.guard: `--skip-batches`,
+the numerical guard); the `step` below is that position.
 
 Sample i of the global batch at step s comes from a generator seeded by (seed, s, i); a
 data-parallel rank takes its own slice of the global batch. A resumed run therefore sees exactly
