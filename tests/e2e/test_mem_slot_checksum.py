@@ -1,7 +1,8 @@
 """Issue 25 item 1 end to end: a damaged memory slot is never loaded as good.
 
-The issue's case with the real supervisor, mpiexec and worker (tiny model, 2 ranks): a copy into
-memory every step, a durable save every 50, every rank killed at step 60; during the 8 s backoff,
+The issue's case (its steps scaled down) with the real supervisor, mpiexec and worker (tiny model,
+2 ranks): a copy into memory every step, a durable save every 10, every rank killed at step 14
+(the issue's 50 and 60); during the 8 s backoff,
 256 bytes just past the 4 KiB header of every slot-*.bin are XORed. The relaunch must refuse
 both slots of every rank (their checksums), name the rank and the reason in the `resumed`
 event's `why`, resume from the durable tier, and compute the uninterrupted run's losses bit for
@@ -29,7 +30,8 @@ from tests.support import (
 
 pytestmark = pytest.mark.slow
 
-ITERS = 120
+ITERS = 24
+SAVE, KILL = 10, 14  # a durable save every SAVE steps; every rank killed at step KILL
 WORKER = {**TINY_JOB_WORKER, "train_iters": ITERS}
 HEADER_BYTES = 4096  # worker.ckpt.memory.HEADER_BYTES, as the issue's damage names it
 FLIPPED = 256
@@ -39,12 +41,12 @@ def write_config(tmp_path: Path, mem_root: Path) -> Path:
     text = toml_table("[job]", {"name": "flip", "run_dir": str(tmp_path / "run")})
     text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
     text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1", "ES_MEM_ROOT": str(mem_root)})
-    text += toml_table("[worker]", {**WORKER, "save_interval": 50, "mem_ckpt_interval": 1})
+    text += toml_table("[worker]", {**WORKER, "save_interval": SAVE, "mem_ckpt_interval": 1})
     text += toml_table("[restart]", {"max_restarts": 2, "teardown_grace_s": 3.0, "backoff_s": [8],
                                      "standby": False})  # fmt: skip
     text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 5.0})
     text += toml_table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 60, "save": 120})
-    text += toml_table("[[faults]]", {"name": "kill60", "at_step": [60], "action": "kill",
+    text += toml_table("[[faults]]", {"name": "kill", "at_step": [KILL], "action": "kill",
                                       "target": "all"})  # fmt: skip
     path = tmp_path / "job.toml"
     path.write_text(text)
@@ -89,7 +91,7 @@ def test_a_flipped_memory_slot_is_refused_and_the_durable_tier_resumes_bit_exact
     assert relaunch["attempt"] == 1 and len(flipped) >= 2, flipped
     assert [e["attempt"] for e in resumed] == [1]
     (back,) = resumed
-    assert back["source"] == "durable" and back["step"] == 50, back
+    assert back["source"] == "durable" and back["step"] == SAVE, back
     # The rank that refused, the slot and step, and the reason (the tensor whose bytes lie just
     # past the header); every flipped slot it held.
     why = back.get("why", "")
@@ -99,10 +101,10 @@ def test_a_flipped_memory_slot_is_refused_and_the_durable_tier_resumes_bit_exact
     assert {int(rank) for rank, _, _, _ in refusals} == {0}, why  # the first rank to refuse
     assert {tensor for _, _, _, tensor in refusals} == {"model.tok_embeddings.weight"}, why
     # The newest whole copy first (the kill may cut the copy of its step short: torn).
-    assert int(refusals[0][2]) >= 59, why
+    assert int(refusals[0][2]) >= KILL - 1, why
     assert "(and 1 more rank)" in why, why  # rank 1 refused its own slot of that step too
     # Every step of every attempt, recomputed ones included, is the uninterrupted run's.
     assert not mismatched, mismatched[:5]
     final = read_metrics(sorted((run / "attempts").iterdir())[-1] / "metrics-0.jsonl")
-    assert [r["step"] for r in final] == list(range(51, ITERS + 1))
+    assert [r["step"] for r in final] == list(range(SAVE + 1, ITERS + 1))
     assert [e["event"] for e in evs if e["event"].startswith("mem_")][-1] == "mem_removed"
