@@ -3,6 +3,7 @@ with a NaN put into a gradient (the `nan` fault's path) and with a spiked loss."
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from worker.ckpt.manager import CheckpointManager
 from worker.data import SyntheticData
-from worker.guard import GuardConfig
+from worker.guard import Baseline, GuardConfig
 from worker.guard_step import GuardRun
 from worker.loop import train_step
 from worker.metrics import MetricsLog
@@ -89,3 +90,24 @@ def test_a_good_step_is_applied_and_moves_the_baseline(one_rank_group):
     assert done.verdict is None and math.isfinite(done.mean_loss)
     assert not same(state(t), before)
     assert t.guard.baseline.good == 1 and t.guard.baseline.loss == done.mean_loss
+
+
+def test_a_resumed_run_takes_the_checkpoints_ranges_and_baseline_with_the_flags():
+    """What a checkpoint's data record holds of the guard comes back as it was saved, merged
+    with `--skip-batches`; a record without it (an older checkpoint) starts the baseline afresh."""
+    cfg = GuardConfig("rollback", warmup=2)
+    saved = GuardRun(cfg, ((3, 3), (8, 10)), Baseline(5, 2.5, 0.75))
+    data = json.loads(json.dumps({"kind": "SyntheticData", "next_step": 13, **saved.record()}))
+    resumed = GuardRun.start(cfg, "20-21", data, [])
+    assert resumed.ranges == ((3, 3), (8, 10), (20, 21)) and resumed.baseline == saved.baseline
+    assert [resumed.position(s) for s in (2, 3, 6, 16)] == [2, 4, 7, 22]
+    fresh = GuardRun.start(cfg, "", {"kind": "SyntheticData", "next_step": 5}, [])
+    assert fresh.ranges == () and fresh.baseline == Baseline()
+
+
+def test_an_injected_fault_fires_once_at_its_step_or_the_first_after():
+    run = GuardRun(GuardConfig("skip"), pending=[(5, "nan", 1.0), (3, "spike", 8.0)])
+    assert run.due(2) == (1.0, False)
+    assert run.due(4) == (8.0, False)  # late: at the next step it runs
+    assert run.due(5) == (1.0, True)
+    assert run.due(5) == (1.0, False)  # a redone step is not poisoned again
