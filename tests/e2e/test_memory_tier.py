@@ -73,14 +73,54 @@ def the_job_dir(root: Path) -> Path:
     return found
 
 
+@pytest.fixture(scope="module")
+def died(tmp_path_factory):
+    """`died(**points)`: a 2-rank run that failed at these failure points (contracts.inject),
+    run once per module for every test that starts from it. Each call gives it back as it was
+    left (its outdir, checkpoints and memory slots restored at the same paths, so the slots'
+    run identity holds): (args, the memory tier's job dir, env, the run's root)."""
+    mem = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / f"es-test-died-{os.getpid()}"
+    runs: dict[tuple, tuple] = {}
+
+    def get(**points) -> tuple[list[str], Path, dict, Path]:
+        key = tuple(sorted(points.items()))
+        if key not in runs:
+            root, kept = tmp_path_factory.mktemp("died"), tmp_path_factory.mktemp("died-kept")
+            shutil.rmtree(mem, ignore_errors=True)
+            mem.mkdir(mode=0o700)
+            env = rank_env(ES_MEM_ROOT=str(mem))
+            args = flags(root, "m")
+            failed = run_worker(2, *args, env={**env, **inject_env(**points)})
+            assert failed.returncode != 0
+            directory = the_job_dir(mem)
+            shutil.copytree(root, kept / "job", symlinks=True)
+            shutil.copytree(mem, kept / "mem", symlinks=True)
+            runs[key] = (args, directory, env, root, kept)
+        args, directory, env, root, kept = runs[key]
+        for live, saved in ((root, kept / "job"), (mem, kept / "mem")):
+            shutil.rmtree(live, ignore_errors=True)
+            shutil.copytree(saved, live, symlinks=True)
+        return args, directory, env, root
+
+    yield get
+    shutil.rmtree(mem, ignore_errors=True)
+
+
+@pytest.fixture
+def failed_at_8(died):
+    """A run whose rank 1 dies (raising) as step 8 begins: every rank holds step 6 complete
+    (its copy was waited for before step 7's update) and step 7 complete or torn (its copy
+    may have been cut short)."""
+    return lambda: died(rank=1, raise_at_step=8)
+
+
+# Rank 1 killed inside its copy of step 6: its slots hold 5 whole and 6 torn.
+KILL_IN_COPY = {"rank": 1, "kill_in_mem_copy_at_step": 6}
+
+
 @pytest.mark.slow
-def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, reference, mem_root):
-    env = rank_env(ES_MEM_ROOT=str(mem_root))
-    args = flags(tmp_path, "m")
-    kill = inject_env(rank=1, kill_in_mem_copy_at_step=6)
-    died = run_worker(2, *args, env={**env, **kill})
-    assert died.returncode != 0
-    directory = the_job_dir(mem_root)
+def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(reference, died):
+    args, directory, env, job = died(**KILL_IN_COPY)
     slots = [slot_state(directory, 1, s) for s in range(2)]
     assert any(s.torn for s in slots), slots
     assert any(s.step == 5 and not s.torn for s in slots), slots
@@ -88,71 +128,29 @@ def test_a_kill_in_the_middle_of_a_copy_resumes_from_the_copy_before(tmp_path, r
     assert again.returncode == 0, again.stderr
     assert "memory tier: every rank holds step 5" in again.stdout
     assert "RESUMED from step=5 (memory" in again.stdout
-    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
-
-
-def _fail_at_step_8(tmp_path: Path, env: dict) -> tuple[list[str], Path]:
-    """A run whose rank 1 dies (raising) as step 8 begins: every rank holds step 6 complete
-    (its copy was waited for before step 7's update) and step 7 complete or torn (its copy
-    may have been cut short)."""
-    args = flags(tmp_path, "m")
-    died = run_worker(2, *args, env={**env, **inject_env(rank=1, raise_at_step=8)})
-    assert died.returncode != 0
-    return args, the_job_dir(Path(env["ES_MEM_ROOT"]))
-
-
-@pytest.fixture(scope="module")
-def failed_at_8(tmp_path_factory):
-    """The run that failed at step 8, run once for the three tests that start from it: each
-    gets it back as it was left (its outdir, checkpoints and memory slots restored at the same
-    paths, so the slots' run identity holds) through the returned `fresh()`."""
-    root = tmp_path_factory.mktemp("at8")
-    mem = (
-        Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
-        / f"es-test-{root.name}-{os.getpid()}"
-    )
-    mem.mkdir(mode=0o700)
-    env = rank_env(ES_MEM_ROOT=str(mem))
-    args, directory = _fail_at_step_8(root / "job", env)
-    kept = tmp_path_factory.mktemp("at8-kept")
-    shutil.copytree(root / "job", kept / "job", symlinks=True)
-    shutil.copytree(mem, kept / "mem", symlinks=True)
-
-    def fresh() -> tuple[list[str], Path, dict, Path]:
-        for live, saved in ((root / "job", kept / "job"), (mem, kept / "mem")):
-            shutil.rmtree(live, ignore_errors=True)
-            shutil.copytree(saved, live, symlinks=True)
-        return args, directory, env, root / "job"
-
-    yield fresh
-    shutil.rmtree(mem, ignore_errors=True)
+    assert_same_losses(uninterrupted(reference, 2), job / "m/metrics-0.jsonl")
 
 
 @pytest.mark.slow
-def test_a_slot_torn_by_hand_is_never_resumed(tmp_path, reference, mem_root):
-    """Rank 1 dies inside its copy of step 7 (slots: 6 whole, 7 torn); rank 0 holds 6 whole.
-    Rank 0's slot of step 6 then has its closing generation rewritten: no step is held whole
-    by both, so every rank resumes from the durable tier (were the torn slot taken, it would
-    be memory step 6)."""
-    env = rank_env(ES_MEM_ROOT=str(mem_root))
-    args = flags(tmp_path, "m")
-    kill = inject_env(rank=1, kill_in_mem_copy_at_step=7)
-    died = run_worker(2, *args, env={**env, **kill})
-    assert died.returncode != 0
-    directory = the_job_dir(mem_root)
+def test_a_slot_torn_by_hand_is_never_resumed(reference, died):
+    """Rank 1 died inside its copy of step 6 (slots: 5 whole, 6 torn); rank 0 holds 5 whole
+    (the run the kill-in-a-copy test resumes). Rank 0's slot of step 5 then has its closing
+    generation rewritten: no step is held whole by both, so every rank resumes from the
+    durable tier (were the torn slot taken, it would be memory step 5)."""
+    args, directory, env, job = died(**KILL_IN_COPY)
     assert {(s.step, s.torn) for s in (slot_state(directory, 1, i) for i in range(2))} >= {
-        (6, False)
+        (5, False)
     }
-    (six,) = [s for s in (slot_state(directory, 0, i) for i in range(2)) if s.step == 6]
-    assert not six.torn
-    with six.path.open("r+b") as f:  # its closing generation, as if the copy was cut short
+    (five,) = [s for s in (slot_state(directory, 0, i) for i in range(2)) if s.step == 5]
+    assert not five.torn
+    with five.path.open("r+b") as f:  # its closing generation, as if the copy was cut short
         f.seek(16)
-        f.write(struct.pack("<Q", six.gen + 99))
+        f.write(struct.pack("<Q", five.gen + 99))
     again = run_worker(2, *args, env=env)
     assert again.returncode == 0, again.stderr
     assert "memory tier: no step held complete by every rank" in again.stdout
-    assert f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'm-ckpt', 4)})" in again.stdout
-    assert_same_losses(uninterrupted(reference, 2), tmp_path / "m/metrics-0.jsonl")
+    assert f"RESUMED from step=4 ({ckpt_files.step_dir(job / 'm-ckpt', 4)})" in again.stdout
+    assert_same_losses(uninterrupted(reference, 2), job / "m/metrics-0.jsonl")
 
 
 @pytest.mark.slow
