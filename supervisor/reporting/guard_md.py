@@ -67,3 +67,17 @@ def guard_md(rows: list[GuardRow]) -> list[str]:
     rollbacks = len(rows) - faults
     out += ["", f"{faults} bad step(s) caught and not applied; {rollbacks} rollback(s)."]
     return out
+
+
+def guard_line(rows: list[GuardRow]) -> str | None:
+    """`run`'s summary line: what the guard caught (None when nothing)."""
+    faults = [r for r in rows if r.event == "numeric_fault"]
+    if not faults:
+        return None
+    kinds = ", ".join(f"step {r.step} {r.kind}" for r in faults[:5])
+    more = f" and {len(faults) - 5} more" if len(faults) > 5 else ""
+    rollbacks = len(rows) - len(faults)
+    return (
+        f"Numerical guard: {len(faults)} bad step(s) not applied ({kinds}{more}), "
+        f"{rollbacks} rollback(s)."
+    )

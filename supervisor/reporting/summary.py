@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.reporting.guard_md import guard_line
 from supervisor.reporting.model import Analysis, Failure, NodeEvent
 
 
@@ -53,6 +54,9 @@ def summary(a: Analysis, written: list[Path]) -> str:
             f"training stalled {m.stall_total_s:.1f} s in all ({m.stall_median_s * 1000:.0f} ms "
             f"per copy, median); a copy took {_ms(m.copy_median_s)} (median)."
         )
+    guard = guard_line(a.guard)
+    if guard:
+        lines.append(guard)
     lines.append("Report: " + ", ".join(_shown(p) for p in written))
     lines.append(f"Look closer: python -m supervisor tail|status|report {_shown(a.run_dir)}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from contracts import control_msgs, messages
 from contracts.config_table import ConfigError
 from faults.delivery import Delivery
 from faults.spec import JobShape, parse_all
-from supervisor.reporting.guard_md import guard_md, guard_rows
+from supervisor.reporting.guard_md import guard_line, guard_md, guard_rows
 from supervisor.settings.loading import from_dict
 from supervisor.watch.rank_table import AttemptTable
 from tests.support import BEACON_JOB as JOB
@@ -147,3 +147,6 @@ def test_the_report_lists_faults_and_rollbacks_and_says_nothing_for_a_healthy_ru
     assert lines[3] == "| 0.52 | 0 | rollback | 7 | rollback | – | – | to step 4, skip 5-9 |"
     assert lines[-1] == "1 bad step(s) caught and not applied; 1 rollback(s)."
     assert guard_md(guard_rows(events[:1], 100.0)) == []
+    said = guard_line(guard_rows(events, 100.0))
+    assert said == "Numerical guard: 1 bad step(s) not applied (step 7 spike), 1 rollback(s)."
+    assert guard_line([]) is None
