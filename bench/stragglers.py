@@ -5,8 +5,10 @@ One invocation, three jobs under `python -m supervisor run` on emulated nodes (r
 real ranks and collectives), 4 nodes x 1 rank, the tiny model of the tests, `[stragglers]` at
 its defaults:
 
-  healthy  HEALTHY_STEPS steps, no fault: straggler events over them (0 wanted), and the
-           healthy step time (rank 0's median `train/dt`)
+  healthy  HEALTHY_STEPS steps, no fault: straggler events over them (0 wanted), the healthy
+           step time (rank 0's median `train/dt`), and the margin: every rank's metrics replayed
+           through the same score, step by step, the highest window median any rank reached
+           (against the threshold)
   plain    REPLACE_STEPS steps, no fault: the uninterrupted run's losses
   replace  REPLACE_STEPS steps, 1 spare, `action = "replace"`: a `slow` fault at SLOW_AT makes
            rank 2 (node n2) sleep half the healthy step in every step; the event must name rank
@@ -37,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from downtime_figures import records  # noqa: E402
 
 from supervisor.log.events import read_events  # noqa: E402
+from supervisor.policy.stragglers import scores, window_score  # noqa: E402
 from supervisor.settings import toml_dump  # noqa: E402
+from supervisor.settings.config import StragglersConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model": "debug", "device": "cpu", "dim": 32, "n_layers": 2, "n_heads": 4,
@@ -58,7 +62,10 @@ def config(path: Path, run: Path, steps: int, spare: bool, slow_s: float | None)
             "launcher": "mpiexec", "emulate_nodes": True, "ranks_per_node": 1, "nodes": nodes,
             "spares": 1 if spare else 0, "env": {"OMP_NUM_THREADS": "1"},
         },
-        "worker": {**TINY, "train_iters": steps, "save_interval": SAVE_EVERY},
+        "worker": {
+            **TINY, "train_iters": steps, "save_interval": SAVE_EVERY,
+            "metrics_all_ranks": not spare,
+        },
         "restart": {"backoff_s": [0], "standby": False},
         "heartbeat": {"interval_s": 0.25, "timeout_s": 10.0},
         "stragglers": {"action": "replace" if slow_s else "report"},
@@ -94,6 +101,26 @@ def losses(run: Path) -> dict[int, float]:
     return out
 
 
+def peak_score(run: Path, window: int) -> float:
+    """The highest window median of any rank's score, replayed from every rank's metrics of
+    the first attempt, one observation a step."""
+    adir = run / "attempts" / "000"
+    by_rank = {}
+    for path in adir.glob("metrics-*.jsonl"):
+        rank = int(path.stem.split("-")[1])
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        by_rank[rank] = {r["step"]: r["train/compute_seconds"] for r in recs}
+    steps = sorted(set.intersection(*(set(v) for v in by_rank.values())))
+    history: dict[int, list[float]] = {r: [] for r in by_rank}
+    peak = 0.0
+    for step in steps:
+        for rank, score in scores({r: v[step] for r, v in by_rank.items()}).items():
+            history[rank].append(score)
+            over = window_score(history[rank], window)
+            peak = max(peak, over or 0.0)
+    return peak
+
+
 def of(run: Path, name: str) -> list[dict]:
     return [e for e in read_events(run / "events.jsonl") if e["event"] == name]
 
@@ -109,8 +136,11 @@ def main() -> None:
         wall = run_job(config(tmp / "healthy.toml", healthy, args.healthy_steps, False, None))
         step_s = statistics.median(r["train/dt"] for r in records(healthy, 0)[3:])
         false_alarms = len(of(healthy, "straggler"))
+        defaults = StragglersConfig()
+        peak = peak_score(healthy, defaults.window)
         print(f"healthy: {args.healthy_steps} steps in {wall:.0f} s, step {step_s * 1000:.0f} ms,"
-              f" {false_alarms} straggler event(s)", flush=True)  # fmt: skip
+              f" {false_alarms} straggler event(s), peak window score {peak:.2f}"
+              f" (threshold {defaults.threshold})", flush=True)  # fmt: skip
         plain = tmp / "plain"
         run_job(config(tmp / "plain.toml", plain, REPLACE_STEPS, False, None))
         slow = tmp / "replace"
@@ -127,6 +157,8 @@ def main() -> None:
             "healthy_steps": args.healthy_steps,
             "healthy_step_ms": round(step_s * 1000, 1),
             "false_alarms": false_alarms,
+            "healthy_peak_score": round(peak, 3),
+            "threshold": defaults.threshold,
             "slow_delay_ms": round(step_s / 2 * 1000, 1),
             "steps_to_event": steps_to_event,
             "named_right": named,
