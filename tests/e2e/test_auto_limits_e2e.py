@@ -15,7 +15,7 @@ from tests.support import TINY_JOB_WORKER, events, run_supervisor, toml_table
 JOB_TIMEOUT = 420
 MAX_TRAIN_S = 60.0  # what the train limit is until learned: a stall found by it takes a minute
 
-WORKER = {**TINY_JOB_WORKER, "train_iters": 70, "save_interval": 10}
+WORKER = {**TINY_JOB_WORKER, "train_iters": 50, "save_interval": 10}  # the stall at 45
 
 pytestmark = pytest.mark.slow
 
