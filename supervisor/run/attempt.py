@@ -82,9 +82,8 @@ class Attempt:
         self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
         self.nodes = list(job.resolved.pool.active)  # where its ranks run, in rank order
         self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
-        spares = job.resolved.pool.spares
         self.stragglers = StragglerWatch(
-            self.cfg, self.table.world, self.nodes, lambda: len(spares), self.emit
+            self.cfg, self.table.world, self.nodes, lambda: len(job.resolved.pool.spares), self.emit
         )
         self.replaced: StragglerFinding | None = None  # stopped for this straggler
 
