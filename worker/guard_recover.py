@@ -19,7 +19,7 @@ def recover(t: Training, step: int, done: Stepped, tokens_seen: int) -> tuple[in
         done.verdict,
         g.cfg,
         g.baseline,
-        *every_rank(done.loss, done.local_grad, info.rank, info.world),
+        *every_rank(done.loss, done.local_grad, info.rank, info.world, t.device),
     )
     if info.rank == 0:
         value = verdict.value if math.isfinite(verdict.value) else str(verdict.value)

@@ -102,12 +102,15 @@ def local_norm(params: list[torch.nn.Parameter]) -> float:
     return torch.nn.utils.get_total_norm(grads, 2.0).item()
 
 
-def shared_values(loss: float, local_grad: float, stop_requested: bool) -> torch.Tensor:
+def shared_values(
+    loss: float, local_grad: float, stop_requested: bool, device: torch.device | None = None
+) -> torch.Tensor:
     """This rank's part of the step's agreement: its loss (0 when not finite, so the sum stays
     finite), whether it was asked to stop, whether its loss or gradients are non-finite."""
     nonfinite = not (math.isfinite(loss) and math.isfinite(local_grad))
     own = 0.0 if nonfinite else loss
-    return torch.tensor([own, float(stop_requested), float(nonfinite)], dtype=torch.float64)
+    values = [own, float(stop_requested), float(nonfinite)]
+    return torch.tensor(values, dtype=torch.float64, device=device)  # nccl: on the device
 
 
 def agreed(shared: torch.Tensor, world: int) -> tuple[float, bool, int]:
@@ -129,9 +132,12 @@ class Stepped:
     verdict: Verdict | None  # None: a good step, applied
 
 
-def every_rank(loss: float, local_grad: float, rank: int, world: int) -> tuple[list, list]:
+def every_rank(
+    loss: float, local_grad: float, rank: int, world: int, device: torch.device | None = None
+) -> tuple[list, list]:
     """A bad step only: every rank's own loss and gradient norm (one all-reduce of 2 x world)."""
     table = torch.zeros(2, world, dtype=torch.float64)
     table[0, rank], table[1, rank] = loss, local_grad
+    table = table.to(device) if device is not None else table
     dist.all_reduce(table)
     return table[0].tolist(), table[1].tolist()

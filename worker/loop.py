@@ -102,7 +102,9 @@ def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepp
     local = guard_step.local_norm(params) if t.guard.cfg.on else 0.0
     grad_norm = clip_grad_norm(params, t.args.grad_clip).item()
     t.ckpt.before_update()  # a save's staging copy ran beside forward and backward
-    mean_loss, stopping, nonfinite = agree(loss.item(), local, stop_requested, t.info.world)
+    mean_loss, stopping, nonfinite = agree(
+        loss.item(), local, stop_requested, t.info.world, t.device
+    )
     verdict = t.guard.judge(mean_loss, grad_norm, nonfinite)
     t.metrics.add_to_next("train/grad_norm", grad_norm)
     if verdict is None:
@@ -113,12 +115,13 @@ def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepp
 
 
 def agree(
-    loss: float, local_grad: float, stop_requested: bool, world: int
+    loss: float, local_grad: float, stop_requested: bool, world: int, device=None
 ) -> tuple[float, bool, int]:
     """The stop agreement: one small all-reduce carries the mean loss, whether any rank was
     asked to stop, so every rank stops after the same step, and how many ranks hold a
-    non-finite loss or gradient (the guard's; the mean is then NaN on every rank)."""
-    shared = guard_step.shared_values(loss, local_grad, stop_requested)
+    non-finite loss or gradient (the guard's; the mean is then NaN on every rank). On the
+    training device: nccl reduces no CPU tensor."""
+    shared = guard_step.shared_values(loss, local_grad, stop_requested, device)
     with CLOCK.waiting():
         dist.all_reduce(shared)
     return guard_step.agreed(shared, world)
