@@ -143,25 +143,26 @@ def spoil(step_dir: Path, how: str, marker: Path) -> tuple[Path, str]:
 
 @pytest.mark.slow
 def test_damaged_and_crafted_newest_checkpoints_are_skipped_and_never_run(tmp_path):
-    """Four times in one run, the newest checkpoint is spoilt: a shard truncated, a byte flipped
-    (found by --ckpt-verify crc), DCP's metadata or the RNG record crafted to run a command.
-    Each is refused with the file named, the run resumes from the one before, and no command
-    from a checkpoint ever runs."""
+    """The two newest checkpoints spoilt, twice: a shard truncated and a byte flipped (found by
+    --ckpt-verify crc); then DCP's metadata and the RNG record crafted to run a command. Each is
+    refused with the file named, the run resumes from the newest one left, and no command from
+    a checkpoint ever runs."""
     ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
     common = [*TINY, "--save-interval", "3", "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path)]
-    first = run_worker(2, *common, "--ckpt-verify", "crc", "--train-iters", "6")
+    first = run_worker(2, *common, "--ckpt-verify", "crc", "--train-iters", "12")
     assert first.returncode == 0, first.stderr
-    step = 6
-    for how in ("truncate", "flip", "dcp_metadata", "rng"):
-        path, said = spoil(ckpt_files.step_dir(ckpt, step), how, marker)
-        # crc (recorded by the run that saved it) for a flipped byte; the crafted files keep
-        # their size, so only reading them tells
-        verify = "crc" if how in ("truncate", "flip") else "size"
+    step = 12
+    # crc (recorded by the run that saved it) for a flipped byte; the crafted files keep their
+    # size, so only reading them tells
+    for verify, hows in (("crc", ("truncate", "flip")), ("size", ("dcp_metadata", "rng"))):
+        spoilt = [(step - 3 * i, *spoil(ckpt_files.step_dir(ckpt, step - 3 * i), how, marker))
+                  for i, how in enumerate(hows)]  # fmt: skip
         again = run_worker(2, *common, "--ckpt-verify", verify, "--train-iters", str(step + 3))
         assert again.returncode == 0, again.stderr
-        assert f"skipping checkpoint step-{step}: {said}" in again.stdout, (how, again.stdout)
-        assert str(path) in again.stdout
-        assert f"RESUMED from step={step - 3}" in again.stdout
+        for at, path, said in spoilt:
+            assert f"skipping checkpoint step-{at}: {said}" in again.stdout, (at, again.stdout)
+            assert str(path) in again.stdout
+        assert f"RESUMED from step={step - 6}" in again.stdout
         step += 3
     assert not marker.exists()
 
