@@ -247,6 +247,7 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
             args.skip_batches,
             resumed.data if resumed is not None else None,
             state.hooks.numeric_faults(),
+            resumed.step if resumed is not None else 0,
         ),
     )
 

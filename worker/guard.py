@@ -11,6 +11,7 @@ hold alike, so every rank decides the same. The acting side is worker.guard_step
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ ACTIONS = ("off", "skip", "rollback")
 KINDS = ("nan", "inf", "spike")
 
 Range = tuple[int, int]  # data positions first..last, both included
+_RANGE = re.compile(r"[0-9]{1,18}(-[0-9]{1,18})?")  # up to 10^18: far past any run
+MAX_RECORD_CHARS = 1_000_000  # a data record's `skip`: ~50,000 ranges, far past any run
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,12 @@ class Baseline:
 
     @classmethod
     def from_record(cls, record: Any) -> Baseline:
-        """A checkpoint's record; anything else (an older checkpoint) starts afresh."""
-        if not isinstance(record, dict):
+        """A checkpoint's record (checked by `record_problem` when it was loaded); none (an
+        older checkpoint) or anything malformed starts afresh, never a baseline that would
+        divide by zero or judge against NaN."""
+        if baseline_problem(record) is not None:
             return cls()
-        try:
-            return cls(int(record["good"]), float(record["loss"]), float(record["grad"]))
-        except (KeyError, TypeError, ValueError):
-            return cls()
+        return cls(record["good"], float(record["loss"]), float(record["grad"]))
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,24 @@ def blame(
     return verdict, every
 
 
+GIVE_UP_AFTER = 10  # bad steps in a row: the cause is no batch (diverged weights, a bad --lr)
+
+
+def give_up(bad_in_a_row: int, step: int, verdict: Verdict) -> str | None:
+    """Why the guard stops the run (None: it goes on). Skipping or rolling back only helps a
+    bad batch: when no step passes for `GIVE_UP_AFTER` tries, every batch would be skipped
+    for ever (weights that are already non-finite, a learning rate that blows them up, a loss
+    that moved for good), so a person is told instead of the loop spinning."""
+    if bad_in_a_row < GIVE_UP_AFTER:
+        return None
+    return (
+        f"the numerical guard gave up: {bad_in_a_row} bad steps in a row at step {step} (the "
+        f"last: {verdict.kind} in {verdict.what}); no batch helps, so the cause is likely the "
+        "weights or the settings: lower --lr, resume from an earlier checkpoint, or raise "
+        "--guard-factor / --guard-grad-factor if the loss moved for good"
+    )
+
+
 # --- data positions ------------------------------------------------------------------------------
 def merge(ranges: list[Range] | tuple[Range, ...]) -> tuple[Range, ...]:
     """Sorted, with overlapping and adjacent ranges joined."""
@@ -162,10 +182,10 @@ def parse_ranges(text: str) -> tuple[Range, ...]:
     """`A-B,C-D` (or a single position `A`) to merged ranges; ValueError saying what is wrong."""
     out: list[Range] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        first, dash, last = part.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        if not _RANGE.fullmatch(part):  # ASCII digits only: str.isdigit takes "²", int() not
             raise ValueError(f"expected ranges of data positions like 5-9,20-20, got {part!r}")
-        a, b = int(first), int(last) if dash else int(first)
+        first, _, last = part.partition("-")
+        a, b = int(first), int(last or first)
         if a < 1 or b < a:
             raise ValueError(f"{part!r}: positions start at 1 and a range's last is >= its first")
         out.append((a, b))
@@ -174,3 +194,53 @@ def parse_ranges(text: str) -> tuple[Range, ...]:
 
 def format_ranges(ranges: tuple[Range, ...]) -> str:
     return ",".join(f"{a}-{b}" for a, b in ranges)
+
+
+# --- a checkpoint's data record --------------------------------------------------------------
+def baseline_problem(record: Any) -> str | None:
+    """What is wrong with a record of `Baseline.record` (None: nothing)."""
+    if not isinstance(record, dict) or set(record) != {"good", "loss", "grad"}:
+        return "guard: expected a record {good, loss, grad}"
+    good = record["good"]
+    if type(good) is not int or good < 0:
+        return f"guard.good: expected a count >= 0, got {good!r}"
+    for key in ("loss", "grad"):
+        value = record[key]
+        if type(value) not in (int, float) or not (math.isfinite(value) and value >= 0):
+            return f"guard.{key}: expected a finite number >= 0, got {value!r}"
+    return None
+
+
+def record_problem(data: Any) -> str | None:
+    """What is wrong with the guard's part of a checkpoint's data record (None: nothing, or an
+    older checkpoint without it): a resume takes it as it is, so a damaged one is refused
+    rather than silently training other data positions or judging against a broken baseline."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        return f"the data record is a {type(data).__name__}, not a table"
+    skip = data.get("skip", "")
+    if not isinstance(skip, str) or len(skip) > MAX_RECORD_CHARS:
+        return "skip: expected ranges of data positions like 5-9,20-20"
+    try:
+        parse_ranges(skip)
+    except ValueError as exc:
+        return f"skip: {exc}"
+    if "guard" in data:
+        return baseline_problem(data["guard"])
+    return None
+
+
+def past_problem(
+    flag_ranges: tuple[Range, ...], resumed: tuple[Range, ...], step: int
+) -> str | None:
+    """`--skip-batches` on a resume may only skip positions the checkpoint of `step` has not
+    trained yet: a range among those would make its record claim a skip that never happened
+    and move every later step's data (None: the flags are fine)."""
+    done = position(step, resumed)
+    if position(step, merge([*resumed, *flag_ranges])) == done:
+        return None
+    return (
+        f"the checkpoint resumed (step {step}) has trained data positions up to {done}; skip "
+        f"only positions after {done} (or pass --no-resume to start over with these ranges)"
+    )

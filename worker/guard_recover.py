@@ -1,5 +1,6 @@
 """What the training loop does after a bad step (worker.guard_step judged it, never applied):
-name it and the ranks behind it, then skip its batch or roll back to the newest checkpoint."""
+name it and the ranks behind it, then skip its batch or roll back to the newest checkpoint; or,
+after `guard.GIVE_UP_AFTER` bad steps in a row, stop the run with one clear message."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 from worker import guard
 from worker.build import Training
+from worker.errors import UsageError
 from worker.guard import Baseline
 from worker.guard_step import Stepped, every_rank
 
@@ -29,6 +31,9 @@ def recover(t: Training, step: int, done: Stepped, tokens_seen: int) -> tuple[in
         f"on rank(s) {','.join(map(str, ranks))}",
         flush=True,
     )
+    stop = guard.give_up(g.bad_in_a_row, step, verdict)
+    if stop is not None:  # every rank judged alike: every rank stops here
+        raise UsageError(stop)
     if g.cfg.action == "rollback":
         before = g.ranges
         resumed = t.ckpt.rollback()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from worker import guard
+from worker.errors import UsageError
 from worker.guard import Baseline, GuardConfig, Range, Verdict
 
 
@@ -32,24 +33,37 @@ class GuardRun:
     ranges: tuple[Range, ...] = ()
     baseline: Baseline = field(default_factory=Baseline)
     pending: list[tuple[int, str, float]] = field(default_factory=list)  # (step, kind, factor)
+    bad_in_a_row: int = 0  # bad steps since the last good one (guard.give_up)
 
     @classmethod
     def start(
-        cls, cfg: GuardConfig, flag_ranges: str, data: dict[str, Any] | None, faults: list
+        cls,
+        cfg: GuardConfig,
+        flag_ranges: str,
+        data: dict[str, Any] | None,
+        faults: list,
+        step: int = 0,
     ) -> GuardRun:
-        """From the flags and the data record of the checkpoint resumed (None: a fresh start):
-        its skipped ranges and baseline come back with it."""
-        run = cls(cfg, guard.parse_ranges(flag_ranges), pending=list(faults))
+        """From the flags and the data record of the checkpoint resumed at `step` (None: a
+        fresh start): its skipped ranges and baseline come back with it. `--skip-batches` may
+        add ranges only past the positions that checkpoint has trained (UsageError)."""
+        run = cls(cfg, pending=list(faults))
         run.restore(data)
+        flags = guard.parse_ranges(flag_ranges)
+        problem = guard.past_problem(flags, run.ranges, step) if data is not None else None
+        if problem is not None:
+            raise UsageError(f"--skip-batches {flag_ranges}: {problem}")
+        run.ranges = guard.merge([*run.ranges, *flags])
         return run
 
     def restore(self, data: dict[str, Any] | None) -> None:
+        """The checkpoint loads refuse a damaged record (worker.ckpt); one that reaches here
+        anyway is a clear refusal, never a silent change of the data positions."""
+        problem = guard.record_problem(data)
+        if problem is not None:
+            raise UsageError(f"the checkpoint's data record is damaged: {problem}")
         data = data or {}
-        try:
-            resumed = guard.parse_ranges(str(data.get("skip", "")))
-        except ValueError:
-            resumed = ()
-        self.ranges = guard.merge([*self.ranges, *resumed])
+        self.ranges = guard.merge([*self.ranges, *guard.parse_ranges(data.get("skip", ""))])
         self.baseline = Baseline.from_record(data.get("guard"))
 
     def record(self) -> dict[str, Any]:
@@ -81,6 +95,9 @@ class GuardRun:
         verdict = guard.judge(self.cfg, self.baseline, mean_loss, grad_norm, nonfinite)
         if verdict is None:
             self.baseline = self.baseline.updated(mean_loss, grad_norm, self.cfg.warmup)
+            self.bad_in_a_row = 0
+        else:
+            self.bad_in_a_row += 1
         return verdict
 
 

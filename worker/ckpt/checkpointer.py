@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from contracts import ckpt_files
-from worker import collectives
+from worker import collectives, guard
 from worker.ckpt import rng, safe_load, storage
 from worker.ckpt.fail_points import NoFailPoints, SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
@@ -196,6 +196,12 @@ class Checkpointer:
                 f"checkpoint {directory} is of another model ({meta['model']}); this run builds "
                 f"{self.identity.model_description}. Point --ckpt-dir elsewhere, or pass "
                 "--no-resume to start fresh"
+            )
+        problem = guard.record_problem(meta.get("data"))
+        if problem is not None:  # every rank reads the same meta.json: every rank refuses
+            raise UsageError(
+                f"checkpoint {directory}: its data record is damaged ({problem}); remove "
+                f"{directory.name} to resume from the one before, or pass --no-resume"
             )
         start_reading(directory, meta, rank=self.rank, identity=self.identity)  # while planning
         prefill_adamw_state(self.optimizer)

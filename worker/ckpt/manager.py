@@ -22,12 +22,14 @@ from typing import Any
 import torch
 
 from contracts.env_names import ENV_JOB_ID, node_name
+from worker import guard
 from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
 from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
+from worker.ckpt.memory.held import Held
 from worker.ckpt.memory.partner_link import PartnerStats
 from worker.ckpt.resume import Chosen, RunIdentity
 from worker.ckpt.settings import CkptSettings
@@ -130,6 +132,13 @@ def create_manager(
     )
 
 
+def _data_problem(held: Held, meta: dict[str, Any]) -> str | None:
+    """A slot whose data record (skipped ranges, guard baseline) is damaged is refused like
+    a torn one: resumed as it is, it would train other data positions."""
+    problem = guard.record_problem(meta.get("data"))
+    return None if problem is None else f"slot {held.slot} (step {held.step}): data {problem}"
+
+
 class SyncManager(CheckpointManager):
     """A save blocks the loop until every rank's shards are durable and the marker written.
     With the memory tier, its copies run beside the next step (the same in both modes)."""
@@ -164,6 +173,8 @@ class SyncManager(CheckpointManager):
             except Exception as exc:  # a slot that passed its checks yet does not load (a
                 # crafted record): refused alike, so that every rank reaches the agreement
                 problem = f"slot {held.slot} (step {held.step}): {type(exc).__name__}: {exc}"
+            else:
+                problem = _data_problem(held, meta)
             refused = memory.first_refusal(problem)
             if refused is None:
                 self.memory.resumed_from(held)
