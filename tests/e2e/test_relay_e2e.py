@@ -32,8 +32,12 @@ def job_config(tmp_path: Path) -> Path:
     )  # fmt: skip
     text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
     text += toml_table("[worker]", WORKER)
-    text += toml_table("[restart]", {"backoff_s": [0], "standby": False, "max_restarts": 4})
-    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 2.0, "relay": True})
+    # A stopped rank ignores the teardown's SIGTERM: 1 s (not 3) before its SIGKILL.
+    restart = {"backoff_s": [0], "standby": False, "max_restarts": 4, "teardown_grace_s": 1.0}
+    text += toml_table("[restart]", restart)
+    # 4 s: on a loaded 2-core host a starting rank's beats (a relay's summaries) can pause for
+    # 2-3 s while its imports hold the interpreter; with 2 s each such pause was a false hang.
+    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 4.0, "relay": True})
     for name, step, rank in (("stop-member", 6, 1), ("stop-relay", 10, 2)):
         fault = {"name": name, "at_step": step, "action": "hang", "target": f"rank:{rank}"}
         text += toml_table("[[faults]]", fault)
