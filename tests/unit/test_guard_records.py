@@ -106,3 +106,15 @@ def test_the_guard_gives_up_after_ten_bad_steps_in_a_row_and_a_good_step_resets_
     said = guard.give_up(run.bad_in_a_row, 2, verdict)
     assert said.startswith("the numerical guard gave up: 10 bad steps in a row at step 2")
     assert "nan in loss" in said and "lower --lr" in said
+
+
+def test_a_memory_slot_with_a_damaged_data_record_is_refused_like_a_torn_one():
+    from pathlib import Path
+
+    from worker.ckpt.manager import _data_problem
+    from worker.ckpt.memory.held import Held
+
+    held = Held(slot=1, step=7, gen=3, record={}, path=Path("slot-1.bin"))
+    assert _data_problem(held, {"step": 7, "data": {**GOOD, "guard": GOOD_BASE}}) is None
+    said = _data_problem(held, {"step": 7, "data": {**GOOD, "skip": "9-2"}})
+    assert said.startswith("slot 1 (step 7): data skip: '9-2'")
