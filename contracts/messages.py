@@ -69,6 +69,9 @@ NUMERIC_FAULTS = frozenset({"nan", "inf", "spike"})
 # order (null: not said yet). Optional: senders without them are accepted.
 TIMING_FIELDS = ("compute", "wait")
 MAX_TIMING_S = 1e6
+# ... and `recent`: [step, compute] of each step since the rank's previous message, oldest first
+# (at most MAX_RECENT: the newest), so the supervisor scores every step, not one a beat.
+MAX_RECENT = 64
 # The most ranks one summary may speak for (a node's ranks; 16 KiB hold ~1,000 of them).
 MAX_RELAY_RANKS = 1024
 
@@ -262,6 +265,25 @@ def validate_timing(message: dict[str, Any]) -> None:
     for name in TIMING_FIELDS:
         if name in message and not _seconds(message[name]):
             raise BadMessage(f"field {name!r}: expected seconds >= 0")
+    if "recent" in message:
+        _recent(message["recent"])
+
+
+def _recent(recent: Any) -> None:
+    """`recent`: at most MAX_RECENT [step, compute] pairs, steps ascending."""
+    if recent.__class__ is not list or len(recent) > MAX_RECENT:
+        raise BadMessage(f"field 'recent': expected at most {MAX_RECENT} [step, compute] pairs")
+    last = -1
+    for pair in recent:
+        if (
+            pair.__class__ is not list
+            or len(pair) != 2
+            or pair[0].__class__ is not int
+            or pair[0] <= last
+            or not _seconds(pair[1])
+        ):
+            raise BadMessage("field 'recent': expected [step, seconds >= 0] pairs, steps ascending")
+        last = pair[0]
 
 
 def _summary_compute(message: dict[str, Any], n: int) -> None:

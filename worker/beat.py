@@ -39,6 +39,7 @@ from worker.beacon_relay import NodeRelay
 from worker.control_channel import ControlChannel
 from worker.errors import UsageError
 from worker.parent_watch import ParentWatch
+from worker.recent_steps import RecentSteps
 from worker.relay import RelayCore, node_name, relay_address
 
 QUEUE_SIZE = 1024
@@ -174,6 +175,7 @@ class ZmqBeacon(Beacon):
         self._phase = "init"
         self._step = 0
         self._timing: dict[str, float] = {}  # the latest step's compute and wait (stragglers)
+        self._recent = RecentSteps()  # each step's compute since the last message (stragglers)
         self._dropped = 0  # not queued: the queue was full
         self._push: _Push | None = None  # the thread's, once it runs
         self._last_step_sent = -float("inf")
@@ -200,6 +202,8 @@ class ZmqBeacon(Beacon):
 
     def step(self, step: int, loss: float, dt: float) -> None:
         self._step = int(step)
+        if "compute" in self._timing:
+            self._recent.add(int(step), self._timing["compute"])
         if self._id.rank != 0:
             # Other ranks send at most one `step` per interval (their beats carry the step):
             # with short steps and many ranks, step messages would outnumber beats.
@@ -207,7 +211,9 @@ class ZmqBeacon(Beacon):
             if now - self._last_step_sent < self._interval:
                 return
             self._last_step_sent = now
-        self._put("step", step=int(step), loss=float(loss), dt=float(dt), **self._timing)
+        recent = self._recent.take()
+        timing = {**self._timing, "recent": recent} if recent else self._timing
+        self._put("step", step=int(step), loss=float(loss), dt=float(dt), **timing)
 
     def timing(self, compute: float, wait: float) -> None:
         self._timing = {"compute": round(compute, 6), "wait": round(wait, 6)}
@@ -347,6 +353,8 @@ class ZmqBeacon(Beacon):
                 if now >= next_beat:
                     if relay is None:
                         beat = {"phase": self._phase, "step": self._step, **self._timing}
+                        if recent := self._recent.take():
+                            beat["recent"] = recent
                         self._send("beat", time.time(), **beat)
                     else:
                         relay.summarize(push.send, self._phase, self._step, now, self._timing)

@@ -2,11 +2,13 @@
 
 A slow rank makes every other rank wait for it in the step's collectives: its own compute (the
 step's seconds less its wait in collectives, worker.step_clock) is long, theirs is not. So each
-observation scores every rank's compute over the median of all ranks' computes; a rank whose
-median score over its last `window` observations is above `threshold` is a straggler. Medians
-on both sides keep one noisy step, or one noisy rank, from moving anything. One finding per
-episode: a rank flagged is flagged again only after its window's median fell back to the
-threshold or below. A node's ranks flagged at once are one finding, named with their node.
+observation (one a step where every rank's steps reach the supervisor, else one a heartbeat
+interval: supervisor.watch.step_times) scores every rank's compute over the median of all
+ranks' computes; a rank whose median score over its last `window` observations is above
+`threshold` is a straggler. Medians on both sides keep one noisy step, or one noisy rank, from
+moving anything. One finding per episode: a rank flagged is flagged again only after its
+window's median fell back to the threshold or below. A node's ranks flagged at once are one
+finding, named with their node.
 
 Pure: fed observations, returns findings; the supervisor acts (supervisor.run.stragglers).
 """
@@ -32,7 +34,8 @@ class StragglerFinding:
     node: str
     score: float  # the highest of the ranks' window medians
     step: int
-    window: int
+    window: int  # observations judged: one a step where every rank's steps reach the supervisor
+    since_step: int  # the step of the window's first observation
 
     def fields(self) -> dict[str, object]:
         return {
@@ -41,6 +44,7 @@ class StragglerFinding:
             "score": round(self.score, 3),
             "step": self.step,
             "window": self.window,
+            "since_step": self.since_step,
         }
 
 
@@ -69,6 +73,7 @@ class StragglerScore:
     history: dict[int, deque[float]] = field(default_factory=dict)
     flagged: set[int] = field(default_factory=set)
     observations: int = 0
+    steps: deque[int] = field(default_factory=deque)  # the steps of the last `window` ones
 
     def observe(
         self, step: int, computes: Mapping[int, float], node_of: Callable[[int], str]
@@ -79,6 +84,9 @@ class StragglerScore:
         if not now:
             return []
         self.observations += 1
+        self.steps.append(step)
+        while len(self.steps) > self.window:
+            self.steps.popleft()
         new: dict[str, list[tuple[int, float]]] = {}
         for rank, score in now.items():
             hist = self.history.get(rank)
@@ -96,10 +104,24 @@ class StragglerScore:
                 new.setdefault(node_of(rank), []).append((rank, over))
         return [
             StragglerFinding(
-                tuple(r for r, _ in found), node, max(s for _, s in found), step, self.window
+                tuple(r for r, _ in found),
+                node,
+                max(s for _, s in found),
+                step,
+                self.window,
+                self.steps[0],
             )
             for node, found in sorted(new.items())
         ]
+
+
+def replace_now(found_step: int, ckpt_complete: int | None, last_step: int | None) -> bool:
+    """A pending replacement is due once a durable checkpoint newer than its finding is
+    complete, unless that checkpoint is the job's last step: the job is over, and a relaunch
+    would only load it to stop."""
+    if ckpt_complete is None or ckpt_complete <= found_step:
+        return False
+    return last_step is None or ckpt_complete < last_step
 
 
 @dataclass(frozen=True)

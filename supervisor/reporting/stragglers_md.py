@@ -18,6 +18,14 @@ class StragglerRow:
     score: float | None
     window: int | None
     done: str  # what was done, in words
+    since: int | None = None  # the step of the window's first observation
+
+    def judged(self) -> str:
+        """The window in words: its observations, and the steps they span when known."""
+        n = "–" if self.window is None else str(self.window)
+        if self.since is None or self.step is None:
+            return n
+        return f"{n} (steps {self.since}-{self.step})"
 
 
 def straggler_rows(events: list[dict[str, Any]]) -> list[StragglerRow]:
@@ -41,6 +49,7 @@ def straggler_rows(events: list[dict[str, Any]]) -> list[StragglerRow]:
                 score if isinstance(score, (int, float)) else None,
                 e.get("window"),
                 done,
+                e.get("since_step") if isinstance(e.get("since_step"), int) else None,
             )
         )
     return rows
@@ -66,7 +75,7 @@ def stragglers_md(rows: list[StragglerRow]) -> list[str]:
     out = ["| attempt | step | ranks | node | score | window | done |", "| --- " * 7 + "|"]
     for r in rows:
         score = "–" if r.score is None else f"{r.score:.2f}"
-        cells = [r.attempt, r.step, r.ranks, r.node, score, r.window, r.done]
+        cells = [r.attempt, r.step, r.ranks, r.node, score, r.judged(), r.done]
         out.append("| " + " | ".join("–" if c is None else str(c) for c in cells) + " |")
     return out
 
@@ -75,6 +84,6 @@ def stragglers_lines(rows: list[StragglerRow]) -> list[str]:
     """`status`'s lines: one per straggler."""
     return [
         f"straggler: step {r.step}: rank(s) {r.ranks} on {r.node}, score "
-        f"{'?' if r.score is None else f'{r.score:.2f}'} over {r.window}: {r.done}"
+        f"{'?' if r.score is None else f'{r.score:.2f}'} over {r.judged()}: {r.done}"
         for r in rows
     ]

@@ -42,6 +42,8 @@ class StragglerWatch:
         self.emit = emit
         self.replacing: StragglerFinding | None = None
         self.replace_due = asyncio.Event()
+        last = cfg.worker.flags.get("train_iters")
+        self.last_step = last if isinstance(last, int) and not isinstance(last, bool) else None
 
     def node_of(self, rank: int) -> str:
         per = self.cfg.launch.ranks_per_node
@@ -53,16 +55,18 @@ class StragglerWatch:
             self.times.take(msg)
 
     def check(self, ckpt_complete: int | None) -> None:
-        """At each quiet check: score a new observation, say what it found; set `replace_due`
-        once a durable checkpoint newer than the pending finding's step is complete."""
+        """At each quiet check: score the new observations, say what they found; set
+        `replace_due` once a durable checkpoint newer than the pending finding's step is
+        complete, unless it is the job's last step (nothing is left to run on the spare)."""
         if not self.on:
             return
-        seen = self.times.observation()
-        if seen is not None:
-            for finding in self.score.observe(seen[0], seen[1], self.node_of):
+        for step, computes in self.times.observations():
+            for finding in self.score.observe(step, computes, self.node_of):
                 self._found(finding)
         pending = self.replacing
-        if pending is not None and ckpt_complete is not None and ckpt_complete > pending.step:
+        if pending is not None and stragglers.replace_now(
+            pending.step, ckpt_complete, self.last_step
+        ):
             self.replace_due.set()
 
     def _found(self, finding: StragglerFinding) -> None:

@@ -247,6 +247,25 @@ def check_stragglers(cfg: Config) -> None:
             "stragglers.window",
             f"expected 2 to 1000 observations (about one a heartbeat interval), got {st.window}",
         )
+    check_straggler_replace(cfg)
+
+
+def check_straggler_replace(cfg: Config) -> None:
+    """`action = "replace"` acts at the next durable checkpoint: a job of our worker that makes
+    none (`save_interval` 0, its default) would wait for it for ever, so it is refused here."""
+    if cfg.stragglers.action != "replace":
+        return
+    spec = spec_of(cfg)
+    if spec is None or "save_interval" not in spec.flag_kinds():
+        return  # a worker we know nothing of: it says its checkpoints, or replace never acts
+    every = cfg.worker.flags.get("save_interval", 0)
+    if isinstance(every, int) and not isinstance(every, bool) and every <= 0:
+        raise ConfigError(
+            cfg.source,
+            "stragglers.action",
+            '"replace" waits for the next durable checkpoint, and this job makes none '
+            '(worker.save_interval is 0): set worker.save_interval, or action = "report"',
+        )
 
 
 def check_guard(cfg: Config) -> None:
@@ -266,6 +285,10 @@ def check_guard(cfg: Config) -> None:
             raise ConfigError(
                 cfg.source, f"guard.{key}", f"expected 1 or more, got {getattr(g, key)}"
             )
+    if g.skip_batches > 10**9:  # the worker's bound (worker.guard.MAX_SKIP_BATCHES)
+        raise ConfigError(
+            cfg.source, "guard.skip_batches", f"expected at most 10^9, got {g.skip_batches}"
+        )
     for key, flag in GUARD_FLAGS.items():
         if flag in cfg.worker.flags and flag in guard_flags(g):
             raise ConfigError(

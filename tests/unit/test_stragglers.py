@@ -115,14 +115,14 @@ def test_an_observation_once_every_rank_said_a_newer_step():
     times.take(msg("beat", 0, 5, phase="train", compute=0.1, wait=0.2))
     times.take(msg("step", 1, 5, loss=1.0, dt=0.3, compute=0.2))
     times.take(msg("beat", 2, 5, phase="train"))  # an old sender: no compute
-    assert times.observation() is None
+    assert times.observations() == []
     times.take(msg("beat", 2, 6, phase="train", compute=0.3))
-    assert times.observation() == (6, {0: 0.1, 1: 0.2, 2: 0.3})
+    assert times.observations() == [(6, {0: 0.1, 1: 0.2, 2: 0.3})]
     times.take(msg("step", 0, 7, loss=1.0, dt=0.3, compute=0.1))
-    assert times.observation() is None  # ranks 1 and 2 said nothing past step 6 yet
+    assert times.observations() == []  # ranks 1 and 2 said nothing past step 6 yet
     times.take(msg("beat", 1, 7, phase="train", compute=0.2))
     times.take(msg("beat", 2, 7, phase="train", compute=0.3))
-    assert times.observation() == (7, {0: 0.1, 1: 0.2, 2: 0.3})
+    assert times.observations() == [(7, {0: 0.1, 1: 0.2, 2: 0.3})]
 
 
 def test_a_relay_summary_carries_its_ranks_compute_to_an_observation():
@@ -138,7 +138,7 @@ def test_a_relay_summary_carries_its_ranks_compute_to_an_observation():
     assert summary["compute"] == [0.01, 0.02, 0.03, 0.04]
     times = StepTimes(4)
     times.take(summary)
-    assert times.observation() == (9, {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04})
+    assert times.observations() == [(9, {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04})]
 
 
 def test_a_summary_of_the_most_ranks_with_compute_fits_a_message():

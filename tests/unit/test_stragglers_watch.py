@@ -17,8 +17,14 @@ def beat(rank: int, step: int, compute: float) -> dict:
     return ident.message("beat", 0.0, phase="train", step=step, compute=compute, wait=0.1)
 
 
-def watch(action: str, spares: int, shrink: bool = False):
-    cfg = from_dict({"stragglers": {"action": action}, "restart": {"shrink": shrink}})
+def watch(action: str, spares: int, shrink: bool = False, last: int = 100):
+    cfg = from_dict(
+        {
+            "stragglers": {"action": action},
+            "restart": {"shrink": shrink},
+            "worker": {"save_interval": 4, "train_iters": last},
+        }
+    )
     said: list[tuple[str, dict]] = []
     w = StragglerWatch(cfg, 4, NODES, lambda: spares, lambda e, **f: said.append((e, f)))
     return w, said
