@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from contracts import inject
 from contracts.env_names import ENV_INJECT
 from worker.errors import UsageError
-from worker.guard import ACTIONS, GuardConfig, parse_ranges
+from worker.guard import ACTIONS, MAX_SKIP_BATCHES, GuardConfig, parse_ranges
 from worker.layout import Layout, check_model_fits, plan_layout
 from worker.presets import PRESETS, ModelConfig, resolve_config
 
@@ -276,8 +276,11 @@ def check_guard(a: TrainArgs) -> None:
             raise UsageError(f"{flag} must be a number above 1, got {value}")
     if a.guard_warmup < 1:
         raise UsageError(f"--guard-warmup must be at least 1, got {a.guard_warmup}")
-    if a.guard_skip_batches < 1:
-        raise UsageError(f"--guard-skip-batches must be at least 1, got {a.guard_skip_batches}")
+    if not 1 <= a.guard_skip_batches <= MAX_SKIP_BATCHES:
+        raise UsageError(
+            f"--guard-skip-batches must be 1 to {MAX_SKIP_BATCHES:,} data positions, got "
+            f"{a.guard_skip_batches}"
+        )
     try:
         parse_ranges(a.skip_batches)
     except ValueError as exc:

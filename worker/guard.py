@@ -20,6 +20,7 @@ KINDS = ("nan", "inf", "spike")
 
 Range = tuple[int, int]  # data positions first..last, both included
 _RANGE = re.compile(r"[0-9]{1,18}(-[0-9]{1,18})?")  # up to 10^18: far past any run
+MAX_SKIP_BATCHES = 10**9  # a rollback's skip: the positions it leads to stay under 10^18
 MAX_RECORD_CHARS = 1_000_000  # a data record's `skip`: ~50,000 ranges, far past any run
 
 

@@ -124,7 +124,10 @@ def test_parse_ranges():
         (["--guard-factor", "1"], "--guard-factor must be a number above 1, got 1.0"),
         (["--guard-grad-factor", "nan"], "--guard-grad-factor must be a number above 1"),
         (["--guard-warmup", "0"], "--guard-warmup must be at least 1, got 0"),
-        (["--guard-skip-batches", "0"], "--guard-skip-batches must be at least 1, got 0"),
+        (
+            ["--guard-skip-batches", "0"],
+            "--guard-skip-batches must be 1 to 1,000,000,000 data positions, got 0",
+        ),
         (["--skip-batches", "9-3"], "--skip-batches: '9-3': positions start at 1"),
     ],
 )

@@ -118,3 +118,13 @@ def test_a_memory_slot_with_a_damaged_data_record_is_refused_like_a_torn_one():
     assert _data_problem(held, {"step": 7, "data": {**GOOD, "guard": GOOD_BASE}}) is None
     said = _data_problem(held, {"step": 7, "data": {**GOOD, "skip": "9-2"}})
     assert said.startswith("slot 1 (step 7): data skip: '9-2'")
+
+
+def test_a_rollbacks_skip_is_bounded_so_its_record_stays_readable():
+    """A 10^19-position skip wrote a 20-digit range no resume would read back."""
+    from worker.args import parse_args
+
+    with pytest.raises(UsageError, match="--guard-skip-batches must be 1 to 1,000,000,000"):
+        parse_args(["--guard-skip-batches", str(10**19)])
+    last = guard.rollback_range(10**12, 10**12 + 1, (), guard.MAX_SKIP_BATCHES)[1]
+    assert guard.parse_ranges(f"1-{last}") == ((1, last),)

@@ -40,6 +40,7 @@ def test_guard_keys_become_worker_flags_only_where_they_differ_from_its_defaults
         ({"factor": 1.0}, {}, "guard.factor", "expected a number above 1"),
         ({"grad_factor": math.inf}, {}, "guard.grad_factor", "expected a number above 1"),
         ({"warmup": 0}, {}, "guard.warmup", "expected 1 or more"),
+        ({"skip_batches": 2 * 10**9}, {}, "guard.skip_batches", "expected at most 10^9"),
         ({"action": "ignore"}, {}, "guard.action", "expected one of 'off' | 'skip'"),
         ({"action": "off"}, {"guard": "skip"}, "worker.guard", "set twice"),
     ],
