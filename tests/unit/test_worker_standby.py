@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,10 @@ from worker.build import Setup, build_state, join_group
 from worker.ckpt import rng
 from worker.dist import RankInfo
 from worker.errors import UsageError
+from worker.guard import GuardConfig
+from worker.guard_step import GuardRun
 from worker.loop import train_step
+from worker.metrics import MetricsLog
 from worker.standby import warm_up
 from worker.train import standby_requested
 
@@ -86,12 +90,13 @@ def test_warm_up_changes_nothing_the_run_computes(one_rank):
         def __init__(self, state):
             self.source, self.model, self.optimizer = state.source, state.model, state.optimizer
             self.scheduler, self.args, self.device = state.scheduler, setup.args, group.device
-            self.dp_rank = 0
+            self.dp_rank, self.info = 0, SimpleNamespace(rank=0, world=1)
             self.ckpt = type("NoCkpt", (), {"before_update": lambda self: None})()
+            self.guard, self.metrics = GuardRun(GuardConfig("skip")), MetricsLog(None)
 
     for step in (1, 2, 3):
-        lc, lw = train_step(T(cold), step), train_step(T(warm), step)
-        assert lc.item() == lw.item(), step
+        lc, lw = train_step(T(cold), step, False), train_step(T(warm), step, False)
+        assert lc.loss == lw.loss and lc.verdict is None is lw.verdict, step
     assert same_params(cold.model, warm.model)
 
 
