@@ -49,7 +49,15 @@ class Baseline:
     loss: float = 0.0
     grad: float = 0.0
 
-    def updated(self, loss: float, grad: float, window: int) -> Baseline:
+    def updated(
+        self, loss: float, grad: float, window: int, limits: tuple[float, float] | None = None
+    ) -> Baseline:
+        """`limits` (the spike factors): once there is a baseline, a value enters it at most
+        at its spike limit. Only a warm-up step can be above it (later, such a step is bad):
+        whole, one 100x loss spike at step 4 of a 20-step warm-up hid 5x spikes until good
+        step 79; clipped, they are caught from the warm-up's end."""
+        if limits is not None and self.good:
+            loss, grad = min(loss, limits[0] * self.loss), min(grad, limits[1] * self.grad)
         weight = 1.0 / min(self.good + 1, max(1, window))
         return Baseline(
             self.good + 1,

@@ -94,7 +94,8 @@ class GuardRun:
             return None
         verdict = guard.judge(self.cfg, self.baseline, mean_loss, grad_norm, nonfinite)
         if verdict is None:
-            self.baseline = self.baseline.updated(mean_loss, grad_norm, self.cfg.warmup)
+            limits = (self.cfg.factor, self.cfg.grad_factor)
+            self.baseline = self.baseline.updated(mean_loss, grad_norm, self.cfg.warmup, limits)
             self.bad_in_a_row = 0
         else:
             self.bad_in_a_row += 1

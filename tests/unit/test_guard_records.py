@@ -128,3 +128,25 @@ def test_a_rollbacks_skip_is_bounded_so_its_record_stays_readable():
         parse_args(["--guard-skip-batches", str(10**19)])
     last = guard.rollback_range(10**12, 10**12 + 1, (), guard.MAX_SKIP_BATCHES)[1]
     assert guard.parse_ranges(f"1-{last}") == ((1, last),)
+
+
+def test_a_spike_in_the_warmup_enters_the_baseline_only_at_the_spike_limit():
+    """Whole, a 100x loss spike at step 4 of a 20-step warm-up lifted the baseline ~26x and
+    hid 5x spikes until good step 79; clipped, they are caught from the warm-up's end."""
+    cfg = GuardConfig("skip", warmup=20)
+    run = GuardRun(cfg)
+    for loss in (5.0, 5.0, 5.0, 500.0):
+        assert run.judge(loss, 1.0, 0) is None  # the warm-up judges no spike
+    assert run.baseline.loss == (5.0 + 5.0 + 5.0 + 20.0) / 4  # 500 entered as 4 x 5
+    while run.baseline.good < cfg.warmup:
+        assert run.judge(5.0, 1.0, 0) is None
+    assert run.judge(25.0, 1.0, 0).kind == "spike"  # baseline 5.75: 25 is above 4 x
+    whole = Baseline()
+    for loss in (5.0, 5.0, 5.0, 500.0, *[5.0] * 16):
+        whole = whole.updated(loss, 1.0, cfg.warmup)
+    assert guard.judge(cfg, whole, 25.0, 1.0, 0) is None  # unclipped, baseline 29.75
+    # a grad-norm spike alike, at grad_factor x
+    run = GuardRun(cfg)
+    run.judge(5.0, 1.0, 0)
+    run.judge(5.0, 1000.0, 0)
+    assert run.baseline.grad == (1.0 + cfg.grad_factor) / 2
