@@ -134,15 +134,24 @@ class Response:
 
 
 def respond(
-    action: str, spares: int, shrink: bool, active: int, min_nodes: int, pending: bool
+    action: str,
+    spares: int,
+    shrink: bool,
+    active: int,
+    min_nodes: int,
+    pending: bool,
+    restarts_left: int = 1,
 ) -> Response:
     """`[stragglers] action` against what the job has: a spare takes the slow node's place;
-    without one, shrink (when allowed and enough nodes are left) excludes it; else, or while a
-    replacement is already pending, the finding is reported only."""
+    without one, shrink (when allowed and enough nodes are left) excludes it; else, while a
+    replacement is already pending, or with no restart left (the relaunch is one), the finding
+    is reported only."""
     if action != "replace":
         return Response(False, "reported")
     if pending:
         return Response(False, "reported: a replacement is already pending")
+    if restarts_left < 1:
+        return Response(False, "reported only: no restart left for the relaunch (max_restarts)")
     if spares > 0:
         return Response(True, "a spare takes its node's place after the next durable checkpoint")
     if shrink and active - 1 >= min_nodes:

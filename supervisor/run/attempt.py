@@ -83,7 +83,12 @@ class Attempt:
         self.nodes = list(job.resolved.pool.active)  # where its ranks run, in rank order
         self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
         self.stragglers = StragglerWatch(
-            self.cfg, self.table.world, self.nodes, lambda: len(job.resolved.pool.spares), self.emit
+            self.cfg,
+            self.table.world,
+            self.nodes,
+            lambda: len(job.resolved.pool.spares),
+            self.emit,
+            job.restarts_left,
         )
         self.replaced: StragglerFinding | None = None  # stopped for this straggler
 

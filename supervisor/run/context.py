@@ -77,6 +77,7 @@ class JobContext:
     drain: Callable[[], object]  # hand the rank messages waiting now to their attempts
     console: IO[str] | None
     control: ControlServer | None = None  # signed commands to ranks (faults, standby go/exit)
+    restarts_left: Callable[[], int] = lambda: 1  # the job's (a straggler's relaunch is one)
 
     def rank_env(self, attempt: int, attempt_dir: Path, standby: bool) -> dict[str, str]:
         """The environment of one attempt's ranks: [launch] env, then the contract's names."""

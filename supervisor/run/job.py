@@ -94,15 +94,15 @@ class Job:
         self.server = server = self._bind()
         if self.cfg.restart.standby or self.cfg.faults:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
-        world = self.resolved.world
         self.faults = fault_hooks.for_job(
-            self.cfg, world, self.key, self.job_id, server.address, self.emit, self.control,
-            others=self._standby_tables,
+            self.cfg, self.resolved.world, self.key, self.job_id, server.address, self.emit,
+            self.control, others=self._standby_tables,
         )  # fmt: skip
         self.nodes = NodeKeeper(self.resolved, self.emit, self.faults)
         self.context = JobContext(
             self.resolved, self.job_id, self.key, server.address, self.launcher, self.faults,
             self.emit, lambda: server.drain(self._on_message), self.console, self.control,
+            lambda: restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts),
         )  # fmt: skip
         if self.cfg.restart.standby:
             self.standby = StandbyKeeper(
@@ -120,7 +120,7 @@ class Job:
             run_dir=str(self.resolved.run_dir),
             nodes=self.resolved.active,
             **({"spares": list(self.resolved.pool.spares)} if self.resolved.pool.spares else {}),
-            world=world,
+            world=self.resolved.world,
             launcher=self.resolved.flavor,
             heartbeat=server.address,
             max_restarts=self.cfg.restart.max_restarts,

@@ -31,6 +31,7 @@ class StragglerWatch:
         nodes: Sequence[str],
         spares: Callable[[], int],
         emit: Callable[..., None],
+        restarts_left: Callable[[], int] = lambda: 1,
     ) -> None:
         st = cfg.stragglers
         self.cfg = cfg
@@ -39,6 +40,7 @@ class StragglerWatch:
         self.score = stragglers.StragglerScore(st.threshold, st.window)
         self.nodes = list(nodes)
         self.spares = spares
+        self.restarts_left = restarts_left
         self.emit = emit
         self.replacing: StragglerFinding | None = None
         self.replace_due = asyncio.Event()
@@ -78,6 +80,7 @@ class StragglerWatch:
             len(self.nodes),
             restart.min_nodes,
             pending=self.replacing is not None,
+            restarts_left=self.restarts_left(),
         )
         if response.replace:
             self.replacing = finding

@@ -9,7 +9,7 @@ import pytest
 
 from contracts import messages
 from contracts.config_table import ConfigError
-from supervisor.policy.stragglers import StragglerScore, replace_now
+from supervisor.policy.stragglers import StragglerScore, replace_now, respond
 from supervisor.reporting.stragglers_md import straggler_rows, stragglers_lines
 from supervisor.run.stragglers import StragglerWatch
 from supervisor.settings.loading import from_dict
@@ -176,3 +176,23 @@ def test_the_report_says_the_steps_the_window_spanned():
              "done": "reported"}  # fmt: skip
     (line,) = stragglers_lines(straggler_rows([event]))
     assert "over 10 (steps 21-30)" in line
+
+
+# --- what is done about it --------------------------------------------------------------------
+def test_no_restart_left_means_the_finding_is_reported_only():
+    r = respond("replace", 1, False, 4, 1, pending=False, restarts_left=0)
+    assert not r.replace and "max_restarts" in r.said
+    assert respond("replace", 1, False, 4, 1, pending=False, restarts_left=1).replace
+
+
+def test_slow_ranks_on_two_nodes_at_once_one_replacement_the_other_reported():
+    cfg = from_dict({"stragglers": {"action": "replace"}, "worker": {"save_interval": 4}})
+    said: list = []
+    w = StragglerWatch(cfg, 6, NODES + ["n4", "n5"], lambda: 1, lambda e, **f: said.append(f))
+    for step in range(1, 12):
+        for rank in range(6):
+            c = 0.3 if rank in (1, 4) else 0.1
+            w.on_message({**beat(rank, step, [[step, c]], compute=c), "world": 6})
+        w.check(None)
+    assert [(f["node"], f["action"]) for f in said] == [("n1", "replace"), ("n4", "report")]
+    assert "already pending" in said[1]["done"] and w.replacing.node == "n1"
