@@ -253,7 +253,7 @@ def check_stragglers(cfg: Config) -> None:
 def check_straggler_replace(cfg: Config) -> None:
     """`action = "replace"` acts at the next durable checkpoint: a job of our worker that makes
     none (`save_interval` 0, its default) would wait for it for ever, so it is refused here."""
-    if cfg.stragglers.action != "replace":
+    if not cfg.stragglers.enabled or cfg.stragglers.action != "replace":
         return
     spec = spec_of(cfg)
     if spec is None or "save_interval" not in spec.flag_kinds():

@@ -38,6 +38,7 @@ def test_replace_without_durable_checkpoints_is_refused_naming_the_fix(worker):
 def test_replace_with_checkpoints_and_report_without_are_accepted():
     from_dict({"stragglers": {"action": "replace"}, "worker": {"save_interval": 4}})
     from_dict({"stragglers": {"action": "report"}, "worker": {"save_interval": 0}})
+    from_dict({"stragglers": {"action": "replace", "enabled": False}})  # off: nothing waits
 
 
 def test_a_replacement_is_due_after_a_newer_checkpoint_but_not_the_job_s_last():
@@ -127,6 +128,17 @@ def test_the_window_counts_steps_and_the_finding_says_which():
 def test_a_malformed_recent_field_is_refused(recent):
     with pytest.raises(messages.BadMessage):
         messages.validate(beat(0, 9, recent))
+
+
+@pytest.mark.parametrize("compute", [[0.1, 0.1, 0.1], [], [0.1, float("nan")], [0.1, True]])
+def test_a_summary_s_compute_of_the_wrong_length_or_kind_is_refused(compute):
+    ident = messages.RankIdentity(JOB, 0, 0, 4, "h", 1)
+    message = ident.message(
+        "summary", 0.0, node="n0", ranks=[[0, 2]], steps=[[3, 2]], phases="train", late=[]
+    )
+    message["compute"] = compute
+    with pytest.raises(messages.BadMessage):
+        messages.validate(message)
 
 
 def test_a_well_formed_recent_field_is_accepted():
