@@ -36,7 +36,7 @@ def recover(t: Training, step: int, done: Stepped, tokens_seen: int) -> tuple[in
         raise UsageError(stop)
     if g.cfg.action == "rollback":
         before = g.ranges
-        resumed = t.ckpt.rollback()
+        resumed = t.ckpt.rollback(step)
         if resumed is not None:
             first, last = guard.rollback_range(resumed.step, step, before, g.cfg.skip_batches)
             g.skip((first, last))

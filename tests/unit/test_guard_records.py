@@ -150,3 +150,13 @@ def test_a_spike_in_the_warmup_enters_the_baseline_only_at_the_spike_limit():
     run.judge(5.0, 1.0, 0)
     run.judge(5.0, 1000.0, 0)
     assert run.baseline.grad == (1.0 + cfg.grad_factor) / 2
+
+
+def test_a_rollback_goes_only_to_a_checkpoint_of_this_runs_own_past():
+    """With --no-resume, a NaN at step 2 rolled back to the previous run's step 6 in the same
+    directory and the run went on from there; now only its own, older checkpoints count."""
+    assert not guard.may_roll_back_to(6, 2, set())  # another run's, and ahead of the bad step
+    assert not guard.may_roll_back_to(4, 5, {3})  # another run's, though older
+    assert not guard.may_roll_back_to(5, 5, {5})  # never the bad step's own or a later one
+    assert not guard.may_roll_back_to(None, 5, {3})
+    assert guard.may_roll_back_to(3, 5, {3, 5})

@@ -85,6 +85,7 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks = hooks or NoFailPoints()
         self.last_saved_step = -1
+        self.own_steps: set[int] = set()  # loaded or saved by this process: the guard's rollback
 
     # ---- saving ---------------------------------------------------------------------------
     # Saving and loading run without autograd: a DTensor's `to_local()` then returns its shard
@@ -173,6 +174,7 @@ class Checkpointer:
 
             retire(tidy)
         self.last_saved_step = meta["step"]
+        self.own_steps.add(meta["step"])
 
     def _gather(self, item: Any) -> list[Any] | None:
         return collectives.gather_json(item, dst=0)
@@ -225,6 +227,7 @@ class Checkpointer:
         if self.rank < len(rngs) and meta["world"] == self.world:
             rng.restore(rngs[self.rank], f"{directory / ckpt_files.META} (rank {self.rank})")
         self.last_saved_step = meta["step"]
+        self.own_steps.add(meta["step"])
         return Resumed(
             step=meta["step"],
             tokens_seen=meta["tokens_seen"],

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from contracts import ckpt_files
 from contracts.env_names import ENV_JOB_ID, node_name
 from worker import guard
 from worker.beat import Beacon
@@ -62,9 +63,10 @@ class CheckpointManager:
     def close(self, step: int) -> None:
         """Before exit: drain and mark a save in flight."""
 
-    def rollback(self) -> Resumed | None:
+    def rollback(self, bad_step: int) -> Resumed | None:
         """Collective, for the numerical guard: the newest checkpoint (memory tier or durable)
-        back into the live state; None when there is none to go back to."""
+        of this run from before `bad_step` back into the live state; None when there is none
+        to go back to."""
         return None
 
 
@@ -178,6 +180,7 @@ class SyncManager(CheckpointManager):
             refused = memory.first_refusal(problem)
             if refused is None:
                 self.memory.resumed_from(held)
+                self.base.own_steps.add(held.step)
                 self.base.last_saved_step = -1  # nothing durable of this step yet
                 source = "partner" if chosen.source.from_partner else "memory"
                 resumed = Resumed(
@@ -215,9 +218,12 @@ class SyncManager(CheckpointManager):
             self.say(f"memory tier passed over: {why}", flush=True)
         return resumed
 
-    def rollback(self) -> Resumed | None:
+    def rollback(self, bad_step: int) -> Resumed | None:
         """Saves in flight drained first (`drain`), so the newest complete one counts; then
-        chosen and loaded as a relaunch would (a slot refused at load: the next choice)."""
+        chosen and loaded as a relaunch would (a slot refused at load: the next choice). Only
+        a checkpoint this process saved or resumed from, of a step before `bad_step`: with
+        --no-resume the directory may hold another run's (seen: a rollback at step 2 loaded
+        the previous run's step 6 and went on from there)."""
         self.drain()
         memory_at = None
         if self.memory is not None and self.memory.enabled:
@@ -230,7 +236,22 @@ class SyncManager(CheckpointManager):
             say=self.say,
             partner=self.memory.partner_wanted if memory_at else False,
         )
+        if chosen.source is None:
+            return None
+        if not guard.may_roll_back_to(self._step_of(chosen), bad_step, self.base.own_steps):
+            self.say(
+                f"GUARD: the newest checkpoint ({chosen.source}) is not one this run saved "
+                f"before step {bad_step}: not rolling back to it",
+                flush=True,
+            )
+            return None
         return self.load(chosen)
+
+    @staticmethod
+    def _step_of(chosen: Chosen) -> int | None:
+        if isinstance(chosen.source, MemoryChoice):
+            return chosen.source.held.step
+        return ckpt_files.parse_step(Path(chosen.source).name)
 
     def drain(self) -> None:
         """Sync saves leave nothing in flight."""
@@ -240,6 +261,7 @@ class SyncManager(CheckpointManager):
             started = time.perf_counter()
             self.memory.save(step, tokens_seen, data)
             self.memory_handover = time.perf_counter() - started
+            self.base.own_steps.add(step)
 
     def before_update(self) -> None:
         if self.memory is None:
