@@ -54,7 +54,9 @@ SLOW_AT = 20
 NAMED_WITHIN = 30
 
 
-def config(path: Path, run: Path, steps: int, spare: bool, slow_s: float | None) -> Path:
+def config(
+    path: Path, run: Path, steps: int, spare: bool, slow_s: float | None, interval_s: float
+) -> Path:
     nodes = [f"n{i}" for i in range(5 if spare else 4)]
     raw = {
         "job": {"name": "stragglers", "run_dir": str(run)},
@@ -67,7 +69,7 @@ def config(path: Path, run: Path, steps: int, spare: bool, slow_s: float | None)
             "metrics_all_ranks": not spare,
         },
         "restart": {"backoff_s": [0], "standby": False},
-        "heartbeat": {"interval_s": 0.25, "timeout_s": 10.0},
+        "heartbeat": {"interval_s": interval_s, "timeout_s": max(10.0, 4 * interval_s)},
         "stragglers": {"action": "replace" if slow_s else "report"},
     }  # fmt: skip
     if slow_s:
@@ -129,11 +131,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--healthy-steps", type=int, default=HEALTHY_STEPS)
     parser.add_argument("--keep", action="store_true", help="keep the run dirs")
+    parser.add_argument(
+        "--interval-s", type=float, default=1.0, help="the heartbeat interval (the default's)"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="es-bench-stragglers-"))
     try:
         healthy = tmp / "healthy"
-        wall = run_job(config(tmp / "healthy.toml", healthy, args.healthy_steps, False, None))
+        beat = args.interval_s
+        wall = run_job(config(tmp / "healthy.toml", healthy, args.healthy_steps, False, None, beat))
         step_s = statistics.median(r["train/dt"] for r in records(healthy, 0)[3:])
         false_alarms = len(of(healthy, "straggler"))
         defaults = StragglersConfig()
@@ -142,9 +148,9 @@ def main() -> None:
               f" {false_alarms} straggler event(s), peak window score {peak:.2f}"
               f" (threshold {defaults.threshold})", flush=True)  # fmt: skip
         plain = tmp / "plain"
-        run_job(config(tmp / "plain.toml", plain, REPLACE_STEPS, False, None))
+        run_job(config(tmp / "plain.toml", plain, REPLACE_STEPS, False, None, beat))
         slow = tmp / "replace"
-        run_job(config(tmp / "replace.toml", slow, REPLACE_STEPS, True, step_s / 2))
+        run_job(config(tmp / "replace.toml", slow, REPLACE_STEPS, True, step_s / 2, beat))
         (fault,) = of(slow, "fault")
         found = of(slow, "straggler")
         first = found[0] if found else {}
@@ -154,6 +160,7 @@ def main() -> None:
         last_nodes = of(slow, "launch")[-1]["nodes"]
         same = losses(slow) == losses(plain) and len(losses(plain)) == REPLACE_STEPS
         figures = {
+            "interval_s": beat,
             "healthy_steps": args.healthy_steps,
             "healthy_step_ms": round(step_s * 1000, 1),
             "false_alarms": false_alarms,
@@ -161,6 +168,7 @@ def main() -> None:
             "threshold": defaults.threshold,
             "slow_delay_ms": round(step_s / 2 * 1000, 1),
             "steps_to_event": steps_to_event,
+            "window_steps": [first.get("since_step"), first.get("step")],
             "named_right": named,
             "score": first.get("score"),
             "events": len(found),
