@@ -201,9 +201,9 @@ class ZmqBeacon(Beacon):
         self._put("phase", phase="standby", step=0, prepared=prepared)
 
     def step(self, step: int, loss: float, dt: float) -> None:
-        self._step = int(step)
-        if "compute" in self._timing:
+        if "compute" in self._timing:  # before the step is said: a beat that says it has it
             self._recent.add(int(step), self._timing["compute"])
+        self._step = int(step)
         if self._id.rank != 0:
             # Other ranks send at most one `step` per interval (their beats carry the step):
             # with short steps and many ranks, step messages would outnumber beats.

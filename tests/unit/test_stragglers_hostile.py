@@ -5,6 +5,9 @@ observation where the ranks say their steps (`recent`), so the window counts ste
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from contracts import messages
@@ -13,8 +16,11 @@ from supervisor.policy.stragglers import StragglerScore, replace_now, respond
 from supervisor.reporting.stragglers_md import straggler_rows, stragglers_lines
 from supervisor.run.stragglers import StragglerWatch
 from supervisor.settings.loading import from_dict
+from supervisor.watch.heartbeat import HeartbeatServer
 from supervisor.watch.step_times import StepTimes
 from tests.support import BEACON_JOB as JOB
+from tests.support import BEACON_KEY, beacon_env
+from worker.beat import Beacon
 from worker.recent_steps import RecentSteps
 
 NODES = ["n0", "n1", "n2", "n3"]
@@ -208,3 +214,33 @@ def test_slow_ranks_on_two_nodes_at_once_one_replacement_the_other_reported():
         w.check(None)
     assert [(f["node"], f["action"]) for f in said] == [("n1", "replace"), ("n4", "report")]
     assert "already pending" in said[1]["done"] and w.replacing.node == "n1"
+
+
+def test_a_rank_s_messages_carry_every_step_though_it_says_few(monkeypatch):
+    """A real beacon of rank 1 (its `step` messages at most one an interval): 30 quick steps,
+    and the `recent` of its steps and beats, as the server verified them, hold every one."""
+
+    async def main() -> list[dict]:
+        server = HeartbeatServer(BEACON_KEY.encode(), JOB)
+        beacon_env(monkeypatch, server.address, interval=0.2)
+        b = Beacon.from_env(1, 2)
+        got: list[dict] = []
+        task = asyncio.create_task(server.serve(lambda m, now: got.append(m)))
+        for step in range(1, 31):
+            b.timing(0.01 * step, 0.001)
+            b.step(step, 1.0, 0.01)
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(
+            p[0] == 30 for m in got for p in m.get("recent", ())
+        ):
+            await asyncio.sleep(0.02)
+        task.cancel()
+        b.close()
+        server.close()
+        return got
+
+    got = asyncio.run(main())
+    said = [p for m in got for p in m.get("recent", ())]
+    assert [p[0] for p in said] == list(range(1, 31))
+    assert said[4] == [5, 0.05] and sum(m["kind"] == "step" for m in got) < 30
