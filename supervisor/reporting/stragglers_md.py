@@ -38,7 +38,8 @@ def straggler_rows(events: list[dict[str, Any]]) -> list[StragglerRow]:
         node = str(e.get("node", "?"))
         done = str(e.get("done", e.get("action", "reported")))
         if e.get("action") == "replace":
-            done = _replaced(events[i + 1 :], node) or f"{done} (not done)"
+            later = events[i + 1 :]
+            done = _replaced(later, node) or f"{done} (not done{_why_not(later, e)})"
         score = e.get("score")
         rows.append(
             StragglerRow(
@@ -66,6 +67,16 @@ def _replaced(later: list[dict[str, Any]], node: str) -> str | None:
         if name == "straggler" and e.get("node") == node:
             return None
     return None
+
+
+def _why_not(later: list[dict[str, Any]], found: dict[str, Any]) -> str:
+    """Why a replacement never came: its attempt ended first (a failure, the job's end)."""
+    for e in later:
+        if e.get("event") == "attempt_end" and e.get("attempt") == found.get("attempt"):
+            if e.get("outcome") == "stopped":
+                return ""
+            return f": attempt {e.get('attempt')} ended first, {e.get('outcome', '?')}"
+    return ""
 
 
 def stragglers_md(rows: list[StragglerRow]) -> list[str]:

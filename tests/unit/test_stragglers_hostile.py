@@ -244,3 +244,13 @@ def test_a_rank_s_messages_carry_every_step_though_it_says_few(monkeypatch):
     said = [p for m in got for p in m.get("recent", ())]
     assert [p[0] for p in said] == list(range(1, 31))
     assert said[4] == [5, 0.05] and sum(m["kind"] == "step" for m in got) < 30
+
+
+def test_a_replacement_its_attempt_never_reached_says_why():
+    found = {"event": "straggler", "attempt": 0, "step": 10, "ranks": [2], "node": "n2",
+             "score": 2.5, "window": 10, "action": "replace", "done": "a spare takes"}  # fmt: skip
+    failed = {"event": "attempt_end", "attempt": 0, "outcome": "failure"}
+    (row,) = straggler_rows([found, failed, {"event": "launch", "attempt": 1}])
+    assert row.done == "a spare takes (not done: attempt 0 ended first, failure)"
+    (row,) = straggler_rows([found, {**failed, "outcome": "success"}])
+    assert row.done.endswith("ended first, success)")  # a checkpoint of the job's last step
