@@ -141,13 +141,19 @@ def respond(
     min_nodes: int,
     pending: bool,
     restarts_left: int = 1,
+    checkpoints: bool = True,
 ) -> Response:
     """`[stragglers] action` against what the job has: a spare takes the slow node's place;
     without one, shrink (when allowed and enough nodes are left) excludes it; else, while a
-    replacement is already pending, or with no restart left (the relaunch is one), the finding
-    is reported only."""
+    replacement is already pending, with no restart left (the relaunch is one), or in a job that
+    makes no durable checkpoint (the replacement waits for the next one), the finding is
+    reported only."""
     if action != "replace":
         return Response(False, "reported")
+    if not checkpoints:
+        return Response(
+            False, "reported only: the job makes no durable checkpoints (worker.save_interval 0)"
+        )
     if pending:
         return Response(False, "reported: a replacement is already pending")
     if restarts_left < 1:

@@ -16,6 +16,7 @@ from contracts.exit_codes import ExitCode
 from supervisor.policy import stragglers
 from supervisor.policy.restarts import Decision
 from supervisor.policy.stragglers import StragglerFinding
+from supervisor.settings import checks
 from supervisor.settings.config import Config
 from supervisor.watch.step_times import StepTimes
 
@@ -41,6 +42,7 @@ class StragglerWatch:
         self.nodes = list(nodes)
         self.spares = spares
         self.restarts_left = restarts_left
+        self.checkpoints = st.action != "replace" or not checks.no_durable_checkpoints(cfg)
         self.emit = emit
         self.replacing: StragglerFinding | None = None
         self.replace_due = asyncio.Event()
@@ -81,6 +83,7 @@ class StragglerWatch:
             restart.min_nodes,
             pending=self.replacing is not None,
             restarts_left=self.restarts_left(),
+            checkpoints=self.checkpoints,
         )
         if response.replace:
             self.replacing = finding

@@ -245,27 +245,19 @@ def check_stragglers(cfg: Config) -> None:
         raise ConfigError(
             cfg.source,
             "stragglers.window",
-            f"expected 2 to 1000 observations (about one a heartbeat interval), got {st.window}",
+            f"expected 2 to 1000 observations (steps, as a rule), got {st.window}",
         )
-    check_straggler_replace(cfg)
 
 
-def check_straggler_replace(cfg: Config) -> None:
-    """`action = "replace"` acts at the next durable checkpoint: a job of our worker that makes
-    none (`save_interval` 0, its default) would wait for it for ever, so it is refused here."""
-    if not cfg.stragglers.enabled or cfg.stragglers.action != "replace":
-        return
+def no_durable_checkpoints(cfg: Config) -> bool:
+    """Whether the job's worker, by its flags, makes no periodic durable checkpoint (ours with
+    `save_interval` 0, its default): a straggler's replacement, due at the next one, never
+    comes. A worker without a spec that knows `save_interval` is taken to make them."""
     spec = spec_of(cfg)
     if spec is None or "save_interval" not in spec.flag_kinds():
-        return  # a worker we know nothing of: it says its checkpoints, or replace never acts
+        return False
     every = cfg.worker.flags.get("save_interval", 0)
-    if isinstance(every, int) and not isinstance(every, bool) and every <= 0:
-        raise ConfigError(
-            cfg.source,
-            "stragglers.action",
-            '"replace" waits for the next durable checkpoint, and this job makes none '
-            '(worker.save_interval is 0): set worker.save_interval, or action = "report"',
-        )
+    return isinstance(every, int) and not isinstance(every, bool) and every <= 0
 
 
 def check_guard(cfg: Config) -> None:
