@@ -47,6 +47,18 @@ def mem_root() -> Path:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    """A gloo process group of this one process, for code that calls collectives (torch is
+    imported here, not at the top: most tests never need it)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def assert_trained(records: list[dict]) -> None:
     """A run that trained: every step once, in order, with its metrics, and the loss falling."""
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))

@@ -4,10 +4,8 @@ multi-rank paths run in every e2e test that saves or resumes; here one rank's gr
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from tests.support import REPO
 from worker import collectives
@@ -19,14 +17,6 @@ VALUES = [
     [],
     {"format": "rng-json-1", "numpy": ["MT19937", [1, 2, 3], 624, 0, 0.0]},
 ]
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_values_arrive_as_sent(one_rank_group):

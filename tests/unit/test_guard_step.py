@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from worker.ckpt.manager import CheckpointManager
 from worker.data import SyntheticData
@@ -23,14 +21,6 @@ from worker.presets import resolve_config
 
 SIZES = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
          "vocab_size": 64, "seq_len": 16}  # fmt: skip
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def training(warmup: int = 2) -> SimpleNamespace:

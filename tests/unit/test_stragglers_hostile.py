@@ -31,6 +31,13 @@ def beat(rank: int, step: int, recent: list | None = None, **fields) -> dict:
     return ident.message("beat", 0.0, phase="train", step=step, **fields, **extra)
 
 
+def rank_2_slow(watch: StragglerWatch, step: int) -> None:
+    """Every rank's beat of `step`, rank 2's compute three times the others'."""
+    for rank in range(4):
+        c = 0.3 if rank == 2 else 0.1
+        watch.on_message(beat(rank, step, [[step, c]], compute=c))
+
+
 # --- replace that could never act -------------------------------------------------------------
 @pytest.mark.parametrize("worker", [{}, {"save_interval": 0}])
 def test_replace_without_durable_checkpoints_is_reported_only_saying_why(worker):
@@ -39,9 +46,7 @@ def test_replace_without_durable_checkpoints_is_reported_only_saying_why(worker)
     said: list = []
     w = StragglerWatch(cfg, 4, NODES, lambda: 1, lambda e, **f: said.append(f))
     for step in range(1, 5):
-        for rank in range(4):
-            c = 0.3 if rank == 2 else 0.1
-            w.on_message(beat(rank, step, [[step, c]], compute=c))
+        rank_2_slow(w, step)
         w.check(None)
     (found,) = said
     assert found["action"] == "report" and "worker.save_interval 0" in found["done"]
@@ -65,9 +70,7 @@ def test_a_straggler_found_in_the_last_steps_relaunches_nothing():
     said: list = []
     w = StragglerWatch(cfg, 4, NODES, lambda: 1, lambda e, **f: said.append(f))
     for step in range(9, 13):
-        for rank in range(4):
-            c = 0.3 if rank == 2 else 0.1
-            w.on_message(beat(rank, step, [[step, c]], compute=c))
+        rank_2_slow(w, step)
         w.check(8)
     assert said and said[0]["action"] == "replace" and w.replacing is not None
     w.check(12)  # the last step's checkpoint: the job ends on its own
