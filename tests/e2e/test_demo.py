@@ -42,6 +42,8 @@ def test_the_demo_shows_three_kinds_of_failure_and_finishes(tmp_path):
     resumed = [e["step"] for e in evs if e["event"] == "resumed"]
     assert len(resumed) == 3 and all(step > 0 for step in resumed)  # from a checkpoint each
     assert evs[-1]["event"] == "supervisor_exit" and evs[-1]["code"] == 0
+    # A healthy model under kills, a hang and a stall: no bad step, no straggler.
+    assert not [e for e in evs if e["event"] in ("numeric_fault", "rollback", "straggler")]
 
     report = (run / "report.md").read_text()
     for name, path in (("kill-all-after-ckpt", "exit"), ("hang-rank1", "liveness"),
