@@ -82,8 +82,10 @@ def test_fsdp_3_to_2_keeps_the_global_batch_and_never_takes_the_memory_tier(tmp_
     assert f"RESUMED from step=4 ({ckpt_files.step_dir(ckpt, 4)})" in again.stdout
     got = read_metrics(tmp_path / "b/metrics-0.jsonl")
     assert [r["step"] for r in got] == [5, 6, 7, 8]
-    want = losses(tmp_path / "a/metrics-0.jsonl")  # the 3-rank run, uninterrupted up to step 7
-    assert set(want) == set(range(1, 8))
+    # The 3-rank run, uninterrupted up to step 7: rank 0's record of step 7 can be lost when the
+    # launcher ends it for rank 1's failure, so compare the steps it kept (at least 1-6).
+    want = losses(tmp_path / "a/metrics-0.jsonl")
+    assert set(range(1, 7)) <= set(want) <= set(range(1, 8)), sorted(want)
     assert_close(want, got)
     assert ckpt_files.read_meta(ckpt_files.step_dir(ckpt, 8))["tokens_seen"] == 8 * 6 * SEQ
 
