@@ -22,6 +22,7 @@ import torch.distributed as dist
 from worker import guard
 from worker.errors import UsageError
 from worker.guard import Baseline, GuardConfig, Range, Verdict
+from worker.parallel import local_part
 
 
 @dataclass
@@ -105,7 +106,7 @@ class GuardRun:
 def poison(params: list[torch.nn.Parameter]) -> None:
     """The `nan` fault: one element of this rank's local gradient set to NaN."""
     for p in params:
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        grad = local_part(p.grad)
         if grad is not None and grad.numel():
             grad.view(-1)[0] = math.nan
             return
@@ -113,7 +114,7 @@ def poison(params: list[torch.nn.Parameter]) -> None:
 
 def local_norm(params: list[torch.nn.Parameter]) -> float:
     """This rank's own gradients' norm (before clipping mixes every rank's in)."""
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    grads = [local_part(p.grad) for p in params]
     grads = [g for g in grads if g is not None and g.numel()]
     if not grads:
         return 0.0

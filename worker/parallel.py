@@ -84,6 +84,12 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
         total = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = local_part(p.grad)
         grad.mul_(scale.to(grad.device))
     return total
+
+
+def local_part(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's own elements of `t` (a DTensor's local shard; a plain tensor, or None, as it
+    is): what a rank can read or change without a collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
