@@ -78,7 +78,7 @@ class Job:
             stop = await self.nodes.check()
             if stop is not None:
                 pool = self.resolved.pool.as_dict()
-                self._give_up(first_attempt, ExitCode.NODES, stop, nodes=pool)
+                self.give_up(first_attempt, ExitCode.NODES, stop, nodes=pool)
                 code, reason = ExitCode.NODES, stop
             else:
                 code, reason = await self._attempts(first_attempt)
@@ -158,7 +158,7 @@ class Job:
     async def _attempts(self, first: int) -> tuple[ExitCode, str]:
         self.numbers = first
         if self.stop.count:  # asked to stop before anything ran (during the node check, say)
-            self._give_up(first, ExitCode.INTERRUPTED, "interrupted before the first launch")
+            self.give_up(first, ExitCode.INTERRUPTED, "interrupted before the first launch")
             return ExitCode.INTERRUPTED, "interrupted"
         attempt = Attempt(self._next_number(), self.context)
         try:
@@ -189,17 +189,17 @@ class Job:
                 self.emit("done", attempt=number, step=step, restarts=self.restarts)
                 return decision.exit_code, decision.reason
             if decision.action == "stop":
-                self._give_up(number, decision.exit_code, decision.reason, **decision.facts)
+                self.give_up(number, decision.exit_code, decision.reason, **decision.facts)
                 return decision.exit_code, decision.reason
             stop = self.nodes.count_failure(result.attribution, result.number)
             if stop is None:  # a node known lost: checked again, out at once
                 stop = await self.nodes.recheck(result.number)
             if stop is not None:
-                self._give_up(number, ExitCode.NODES, stop, nodes=self.resolved.pool.as_dict())
+                self.give_up(number, ExitCode.NODES, stop, nodes=self.resolved.pool.as_dict())
                 return ExitCode.NODES, stop
-            attempt = await self._relaunch(number, decision)
+            attempt = await self.relaunch(number, decision)
             if attempt is None:
-                self._give_up(number, ExitCode.INTERRUPTED, "interrupted during backoff")
+                self.give_up(number, ExitCode.INTERRUPTED, "interrupted during backoff")
                 return ExitCode.INTERRUPTED, "interrupted"
 
     async def _attempt(self, attempt: Attempt) -> AttemptResult:
@@ -211,7 +211,7 @@ class Job:
             attempt.on_stepped = self.standby.ensure  # a standby once it has stepped
         return await attempt.run(self.stop)
 
-    async def _relaunch(self, after: int, decision: Decision) -> Attempt | None:
+    async def relaunch(self, after: int, decision: Decision) -> Attempt | None:
         """Count the restart, take the standby (else a cold attempt), wait the backoff, and
         say go; None if the user asked to stop meanwhile."""
         self.restarts += 1
@@ -267,7 +267,7 @@ class Job:
         if attempt is not self.active:
             self.attempts.pop(attempt.number, None)
 
-    def _give_up(self, attempt: int, code: ExitCode, reason: str, **facts: Any) -> None:
+    def give_up(self, attempt: int, code: ExitCode, reason: str, **facts: Any) -> None:
         self.emit(
             "give_up",
             attempt=attempt,

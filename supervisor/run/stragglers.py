@@ -101,9 +101,9 @@ async def replace(result: Any, job: Any) -> Any:
     stop = job.nodes.drop_straggler(found.node, why, result.number)
     if stop is None:
         reason = f"straggler on {found.node} replaced ({why})"
-        attempt = await job._relaunch(result.number, Decision("relaunch", ExitCode.DONE, reason))
+        attempt = await job.relaunch(result.number, Decision("relaunch", ExitCode.DONE, reason))
         if attempt is not None:
             return attempt
     code, why = (ExitCode.INTERRUPTED, "interrupted") if stop is None else (ExitCode.NODES, stop)
-    job._give_up(result.number, code, why, nodes=job.resolved.pool.as_dict())
+    job.give_up(result.number, code, why, nodes=job.resolved.pool.as_dict())
     return code, why
