@@ -7,6 +7,7 @@ the launch layer, so the job loop's unit tests can hand it a fake.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import IO, Protocol
 
 from contracts import env_names
 from supervisor.host import memdir
+from supervisor.launch import malloc_env
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.processes import Exit, TeardownResult
 from supervisor.launch.resolve import Resolved
@@ -97,6 +99,7 @@ class JobContext:
         if standby:
             env[env_names.ENV_STANDBY] = "1"
         env.update(memdir.rank_env(cfg.launch))
+        env.update(malloc_env.huge_pages_env(cfg.launch.huge_pages, cfg.launch.env, os.environ))
         world, ranks_per_node = self.resolved.world, cfg.launch.ranks_per_node
         if relays.relay_wanted(cfg.heartbeat.relay, world, ranks_per_node):
             env[env_names.ENV_HEARTBEAT_RELAY] = "1"

@@ -52,6 +52,9 @@ class LaunchConfig:
     emulate_nodes: bool = False
     # The last K nodes of the resolved list start idle; one takes an excluded node's place.
     spares: int = 0
+    # glibc's malloc in the ranks asks for transparent huge pages (launch/malloc_env.py): a
+    # killed rank's memory is freed, and its exit seen, sooner.
+    huge_pages: bool = True
 
 
 @dataclass
