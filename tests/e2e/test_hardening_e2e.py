@@ -7,7 +7,8 @@ or light fake ranks (the real beacon, no torch), real signals.
   (nohup) keeps it ignored;
 - a job that decided to end does so at once, ending a standby that is still starting;
 - an attempt that completed a checkpoint newer than its resume step made progress: durable, or a
-  copy of the memory tier.
+  copy of the memory tier (that job also shows the memory root swept of a dead job's directory
+  at the start, a live job's kept, and its own held for its life and removed at its end).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from contracts import locks
 from tests.support import (
     TINY_JOB_WORKER,
+    assert_in_order,
     events,
     finish_supervisor,
     job_toml,
@@ -240,12 +243,13 @@ def test_a_job_that_gives_up_ends_a_starting_standby_at_once(tmp_path):
 
 
 def test_an_attempt_that_completed_a_newer_checkpoint_made_progress(tmp_path):
-    """Every rank killed at steps 4, 7 and 14, a save every 10: three attempts in a row resume
-    from step 0, but the third completed the checkpoint of step 10: the fourth resumes there."""
+    """Every rank killed at steps 4 and 14, a save every 10, two attempts in a row allowed the
+    same resume step: both resume from step 0, but the second completed the checkpoint of
+    step 10, so the job goes on and the third resumes there."""
     run = tmp_path / "run"
-    kill = {"name": "kill", "at_step": [4, 7, 14], "action": "kill", "target": "all"}
+    kill = {"name": "kill", "at_step": [4, 14], "action": "kill", "target": "all"}
     worker = {**TINY_JOB_WORKER, "train_iters": 16, "save_interval": 10}
-    proc = start(write_config(tmp_path, worker, faults=(kill,)))
+    proc = start(write_config(tmp_path, worker, restart={"max_same_resume": 2}, faults=(kill,)))
     rc, out = finish(proc)
     evs = events(run)
     ends = named(evs, "attempt_end")
@@ -253,29 +257,50 @@ def test_an_attempt_that_completed_a_newer_checkpoint_made_progress(tmp_path):
                            for e in ends])  # fmt: skip
     print("exit:", rc, named(evs, "supervisor_exit")[0]["reason"])
     assert rc == 0, out[-3000:]
-    assert [e["resume_step"] for e in ends] == [0, 0, 0, 10]
-    assert [e["ckpt_complete"] for e in ends[:3]] == [None, None, 10]
-    assert [e["step"] for e in named(evs, "fault")] == [4, 7, 14]
+    assert [e["resume_step"] for e in ends] == [0, 0, 10]
+    assert [e["ckpt_complete"] for e in ends[:2]] == [None, 10]
+    assert [e["step"] for e in named(evs, "fault")] == [4, 14]
     assert not named(evs, "give_up")
 
 
 def test_a_memory_tier_copy_is_progress(tmp_path, mem_root):
-    """No durable save before the kills (steps 4, 7, 9), a memory copy every step: each attempt
-    resumes from the memory copy the one before it made, and the job completes."""
+    """No durable save before the kills (steps 4, 7), a memory copy every step, two attempts in
+    a row allowed the same resume step: each attempt resumes from the memory copy the one before
+    it made, and the job completes. The memory root also holds a dead job's directory (held by
+    nobody: swept at the start) and a live job's (held: kept); the job's own is held for its
+    life and removed at its end."""
     run = tmp_path / "run"
-    kill = {"name": "kill", "at_step": [4, 7, 9], "action": "kill", "target": "all"}
+    dead = mem_root / "es-mem-dead-0000dead"  # a job killed outright
+    os.close(locks.hold_mem_dir(dead))
+    (dead / "slot-0").write_bytes(b"x" * 64)
+    alive = mem_root / "es-mem-alive-0000aaaa"  # a job still running on this node
+    fd = locks.hold_mem_dir(alive)
+    kill = {"name": "kill", "at_step": [4, 7], "action": "kill", "target": "all"}
     worker = {**TINY_JOB_WORKER, "train_iters": 12, "save_interval": 100, "mem_ckpt_interval": 1}
     config = write_config(tmp_path, worker, restart={"max_same_resume": 2},
                           env={"ES_MEM_ROOT": str(mem_root)}, faults=(kill,))  # fmt: skip
-    rc, out = finish(start(config))
+    try:
+        rc, out = finish(start(config))
+        left = sorted(p.name for p in mem_root.iterdir())
+    finally:
+        os.close(fd)
     evs = events(run)
     ends = named(evs, "attempt_end")
     print("attempt_end:", [(e["attempt"], e["resume_step"], e.get("resume_source"),
                             e["ckpt_complete"], e.get("mem_complete")) for e in ends])  # fmt: skip
     assert rc == 0, out[-3000:]
-    assert len(ends) == 4 and all(e["ckpt_complete"] is None for e in ends[:3])
+    assert len(ends) == 3 and all(e["ckpt_complete"] is None for e in ends[:2])
     for before, after in zip(ends, ends[1:], strict=False):
         # What the supervisor heard of the memory tier is what the next attempt resumed from
         # (or, when the kill beat the last copy's word, a step before it).
         assert before["resume_step"] < before["mem_complete"] <= after["resume_step"]
         assert after["resume_source"] == "memory"
+    (sweep,) = named(evs, "mem_sweep")
+    assert sweep["paths"] == [str(dead)]
+    job = named(evs, "start")[0]["job"]
+    mine = str(mem_root / f"es-mem-{job}")
+    assert [e["path"] for e in named(evs, "mem_held")] == [mine]
+    assert [e["path"] for e in named(evs, "mem_removed")] == [mine]
+    order = ["start", "mem_sweep", "mem_held", "launch", "done", "mem_removed", "supervisor_exit"]
+    assert_in_order([e["event"] for e in evs], order)
+    assert left == ["es-mem-alive-0000aaaa"]

@@ -16,7 +16,6 @@ import psutil
 import pytest
 import zmq
 
-from contracts import env_names, locks
 from tests.support import (
     TINY_JOB_WORKER,
     assert_in_order,
@@ -367,33 +366,6 @@ def test_supervisor_sigkill_leaves_no_rank(tmp_path, launcher):
     proc.communicate(timeout=30)
     _, alive = psutil.wait_procs(procs, timeout=15)
     assert not alive, f"survivors after the supervisor's SIGKILL: {alive}"
-
-
-@pytest.mark.slow
-def test_the_memory_tier_s_directories_are_swept_at_start_and_removed_at_the_end(tmp_path):
-    root = tmp_path / "shm"
-    dead = root / "es-mem-dead-0000dead"  # a job killed outright: its directory held by nobody
-    os.close(locks.hold_mem_dir(dead))
-    (dead / "slot-0").write_bytes(b"x" * 64)
-    alive = root / "es-mem-alive-0000aaaa"  # a job still running on this node
-    fd = locks.hold_mem_dir(alive)
-    try:
-        config = write_config(tmp_path, worker={"train_iters": 6, "mem_ckpt_interval": 1})
-        proc = start(config, extra_env={env_names.ENV_MEM_ROOT: str(root)})
-        rc, out = finish(proc, 120)
-        assert rc == 0, out
-        evs = events(tmp_path / "run")
-        (sweep,) = (e for e in evs if e["event"] == "mem_sweep")
-        assert sweep["paths"] == [str(dead)]
-        job = next(e for e in evs if e["event"] == "start")["job"]
-        mine = str(root / f"es-mem-{job}")
-        assert [e["path"] for e in evs if e["event"] == "mem_held"] == [mine]
-        assert [e["path"] for e in evs if e["event"] == "mem_removed"] == [mine]
-        assert_in_order(names(evs), ["start", "mem_sweep", "mem_held", "launch", "done",
-                                     "mem_removed", "supervisor_exit"])  # fmt: skip
-        assert sorted(p.name for p in root.iterdir()) == ["es-mem-alive-0000aaaa"]
-    finally:
-        os.close(fd)
 
 
 def test_dry_run_starts_nothing(tmp_path):
