@@ -1,8 +1,9 @@
 """End to end: `python -m supervisor experiment` runs a tiny 3-phase study with real faults.
 
 The real supervisor runs the real worker (tiny model, 2 ranks, mpiexec) three times: baseline,
-sync and async, the last two under the same SIGKILLs of every rank at steps 10 and 18 (2 past a
-checkpoint). The reports' lost steps and resume steps must equal what the events say.
+sync and async, the last two under the same SIGKILL of every rank at step 10 (2 past a
+checkpoint). The reports' lost steps and resume steps must equal what the events say (a phase
+with several failures: the report tests' synthetic run).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ save = 60
 
 [[faults]]
 name = "kill-all"
-at_step = [10, 18]
+at_step = [10]
 action = "kill"
 target = "all"
 """
@@ -97,9 +98,9 @@ def test_three_phase_study_end_to_end(tmp_path: Path) -> None:
         run = exp / phase
         evs = events(run)
         faults = [e for e in evs if e["event"] == "fault"]
-        assert [e["point"]["step"] for e in faults] == [10, 18]
+        assert [e["point"]["step"] for e in faults] == [10]
         a = analyze(load_run(run), base)
-        assert a.mode == phase and len(a.failures) == 2 and a.totals.final_step == 24
+        assert a.mode == phase and len(a.failures) == 1 and a.totals.final_step == 24
         for f in a.failures:
             end = next(e for e in evs if e["event"] == "attempt_end" and e["attempt"] == f.attempt)
             resumed = next(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,15 @@ def run(ranks: int, table: dict, out: Path, *extra: str, env: dict | None = None
 
 
 def shrink_and_resume(tmp_path: Path, table: dict, world: int, new_world: int):
-    """The first run to step 8 (checkpoints at 4 and 8), step 8's removed, then the planned
-    smaller world resumes from step 4 to step 8."""
+    """The first run to step 8 (checkpoints at 4 and 8), step 8's removed (a copy of what is
+    left kept as ckpt-4, for another resume), then the planned smaller world resumes from step
+    4 to step 8."""
     ckpt = tmp_path / "ckpt"
     table = {**table, "ckpt_dir": str(ckpt)}
     first = run(world, table, tmp_path / "a")
     assert first.returncode == 0, first.stdout + first.stderr
     ckpt_files.remove([f for f in ckpt_files.scan(ckpt) if f.step == 8])
+    shutil.copytree(ckpt, tmp_path / "ckpt-4")
     plan = plan_shrink(flags_from_table(table), world, new_world)
     assert plan.problem is None, plan.problem
     second = run(new_world, {**table, **plan.flags}, tmp_path / "b")
@@ -109,6 +112,18 @@ def test_the_planned_smaller_world_follows_the_uninterrupted_run(
     plan, want, got = shrink_and_resume(tmp_path, {**TINY, **more}, world, new_world)
     assert plan.flags == {"batch_size": batch_size} and plan.batch_kept
     assert_close(want, got)
+    if "tp" in more:
+        # The same FSDP+TP checkpoint (4 ranks x 2 sequences) on plain FSDP, 2 ranks x 2: the
+        # global batch kept, tensor parallelism dropped; reduction order differs more.
+        again = run(2, {**TINY, "ckpt_dir": str(tmp_path / "ckpt-4")}, tmp_path / "c")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert (
+            f"RESUMED from step=4 ({ckpt_files.step_dir(tmp_path / 'ckpt-4', 4)})" in again.stdout
+        )
+        fsdp = read_metrics(tmp_path / "c/metrics-0.jsonl")
+        assert [r["step"] for r in fsdp] == [5, 6, 7, 8]
+        for r in fsdp:
+            assert math.isclose(r["loss"], want[r["step"]], rel_tol=1e-4), (r, want[r["step"]])
 
 
 def test_a_batch_that_does_not_divide_still_trains_on(tmp_path):

@@ -24,7 +24,7 @@ SLOW = {
     "duration_s": 600,
 }
 STRAGGLING = WORKER  # 24 steps, a durable save every 4
-# The uninterrupted run: the same flags as test_node_loss's 4-rank reference (run once for both).
+# The uninterrupted run (4 ranks, the flags of test_node_loss's 3-rank one).
 PLAIN = {k: v for k, v in WORKER.items() if k != "save_interval"}
 
 

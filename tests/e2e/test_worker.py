@@ -22,17 +22,16 @@ from tests.support import (
 
 
 @pytest.mark.slow
-def test_fsdp_tp_matches_one_process(tmp_path):
-    """2-D FSDP+TP computes what one process computes on the same global batch."""
-    steps = ["--train-iters", "4"]
-    ref = run_worker(1, *TINY, *steps, "--batch-size", "4", "--outdir", str(tmp_path / "one"))
-    par = run_worker(
-        4, *TINY, *steps, "--tp", "2", "--batch-size", "2", "--outdir", str(tmp_path / "tp")
-    )
-    assert ref.returncode == 0 and par.returncode == 0, ref.stderr + par.stderr
-    one, tp = losses(tmp_path / "one/metrics-0.jsonl"), losses(tmp_path / "tp/metrics-0.jsonl")
-    assert one.keys() == tp.keys() == {1, 2, 3, 4}
-    for step in one:
+def test_fsdp_tp_matches_one_process(tmp_path, reference):
+    """2-D FSDP+TP computes what one process computes on the same global batch: the 4-rank run
+    is the shared uninterrupted FSDP+TP reference (4 ranks x 2 sequences), its first steps."""
+    tp = reference(4, *TINY, "--tp", "2", "--train-iters", str(ITERS))
+    ref = run_worker(1, *TINY, "--train-iters", str(ITERS), "--batch-size", "4",
+                     "--outdir", str(tmp_path / "one"))  # fmt: skip
+    assert ref.returncode == 0, ref.stderr
+    one = losses(tmp_path / "one/metrics-0.jsonl")
+    assert one.keys() == tp.keys() == set(range(1, ITERS + 1))
+    for step in range(1, 5):
         assert math.isclose(one[step], tp[step], rel_tol=1e-5), (step, one[step], tp[step])
 
 
