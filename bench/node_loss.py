@@ -17,9 +17,10 @@ Per failure, from the events and rank 0's metrics:
 Then: durable reads after the node loss (0 wanted), bit-exact losses against the plain run,
 the node loss's cost over the crash's (<= 2 wanted), the step time with partner copies over
 without (the median of the `with` jobs' steps past their first 3 over the same of the `without`
-jobs; <= 1.05 wanted), the bytes/s rank 0 handed to the network against a loopback floor (a ZeroMQ
-PUSH/PULL of the same bytes in this process, best of 5), and 100 damaged partner copies (one
-bit flipped in a real held copy's header fields, tensor bytes or record; copied out of the job's
+jobs; <= 1.05 wanted; with rank 0's copies sent and skipped), the bytes/s rank 0 handed to the
+network against a loopback floor (a ZeroMQ PUSH/PULL of the same bytes in this process, best of
+5), and 100 damaged partner copies (one bit flipped in a real held copy's header fields, tensor
+bytes or record; copied out of the job's
 memory while it ran) of which none may pass the checks a fetch makes. The last line is JSON.
 
 Usage: python bench/node_loss.py [--standby off|on] [--pairs 3] [--keep]
@@ -160,6 +161,18 @@ def partner_rate(run: Path) -> tuple[float | None, int]:
     return (nbytes / seconds if seconds else None), int(nbytes / sent) if sent else 0
 
 
+def partner_counts(runs: list[Path]) -> dict[str, int]:
+    """Rank 0's copies sent, skipped (its partner still busy with the one before), received
+    and refused, over `runs`: a copy skipped costs no step time, so the ratio means little
+    without them."""
+    names = ("sent", "skipped", "received", "refused")
+    return {
+        n: int(sum(r.get(f"train/mem_partner_{n}", 0) for run in runs
+                   for recs in metrics(run).values() for r in recs))
+        for n in names
+    }  # fmt: skip
+
+
 def loopback_floor(nbytes: int) -> float:
     """Bytes/s of one copy's bytes over a ZeroMQ PUSH/PULL on loopback in this process."""
     import zmq
@@ -277,6 +290,7 @@ def main() -> None:
             "step_s": {"partner": round(with_p, 4), "none": round(without, 4),
                        "ratio": round(with_p / without, 3),
                        "each": {n: [round(x, 4) for x in v] for n, v in each.items()}},
+            "partner_copies": partner_counts([runs[f"with{i}"] for i in range(args.pairs)]),
             "partner_bytes_per_s": round(rate) if rate else None,
             "copy_bytes": nbytes,
             "loopback_floor_bytes_per_s": round(floor) if floor else None,

@@ -4,6 +4,7 @@ ZeroMQ sockets on loopback."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import replace
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from worker.ckpt import memory
-from worker.ckpt.memory import partner_copy, partner_link, partners
+from worker.ckpt.memory import partner_copy, partner_fetch, partner_link, partners
 from worker.hooks import Hooks
 
 EXPECT = memory.Expect(
@@ -123,16 +124,28 @@ def test_a_copy_of_another_run_or_rank_is_refused(tmp_path, change, says):
     assert says in str(err.value)
 
 
-def test_a_copy_whose_bytes_were_damaged_on_the_way_is_never_held(tmp_path):
-    store = holder_store(tmp_path)
+def test_a_copy_whose_bytes_were_damaged_on_the_way_is_held_but_never_loaded(tmp_path):
+    """The holder does not check the bytes it receives (that would cost a pass over them every
+    step); the fetch checks every tensor's digest before anything is loaded, and refuses."""
+    store = holder_store(tmp_path / "n2")
     record, data = copy_of(5)
     store.receive(record, memoryview(data.numpy()))
     record, data = copy_of(6, seed=6)
     data[100] ^= 1
-    with pytest.raises(memory.SlotRefused, match="a: its bytes fail their checksum"):
-        store.receive(record, memoryview(data.numpy()))
-    held = memory.find_held(tmp_path, replace(EXPECT, rank=2, host="n2"))
-    assert [h.step for h in held[1]] == [5]  # the torn slot is not held; the older one is
+    assert store.receive(record, memoryview(data.numpy())) == (1, 6)
+    store.close()
+    held = memory.find_held(tmp_path / "n2", replace(EXPECT, rank=2, host="n2"))
+    assert [h.step for h in held[1]] == [6, 5]
+    for copy, refused in zip(held[1], (True, False), strict=True):
+        raw, sent = partner_fetch._read_copy(copy)
+        fetched, why = partner_fetch._take(
+            copy.step, 2, tmp_path / "n1", EXPECT, [], json.loads(raw), sent
+        )
+        assert (fetched is None) == refused
+        if refused:
+            assert why == "the copy of step 6 from rank 2: a: its bytes fail their checksum"
+        else:
+            assert fetched.step == 5 and why is None  # installed as rank 1's own slot
 
 
 def test_a_hundred_copies_damaged_at_random_none_is_loaded(tmp_path):

@@ -87,6 +87,10 @@ def test_whatever_comes_is_refused_in_one_line_and_the_receiver_goes_on(holder, 
         ([of_record(stranger_s), raw], "a copy of rank 3, not one this rank holds"),
         ([of_record(record), raw[:-1]], f"{NBYTES - 1} bytes received"),
         ([of_record({**record, "nbytes": 1 << 50}), raw], "fails its checksum"),
+        ([of_record(memory.checked({**record, "nbytes": 2 << 20})), raw], "over the 1048576"),
+        ([of_record(memory.checked({**record, "nbytes": "x"})), raw], "no size in its record"),
+        ([of_record(record), raw + b"x"], f"{NBYTES + 1} bytes received"),  # cut at the slot
+        ([of_record(record), raw, b""], "3 frames"),
     ]
     for frames, says in hostile:
         before = holder.stats().refused
@@ -145,14 +149,14 @@ def test_a_closed_link_leaves_no_thread_and_no_socket(tmp_path):
 
 def test_a_link_closed_while_it_holds_a_copy_finishes_that_copy_first(tmp_path, tracebacks):
     store = holder_store(tmp_path)
-    receive, entered = store.receive, threading.Event()
+    seal, entered = store.seal, threading.Event()
 
-    def slow(record, data):
+    def slow(incoming, received):
         entered.set()
         time.sleep(0.6)  # longer than the receiver's poll: close used to pull the slot away
-        return receive(record, data)
+        return seal(incoming, received)
 
-    store.receive = slow
+    store.seal = slow
     holder = partner_link.PartnerLink(store, "127.0.0.1", 1 << 20)
     holder.start(KEY, None)
     record, data = copy_of(5)
@@ -162,6 +166,36 @@ def test_a_link_closed_while_it_holds_a_copy_finishes_that_copy_first(tmp_path, 
     assert holder.stats().received == 1 and holder.stats().refused == 0 and not tracebacks
     assert holder.ctx.closed
     assert [h.step for h in memory.find_held(tmp_path, HOLDER)[1]] == [5]
+
+
+def test_a_copy_of_2_gib_or_more_is_received_through_a_frame(holder, monkeypatch):
+    """`recv_into` counts in a C int: at INT_MAX bytes or more, the copy goes through a frame
+    (INT_MAX lowered here so that a small copy takes that path)."""
+    monkeypatch.setattr(partner_link, "INT_MAX", 1024)
+    record, data = copy_of(5)
+    for sent in (data.numpy().tobytes()[:-1], data.numpy().tobytes()):
+        send_each(holder.endpoint, [[of_record(record), sent]])
+    wait_for(lambda: holder.stats().received == 1, what=holder.stats)
+    assert f"{NBYTES - 1} bytes received" in holder.stats().last_refusal
+    (held,) = memory.find_held(holder.store.directory.parent, HOLDER)[1]
+    assert held.path.read_bytes()[4096 : 4096 + NBYTES] == data.numpy().tobytes()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads listed in /proc")
+def test_the_link_s_network_thread_yields_the_cpu_and_no_python_thread_does(tmp_path):
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    holder = partner_link.PartnerLink(holder_store(tmp_path), "127.0.0.1", 1 << 20)
+    try:
+        holder.start(KEY, None)
+        new = {int(t) for t in os.listdir("/proc/self/task")} - before
+        python = {t.native_id for t in threading.enumerate()}
+        nice = {t: os.getpriority(os.PRIO_PROCESS, t) for t in new}
+        assert [n for t, n in nice.items() if t not in python] and all(
+            n == partner_link.NICE for t, n in nice.items() if t not in python
+        )
+        assert all(n == os.getpriority(os.PRIO_PROCESS, 0) for t, n in nice.items() if t in python)
+    finally:
+        holder.close()
 
 
 def test_a_holder_without_an_address_is_said_as_a_skipped_copy():

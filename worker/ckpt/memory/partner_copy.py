@@ -1,11 +1,16 @@
 """Partner copies on the holder's node: another rank's memory copy, received over the network,
 kept as two slots of the same form as a rank's own (`<job dir>/partner/rank-<ward>/slot-<0|1>`).
 
-A received copy is written between the two generations like a local copy, its bytes checked
-against every tensor's digest as received (the ward's record holds them) before it is sealed; a
-copy that fails stays torn and is never loaded. The sealed record is the ward's, plus who holds
-it (`partner`), with the holder's own generation and a fresh record checksum; the run identity
-(job, rank, world, mesh, model) is the ward's and must be this run's, its node any.
+A received copy is written between the two generations like a local copy: its record is checked
+first (this run's, a ward of this rank, a table inside its size), then the bytes go straight
+into the slot (the link receives into the mapping: no copy of its own) and the slot is sealed.
+The bytes are not checked on receipt: the sealed record carries the ward's digest of every
+tensor, and a fetch checks them all before anything is loaded (`partner_fetch`), so a copy
+damaged on the way or at rest is refused where it would matter, and receiving costs no pass
+over the bytes. A copy cut short stays torn and is never found. The sealed record is the
+ward's, plus who holds it (`partner`), with the holder's own generation and a fresh record
+checksum; the run identity (job, rank, world, mesh, model) is the ward's and must be this
+run's, its node any.
 """
 
 from __future__ import annotations
@@ -14,11 +19,10 @@ import re
 import shutil
 import stat
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from worker.ckpt.fail_points import SaveFailPoints
@@ -35,6 +39,17 @@ from worker.ckpt.memory.slot_file import (
 
 PARTNER_DIR = "partner"
 _WARD_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,8})")  # as slot_file.rank_dir names it
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A copy being received: its checked record, and the slot its bytes go into (`view`)."""
+
+    record: dict[str, Any]
+    ward: int
+    slot: int
+    gen: int
+    view: memoryview
 
 
 def partner_dir(job_dir: Path) -> Path:
@@ -113,36 +128,59 @@ class PartnerStore:
         for s in range(SLOTS):
             self.slots[ward, s] = MappedSlot(*slot_paths(self.directory, ward, s))
 
-    def receive(self, record: Any, data: memoryview) -> tuple[int, int]:
-        """Hold a copy received from its rank: (ward, step); SlotRefused naming why it is not
-        held (the slot it was written into then stays torn)."""
+    def open(self, record: Any, most: int) -> Incoming:
+        """The slot a received copy goes into, torn from here until `seal`: SlotRefused naming
+        why its record cannot be held (not this run's, not a ward of this rank, over `most`
+        bytes)."""
         ward = record.get("rank") if isinstance(record, dict) else None
         if type(ward) is not int or ward == self.holder or not 0 <= ward < self.expect.world:
             raise SlotRefused(f"a copy of rank {str(ward)[:40]}, not one this rank holds")
         if self.wards is not None and ward not in self.wards:
             raise SlotRefused(f"a copy of rank {ward}, not one this rank holds")
-        problem = header_problem(record, ward_expect(self.expect, ward), len(data))
+        nbytes = record.get("nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise SlotRefused(f"rank {ward}'s copy: no size in its record")
+        problem = header_problem(record, ward_expect(self.expect, ward), nbytes)
+        if problem is None and nbytes > most:
+            problem = f"{nbytes} bytes, over the {most} a copy may have"
         if problem:
             raise SlotRefused(f"rank {ward}'s copy: {problem}")
         if ward not in self.gen:
             self._start(ward)
         slot, gen = self.target[ward], self.gen[ward]
         target = self.slots[ward, slot]
-        if target.block is None or target.block.numel() != len(data):
-            target.map(len(data))
+        if target.block is None or target.block.numel() != nbytes:
+            target.map(nbytes)
         target.begin(gen)
-        target.block.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         self.gen[ward] += 1
-        problem = bytes_problem(record["table"], target.block)
-        if problem:
-            raise SlotRefused(f"rank {ward}'s copy of step {record['step']}: {problem}")
-        held = {**record, "gen": gen, "partner": {"holder": self.holder, "node": self.node}}
-        held["partner"]["received_at"] = time.time()
-        target.seal(gen, checked(held))
-        self.target[ward] = (slot + 1) % SLOTS
+        return Incoming(record, ward, slot, gen, memoryview(target.block.numpy()))
+
+    def seal(self, incoming: Incoming, received: int) -> tuple[int, int]:
+        """Seal a copy whose `received` bytes are in its slot: (ward, step); SlotRefused when
+        they are not all its record's (the slot then stays torn)."""
+        record, ward = incoming.record, incoming.ward
+        if received != record["nbytes"]:
+            raise SlotRefused(
+                f"rank {ward}'s copy: {received} bytes received, its record says {record['nbytes']}"
+            )
+        target = self.slots[ward, incoming.slot]
+        held = {**record, "gen": incoming.gen}
+        held["partner"] = {"holder": self.holder, "node": self.node, "received_at": time.time()}
+        target.seal(incoming.gen, checked(held))
+        self.target[ward] = (incoming.slot + 1) % SLOTS
         first = min((e["offset"] for e in record["table"].values() if "offset" in e), default=0)
         self.hooks.partner_held(record["step"], target.bin_path, HEADER_BYTES + first)
         return ward, record["step"]
+
+    def receive(self, record: Any, data: memoryview) -> tuple[int, int]:
+        """Hold a copy whose bytes are at hand (`open`, the bytes copied in, `seal`)."""
+        if isinstance(record, dict) and record.get("nbytes") != len(data):
+            ward = record.get("rank")
+            said = f"{len(data)} bytes received, its record says {record.get('nbytes')!r}"
+            raise SlotRefused(f"rank {str(ward)[:40]}'s copy: {said}")
+        incoming = self.open(record, len(data))
+        incoming.view[:] = data
+        return self.seal(incoming, len(data))
 
     def close(self) -> None:
         for slot in self.slots.values():

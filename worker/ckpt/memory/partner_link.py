@@ -5,16 +5,19 @@ Never on the training critical path: the copy thread hands the sealed slot to a 
 and returns; the sender sends straight from the slot's mapping (no extra copy) and keeps one copy
 on its way at a time, so a copy sealed while the previous is still on its way is skipped, counted
 and said (a slow or gone partner costs copies, never steps). The slot may be written again
-while it is sent (two copies on); the holder checks every tensor's bytes against its digest
-before sealing, so a copy torn that way is refused there, never held.
+while it is sent (two copies on); such a copy is held torn in its bytes, and the fetch, which
+checks every tensor's digest before a load, refuses it. The receiver takes a copy's bytes
+straight into the slot they are held in. ZeroMQ's I/O thread, which does the network's work of
+both (and holds no GIL), runs at the lowest priority: on a node whose cores the training keeps
+busy, copies use what it leaves idle first.
 
 A message is two frames: the HMAC-SHA256 (a key rank 0 draws for the run) of a JSON header, then
 the header (the ward's sealed record and the copy's number, counted up by its sender: a signed
-header sent again, as a replay would, is refused); then the copy's raw bytes, checked against
-the record's digests (which catch damage, not a forgery). Nothing is unpickled. Whatever
-arrives (from a stranger, or malformed) is refused with a reason and counted; nothing it holds
-stops the receiver. The link has a ZeroMQ context of its own: once closed, no socket and no
-thread of it is left.
+header sent again, as a replay would, is refused); then the copy's raw bytes, whose digests in
+the record catch damage, not a forgery. Nothing is unpickled. Whatever arrives (from a
+stranger, or malformed) is refused with a reason and counted; nothing it holds stops the
+receiver. The link has a ZeroMQ context of its own: once closed, no socket and no thread of it
+is left.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import zmq
 
 from worker import collectives
 from worker.ckpt.fail_points import SaveFailPoints
-from worker.ckpt.memory.partner_copy import PartnerStore
+from worker.ckpt.memory.partner_copy import Incoming, PartnerStore
 from worker.ckpt.memory.partners import held_on, holders
 from worker.ckpt.memory.slot_file import MAX_RECORD_BYTES, Expect, SlotRefused
 
@@ -45,6 +48,8 @@ MAC_BYTES = 64  # hex HMAC-SHA256
 POLL_MS = 200  # how often the receiver looks whether it is to stop
 SEND_HWM = 2  # messages queued towards the holder before a send would block: it is skipped
 CLOSE_WAIT_S = 30.0  # at most, for the receiver to finish holding a copy when the link closes
+INT_MAX = (1 << 31) - 1  # the most `recv_into` receives into a buffer
+NICE = 19  # ZeroMQ's I/O thread of the link: the lowest priority
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,36 @@ def _sign(key: bytes, body: bytes) -> bytes:
     return hmac.new(key, body, hashlib.sha256).hexdigest().encode()
 
 
+def _receive_into(pull: zmq.Socket, view: memoryview) -> int:
+    """The next frame's bytes into `view`, straight from ZeroMQ's buffer; the frame's size (a
+    larger frame is cut at `view`'s end). `recv_into` counts in a C int: a copy of 2 GiB or
+    more is taken as a frame and copied over."""
+    if len(view) < INT_MAX:
+        return pull.recv_into(view)
+    frame = pull.recv(copy=False)
+    if len(frame) == len(view):
+        view[:] = frame.buffer
+    return len(frame)
+
+
+def _tasks() -> set[int]:
+    """This process's threads (Linux); none where there is no /proc."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _yield_cpu(tids: set[int]) -> None:
+    """Lowest priority (nice 19) for these threads: ZeroMQ's own, which do the network's work
+    of a copy and hold no GIL, so that a core the training leaves idle does it first."""
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, NICE)
+        except OSError:  # gone, or not allowed: it runs at the process's priority
+            pass
+
+
 class PartnerLink:
     """This rank's two ends: a PULL socket its wards send to (a receiver thread holds what
     comes), and a PUSH socket to its holder (a sender thread, one copy on its way at a time)."""
@@ -72,6 +107,8 @@ class PartnerLink:
     def __init__(self, store: PartnerStore | None, bind_host: str | None, max_bytes: int):
         self.store = store
         self.ctx = zmq.Context()
+        self.max_bytes = max_bytes
+        self._started = False  # the context's I/O thread: it starts with the first socket
         self.key = b""
         self._stop = threading.Event()
         self._busy = threading.Lock()
@@ -88,7 +125,7 @@ class PartnerLink:
         self._threads: list[threading.Thread] = []
         if store is None or bind_host is None:
             return
-        pull = self.ctx.socket(zmq.PULL)
+        pull = self._socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         pull.setsockopt(zmq.RCVHWM, SEND_HWM)  # per sender: what waits here to be held
@@ -108,11 +145,23 @@ class PartnerLink:
         if holder is not None and not holder_endpoint:
             self.no_holder = f"its partner (rank {holder}) has no address to receive at"
         if holder_endpoint:
-            push = self.ctx.socket(zmq.PUSH)
+            push = self._socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.SNDHWM, SEND_HWM)
             push.connect(holder_endpoint)
             self._push = push
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        """A socket of the link's context; with the first, the threads the context starts (its
+        I/O thread: a copy's sends and receipts) are lowered (`_yield_cpu`)."""
+        if self._started:
+            return self.ctx.socket(kind)
+        before = _tasks()
+        sock = self.ctx.socket(kind)
+        self._started = True
+        python = {t.native_id for t in threading.enumerate()}  # never a thread holding the GIL
+        _yield_cpu(_tasks() - before - python)
+        return sock
 
     def _spawn(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -182,14 +231,9 @@ class PartnerLink:
                 try:
                     if not pull.poll(POLL_MS):
                         continue
-                    frames = pull.recv_multipart(copy=False)
+                    problem = self._hold(pull, pull.recv())
                 except zmq.ZMQError:
                     return
-                try:
-                    problem = self._hold(frames)
-                except Exception as exc:  # whatever came, the receiver goes on
-                    problem = f"could not be held ({type(exc).__name__}: {exc})"
-                del frames  # not kept until the next message comes
                 with self._counting:
                     if problem:
                         self.refused += 1
@@ -201,32 +245,58 @@ class PartnerLink:
             if self.store is not None:
                 self.store.close()
 
-    def _hold(self, frames: list) -> str | None:
-        if len(frames) != 2:
-            return f"{len(frames)} frames, not a copy's 2"
-        head = frames[0].bytes
+    def _hold(self, pull: zmq.Socket, head: bytes) -> str | None:
+        """One message, its first frame `head` taken: the header checked, then the copy's bytes
+        received straight into the slot they go into (dropped when the header is refused),
+        every frame of the message taken, then the slot sealed."""
+        incoming, problem, frames, received = None, None, 1, 0
+        if pull.get(zmq.RCVMORE):
+            incoming, problem = self._admit(head)
+            frames += 1
+            if incoming is not None:
+                received = _receive_into(pull, incoming.view)
+            else:
+                pull.recv(copy=False)
+        while pull.get(zmq.RCVMORE):
+            pull.recv(copy=False)
+            frames += 1
+        if frames != 2:
+            return f"{frames} frames, not a copy's 2"
+        if problem:
+            return problem
+        try:
+            self.store.seal(incoming, received)
+        except SlotRefused as exc:
+            return str(exc)
+        except Exception as exc:  # whatever came, the receiver goes on
+            return f"could not be held ({type(exc).__name__}: {exc})"
+        return None
+
+    def _admit(self, head: bytes) -> tuple[Incoming | None, str | None]:
+        """A copy's header checked and its slot opened (`PartnerStore.open`); or why not."""
         if len(head) > MAC_BYTES + MAX_RECORD_BYTES:
-            return "an oversized header"
+            return None, "an oversized header"
         mac, body = head[:MAC_BYTES], head[MAC_BYTES:]
         if not hmac.compare_digest(_sign(self.key, body), mac):
-            return "a header not signed with this run's key"
+            return None, "a header not signed with this run's key"
         try:
             message = json.loads(body)
             record, seq = message.get("record"), message.get("seq")
             ward = record.get("rank") if isinstance(record, dict) else None
             if type(seq) is not int or type(ward) is not int:
-                return "a header without its copy's rank and number"
+                return None, "a header without its copy's rank and number"
             if seq <= self._seen.get(ward, 0):  # signed, but taken in before: sent again
-                return f"rank {ward}'s copy number {seq} once more (a replay)"
+                return None, f"rank {ward}'s copy number {seq} once more (a replay)"
             self._seen[ward] = seq
-            self.store.receive(record, frames[1].buffer)
+            return self.store.open(record, self.max_bytes), None
         except (ValueError, AttributeError, RecursionError) as exc:
-            return f"an unreadable header ({str(exc)[:200]})"
+            return None, f"an unreadable header ({str(exc)[:200]})"
         except SlotRefused as exc:
-            return str(exc)
+            return None, str(exc)
         except OSError as exc:
-            return f"could not be held ({exc.strerror or exc})"
-        return None
+            return None, f"could not be held ({exc.strerror or exc})"
+        except Exception as exc:  # whatever came, the receiver goes on
+            return None, f"could not be held ({type(exc).__name__}: {exc})"
 
     def stats(self) -> PartnerStats:
         with self._counting:
