@@ -1,9 +1,10 @@
 """A resume from partner copies: each rank whose own copy of the agreed step is gone (its node
 lost, a spare in its place) takes it from the rank that holds it, over the process group.
 
-The holder reads its copy and sends the record and the bytes; the rank checks them as a copy
-is checked on receipt (this run's record, every tensor's digest) and writes them into one of its
-own slots, sealed as its own on this node. The load is then a memory load like any other, which
+The holder reads its copy and sends the record and the bytes; the rank checks them (this run's
+record, every tensor's digest: the holder took the bytes unchecked, so this is where damage on
+the way or at rest is caught) and writes them into one of its own slots, sealed as its own on
+this node. The load is then a memory load like any other, which
 checks the bytes once more as it reads them. A copy that fails is refused and its holder
 forgets it, so that the ranks choose again without it.
 """
@@ -114,8 +115,8 @@ def _install(
 def _take(
     step: int, holder: int, job_dir, expect: Expect, own: list[Held], record, data: torch.Tensor
 ) -> tuple[Held | None, str | None]:
-    """A copy received from `holder`: checked as a holder checks one (this run's record, the
-    step agreed, every tensor's digest), then installed; (the copy, None) or (None, why not)."""
+    """A copy received from `holder`: checked (this run's record, the step agreed, every
+    tensor's digest), then installed; (the copy, None) or (None, why not)."""
     why = header_problem(record, ward_expect(expect, expect.rank), data.numel())
     if why is None and record["step"] != step:
         why = f"step {record['step']}, not step {step}"
