@@ -14,6 +14,7 @@ import subprocess
 import psutil
 import pytest
 
+from contracts.env_names import ENV_MEM_ROOT
 from tests.support import (
     ITERS,
     TINY,
@@ -24,6 +25,7 @@ from tests.support import (
     tiered,
     toml_value,
     wait_for,
+    wait_for_step,
 )
 from tests.support import LAYOUTS as SHARED_LAYOUTS
 from tests.support import finish_supervisor as _finish
@@ -46,11 +48,11 @@ PACE = {"name": "pace", "at_step": 1, "action": "slow", "target": "all", "delay_
         "duration_s": 600}  # fmt: skip
 
 
-def write_config(tmp_path, ranks: int, worker: dict, faults=(PACE,), restart=None):
+def write_config(tmp_path, ranks: int, worker: dict, faults=(PACE,), restart=None, env=None):
     tables = {
         "job": {"name": "s", "run_dir": str(tmp_path / "run")},
         "launch": {"launcher": "mpiexec", "ranks_per_node": ranks},
-        "launch.env": {"OMP_NUM_THREADS": "1"},
+        "launch.env": {"OMP_NUM_THREADS": "1", **(env or {})},
         "worker": {"model": "debug", "device": "cpu", **SIZES, **worker},
         "restart": {
             "max_restarts": 3,
@@ -121,13 +123,21 @@ def assert_no_standby_survives(run, procs: list[psutil.Process], after: str) -> 
     tiered([("fsdp2", False), ("fsdp2", True), ("hsdp2x2", False), ("fsdp_tp2", False)],
            ("fsdp2", False)),
 )  # fmt: skip
-def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, layout, before_ckpt):
+def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, before_ckpt):
+    """The 4-rank layouts keep the memory tier (a copy every step): their standby takes over
+    from the running attempt's memory copies, the resume from memory of those layouts (their
+    resume from the durable tier: test_checkpoint's killed runs)."""
     ranks, par = LAYOUTS[layout]
+    memory = ranks == 4
     worker = {**par, "train_iters": ITERS, "save_interval": 1000 if before_ckpt else 5}
+    env = {}
+    if memory:
+        worker["mem_ckpt_interval"] = 1
+        env[ENV_MEM_ROOT] = str(mem_root)
     want = reference(ranks, *TINY, *SHARED_LAYOUTS[layout][1], "--train-iters", str(ITERS))
 
     run = tmp_path / "run"
-    proc = start(write_config(tmp_path, ranks, worker))
+    proc = start(write_config(tmp_path, ranks, worker, env=env))
     try:
         first = wait_for(run, lambda e: e["event"] == "first_step" and e["attempt"] == 0, proc)
         ready = wait_for(run, lambda e: e["event"] == "standby_ready", proc, timeout=120)
@@ -135,6 +145,8 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, layout, before_ckp
         assert "model" in ready["prepared"] and "warm-up" in ready["prepared"]
         if not before_ckpt:
             wait_for(run, lambda e: e["event"] == "ckpt_complete" and e["step"] >= 10, proc)
+        if memory:  # past the durable step: the memory copies are the newer
+            wait_for_step(run / "attempts" / "000" / "metrics-0.jsonl", 12, proc)
         standby = standby_pids(run, 1)
         kill_ranks(run, 0, ranks)
         rc, out = finish(proc)
@@ -153,6 +165,11 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, layout, before_ckp
     resumed = [e for e in evs if e["event"] == "resumed" and e["attempt"] == 1]
     if before_ckpt:
         assert not resumed  # nothing to resume: the standby started fresh
+    elif memory:
+        # At most the step in flight and one copy lost (test_checkpoint's killed runs).
+        killed = next(e for e in evs if e["event"] == "attempt_end" and e["attempt"] == 0)
+        assert resumed and resumed[0]["source"] == "memory", (resumed, out[-3000:])
+        assert resumed[0]["step"] >= killed["max_step"] - 2, (resumed, killed)
     else:
         assert resumed and resumed[0]["step"] >= 10
     got = all_losses(run)
