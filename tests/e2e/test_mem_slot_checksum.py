@@ -2,7 +2,8 @@
 
 The issue's case (its steps scaled down) with the real supervisor, mpiexec and worker (tiny model,
 2 ranks): a copy into memory every step, a durable save every 10, every rank killed at step 14
-(the issue's 50 and 60); during the 8 s backoff,
+(the issue's 50 and 60); during the 3 s backoff (the test flips as soon as it reads the
+`relaunch` event, which comes before it),
 256 bytes just past the 4 KiB header of every slot-*.bin are XORed. The relaunch must refuse
 both slots of every rank (their checksums), name the rank and the reason in the `resumed`
 event's `why`, resume from the durable tier, and compute the uninterrupted run's losses bit for
@@ -42,7 +43,7 @@ def write_config(tmp_path: Path, mem_root: Path) -> Path:
     text += toml_table("[launch]", {"launcher": "mpiexec", "ranks_per_node": 2})
     text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1", "ES_MEM_ROOT": str(mem_root)})
     text += toml_table("[worker]", {**WORKER, "save_interval": SAVE, "mem_ckpt_interval": 1})
-    text += toml_table("[restart]", {"max_restarts": 2, "teardown_grace_s": 3.0, "backoff_s": [8],
+    text += toml_table("[restart]", {"max_restarts": 2, "teardown_grace_s": 3.0, "backoff_s": [3],
                                      "standby": False})  # fmt: skip
     text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 5.0})
     text += toml_table("[heartbeat.progress]", {"init": 120, "load": 120, "train": 60, "save": 120})
@@ -72,7 +73,7 @@ def test_a_flipped_memory_slot_is_refused_and_the_durable_tier_resumes_bit_exact
     want = reference(2, *worker_flags(WORKER))
     proc = start_supervisor(write_config(tmp_path, mem_root))
     relaunch = wait_for(run, lambda e: e["event"] == "relaunch", proc, timeout=240)
-    flipped = flip_every_slot(mem_root)  # the ranks are gone; the relaunch is 8 s away
+    flipped = flip_every_slot(mem_root)  # the ranks are gone; the relaunch is 3 s away
     rc, out = finish_supervisor(proc, 300)
     evs = events(run)
     resumed = [e for e in evs if e["event"] == "resumed"]

@@ -4,10 +4,11 @@ real mpiexec, real SIGKILLs.
 
 - 4 nodes x 1 rank with 1 spare: node 1 killed twice -> n1 excluded, the spare n3 in its place,
   the job finishes, every loss equal to the uninterrupted run's;
-- 3 nodes, no spare, shrink: n1 excluded, the job finishes on 2 nodes from a resharded
-  checkpoint with the same global batch;
-- 2 nodes, min_nodes 2: rank 1 killed from outside twice (no fault schedule: the failure is laid
-  on its node from the processes alone) -> the job ends with exit 6 and says why;
+- 3 nodes, no spare, shrink, excluded after one failure: n1 killed once and excluded, the job
+  finishes on 2 nodes from a resharded checkpoint with the same global batch;
+- 2 nodes, min_nodes 2, excluded after one failure: rank 1 killed from outside (no fault
+  schedule: the failure is laid on its node from the processes alone) -> the job ends with
+  exit 6 and says why;
 - a node that fails the pre-launch check is out before the first launch, a spare in its place.
 """
 
@@ -105,8 +106,9 @@ def test_a_node_that_keeps_failing_is_swapped_for_the_spare_and_the_run_is_the_s
 @pytest.mark.slow
 def test_without_a_spare_the_job_shrinks_and_finishes_on_two_nodes(tmp_path):
     launch = {"nodes": ["n0", "n1", "n2"]}
-    restart = {"shrink": True, "min_nodes": 2}
-    rc, out = run_supervisor(job_config(tmp_path, launch, restart, [KILL_NODE_1]), JOB_TIMEOUT)
+    restart = {"shrink": True, "min_nodes": 2, "exclude_after": 1}  # (2: the test above)
+    once = {**KILL_NODE_1, "at_step": [6]}
+    rc, out = run_supervisor(job_config(tmp_path, launch, restart, [once]), JOB_TIMEOUT)
     assert rc == 0, out
     run = tmp_path / "run"
     evs = events(run)
@@ -120,7 +122,7 @@ def test_without_a_spare_the_job_shrinks_and_finishes_on_two_nodes(tmp_path):
     command = (run / "attempts" / f"{last['attempt']:03d}" / "command.txt").read_text()
     assert "--batch-size 3" in command
     resumed = [e for e in of(evs, "resumed") if e["attempt"] == last["attempt"]]
-    assert resumed and resumed[0]["step"] >= 12  # the 3-rank checkpoint, resharded
+    assert resumed and resumed[0]["step"] >= 8  # the 3-rank checkpoint, resharded
     done = of(evs, "done")[0]
     assert done["step"] == WORKER["train_iters"]
     losses = last_losses(run)
@@ -129,16 +131,15 @@ def test_without_a_spare_the_job_shrinks_and_finishes_on_two_nodes(tmp_path):
 
 @pytest.mark.slow
 def test_below_min_nodes_the_job_ends_with_its_own_exit_code(tmp_path):
-    """No fault schedule: rank 1 is SIGKILLed from outside, twice, and the supervisor lays it
-    on n1 from what it sees of the processes (the first to end)."""
+    """No fault schedule: rank 1 is SIGKILLed from outside, and the supervisor lays it on n1
+    from what it sees of the processes (the first to end); one failure excludes a node here."""
     launch = {"nodes": ["n0", "n1"]}
-    restart = {"shrink": True, "min_nodes": 2}
+    restart = {"shrink": True, "min_nodes": 2, "exclude_after": 1}
     proc = start_supervisor(job_config(tmp_path, launch, restart, []))
     run = tmp_path / "run"
     try:
-        for attempt in (0, 1):
-            pid = wait_rank_training(run, attempt, rank=1, proc=proc)
-            os.kill(pid, signal.SIGKILL)
+        pid = wait_rank_training(run, 0, rank=1, proc=proc)
+        os.kill(pid, signal.SIGKILL)
         rc, out = finish_supervisor(proc, JOB_TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -146,7 +147,7 @@ def test_below_min_nodes_the_job_ends_with_its_own_exit_code(tmp_path):
     assert rc == ExitCode.NODES, out
     evs = events(run)
     ends = [e for e in of(evs, "attempt_end") if e["outcome"] == "failure"]
-    assert [e["node"] for e in ends] == ["n1", "n1"], [e.get("attributed") for e in ends]
+    assert [e["node"] for e in ends] == ["n1"], [e.get("attributed") for e in ends]
     (give_up,) = of(evs, "give_up")
     assert give_up["code_name"] == "NODES"
     assert "min_nodes = 2" in give_up["reason"]
