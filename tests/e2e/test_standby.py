@@ -42,6 +42,9 @@ LAYOUTS = {
     "hsdp2x2": (4, {"replicate": 2}),
     "fsdp_tp2": (4, {"tp": 2}),
 }
+# At step 16 of the paced attempt: 24 s after its first step, when its standby started (ready
+# in ~18 s here with the host's load at 9).
+KILL_ALL = {"name": "kill-all", "at_step": 16, "action": "kill", "target": "all"}
 # 1.5 s a step, 24 steps: the standby (ready in ~8 s with 2 ranks here, ~20 s with 4) is ready well
 # before the last step; the warm attempt then runs at full speed (the fault fires once).
 PACE = {"name": "pace", "at_step": 1, "action": "slow", "target": "all", "delay_s": 1.5,
@@ -126,7 +129,9 @@ def assert_no_standby_survives(run, procs: list[psutil.Process], after: str) -> 
 def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, before_ckpt):
     """The 4-rank layouts keep the memory tier (a copy every step): their standby takes over
     from the running attempt's memory copies, the resume from memory of those layouts (their
-    resume from the durable tier: test_checkpoint's killed runs)."""
+    resume from the durable tier: test_checkpoint's killed runs). Before any checkpoint, the
+    kill is a fault on every rank (`target = "all"`: the running attempt's ranks, never the
+    waiting standby's), at a paced step the standby is ready by."""
     ranks, par = LAYOUTS[layout]
     memory = ranks == 4
     worker = {**par, "train_iters": ITERS, "save_interval": 1000 if before_ckpt else 5}
@@ -137,7 +142,8 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
     want = reference(ranks, *TINY, *SHARED_LAYOUTS[layout][1], "--train-iters", str(ITERS))
 
     run = tmp_path / "run"
-    proc = start(write_config(tmp_path, ranks, worker, env=env))
+    faults = (PACE, KILL_ALL) if before_ckpt else (PACE,)
+    proc = start(write_config(tmp_path, ranks, worker, faults=faults, env=env))
     try:
         first = wait_for(run, lambda e: e["event"] == "first_step" and e["attempt"] == 0, proc)
         ready = wait_for(run, lambda e: e["event"] == "standby_ready", proc, timeout=120)
@@ -148,7 +154,8 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
         if memory:  # past the durable step: the memory copies are the newer
             wait_for_step(run / "attempts" / "000" / "metrics-0.jsonl", 12, proc)
         standby = standby_pids(run, 1)
-        kill_ranks(run, 0, ranks)
+        if not before_ckpt:
+            kill_ranks(run, 0, ranks)
         rc, out = finish(proc)
     finally:
         if proc.poll() is None:
@@ -165,6 +172,11 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
     resumed = [e for e in evs if e["event"] == "resumed" and e["attempt"] == 1]
     if before_ckpt:
         assert not resumed  # nothing to resume: the standby started fresh
+        fault = next(e for e in evs if e["event"] == "fault" and e["name"] == "kill-all")
+        assert fault["attempt"] == 0 and fault["ranks"] == list(range(ranks))
+        assert ready["mono"] < fault["mono"], "the standby was not ready by the fault"
+        before = [e["event"] for e in evs if e["mono"] <= fault["mono"] + 0.5]
+        assert "standby_lost" not in before
     elif memory:
         # At most the step in flight and one copy lost (test_checkpoint's killed runs).
         killed = next(e for e in evs if e["event"] == "attempt_end" and e["attempt"] == 0)
@@ -228,31 +240,6 @@ def test_no_standby_process_survives_a_sigkill_of_the_supervisor(tmp_path):
             proc.kill()
     _, alive = psutil.wait_procs(procs, timeout=20)
     assert not alive, f"standby processes left after the supervisor's SIGKILL: {alive}"
-
-
-@pytest.mark.slow
-def test_a_fault_on_every_rank_leaves_the_standby_alone(tmp_path):
-    """`target = "all"` is the running attempt's ranks: the waiting standby takes over."""
-    kill = {"name": "kill-all", "at_s": [35], "action": "kill", "target": "all"}
-    run = tmp_path / "run"
-    # 40 paced steps outlast the kill at 35 s; the warm attempt then runs the rest unpaced.
-    proc = start(write_config(tmp_path, 2, {"train_iters": 40, "save_interval": 5},
-                              faults=(PACE, kill)))  # fmt: skip
-    try:
-        rc, out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0, out
-    evs = events(run)
-    fault = next(e for e in evs if e["event"] == "fault" and e["name"] == "kill-all")
-    assert fault["attempt"] == 0 and fault["ranks"] == [0, 1]
-    ready = next(e for e in evs if e["event"] == "standby_ready" and e["attempt"] == 1)
-    assert ready["mono"] < fault["mono"], "the standby was not ready by the fault (a slow host?)"
-    before = [e["event"] for e in evs if e["mono"] <= fault["mono"] + 0.5]
-    assert "standby_lost" not in before
-    relaunch = next(e for e in evs if e["event"] == "relaunch")
-    assert (relaunch["attempt"], relaunch["mode"]) == (1, "warm")
 
 
 @pytest.mark.slow
