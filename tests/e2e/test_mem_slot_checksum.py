@@ -19,21 +19,22 @@ from pathlib import Path
 import pytest
 
 from tests.support import (
-    TINY_JOB_WORKER,
+    TINY,
+    TINY_SIZES,
     events,
     finish_supervisor,
     read_metrics,
     start_supervisor,
     toml_table,
     wait_for,
-    worker_flags,
 )
 
 pytestmark = pytest.mark.slow
 
 ITERS = 24
 SAVE, KILL = 10, 14  # a durable save every SAVE steps; every rank killed at step KILL
-WORKER = {**TINY_JOB_WORKER, "train_iters": ITERS}
+# The worker's defaults for the rest (model, device, batch): the run of the shared reference.
+WORKER = {**TINY_SIZES, "train_iters": ITERS}
 HEADER_BYTES = 4096  # worker.ckpt.memory.HEADER_BYTES, as the damage names it
 FLIPPED = 256
 
@@ -70,7 +71,7 @@ def test_a_flipped_memory_slot_is_refused_and_the_durable_tier_resumes_bit_exact
     tmp_path, reference, mem_root
 ):
     run = tmp_path / "run"
-    want = reference(2, *worker_flags(WORKER))
+    want = reference(2, *TINY, "--train-iters", str(ITERS))
     proc = start_supervisor(write_config(tmp_path, mem_root))
     relaunch = wait_for(run, lambda e: e["event"] == "relaunch", proc, timeout=240)
     flipped = flip_every_slot(mem_root)  # the ranks are gone; the relaunch is 3 s away
