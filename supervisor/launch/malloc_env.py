@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 NAME = "GLIBC_TUNABLES"
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+_HUGETLB = "glibc.malloc.hugetlb"
+HUGE_PAGES = f"{_HUGETLB}=1"
 
 
 def huge_pages_env(
@@ -22,6 +23,12 @@ def huge_pages_env(
     if not wanted:
         return {}
     current = launch_env.get(NAME, inherited.get(NAME, ""))
-    if "glibc.malloc.hugetlb" in current:
+    if _HUGETLB in _names(current):
         return {}
     return {NAME: f"{current}:{HUGE_PAGES}" if current else HUGE_PAGES}
+
+
+def _names(tunables: str) -> set[str]:
+    """Pure: the tunables GLIBC_TUNABLES sets (`name=value` pairs split at colons, as glibc
+    reads them: an empty or valueless entry sets none), not a name inside another's value."""
+    return {entry.split("=", 1)[0] for entry in tunables.split(":") if "=" in entry}
