@@ -5,6 +5,7 @@ ZeroMQ sockets on loopback."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import replace
@@ -228,3 +229,45 @@ def test_a_partner_that_takes_nothing_costs_skipped_copies_not_waits(tmp_path):
 
 def test_the_link_binds_loopback_when_every_rank_shares_one_host():
     assert partner_link.bind_host(["h", "h", "h"]) == "127.0.0.1"
+
+
+# --- a fetch whose holder sends no copy -------------------------------------------------------
+def _bump_generation(path):
+    raw = bytearray(path.read_bytes())
+    raw[8:24] = (999).to_bytes(8, "little") * 2  # a copy sealed since it was found
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "says"),
+    [
+        (lambda p: p.unlink(), "(FileNotFoundError: "),
+        (lambda p: os.truncate(p, 4096 + 100), "(the copy ends early)"),
+        (_bump_generation, "(the copy changed while it was read)"),
+        (None, "(it holds none)"),
+    ],
+)
+def test_a_holder_that_sends_no_copy_says_why(tmp_path, monkeypatch, spoil, says):
+    """The holder's copy gone, cut short or written again since the ranks chose it: the rank
+    refuses the fetch saying what its holder found (the ranks then choose again)."""
+    store = holder_store(tmp_path)
+    store.receive(*(lambda r, d: (r, memoryview(d.numpy())))(*copy_of(5)))
+    store.close()
+    holding = memory.find_held(tmp_path, replace(EXPECT, rank=2, host="n2"))
+    if spoil is None:
+        holding = {}
+    else:
+        spoil(holding[1][0].path)
+    wire: list[torch.Tensor] = []
+    monkeypatch.setattr(partner_fetch.collectives, "group_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(partner_fetch.collectives, "all_gather_json", lambda v: [v])
+    monkeypatch.setattr(partner_fetch.dist, "send", lambda t, dst: wire.append(t.clone()))
+    monkeypatch.setattr(partner_fetch.dist, "recv", lambda t, src: t.copy_(wire.pop(0)))
+    holder = replace(EXPECT, rank=2, host="n2")
+    partner_fetch.fetch(5, [(1, 2)], job_dir=tmp_path, expect=holder, own=[], holding=holding)
+    fetched, problem, failed = partner_fetch.fetch(
+        5, [(1, 2)], job_dir=tmp_path / "n1", expect=EXPECT, own=[], holding={}
+    )
+    assert fetched is None and failed == [1] and not wire
+    assert problem.startswith(f"rank 2 sent no copy of step 5 {says}"), problem
+    assert "\n" not in problem and len(problem) < 400

@@ -38,6 +38,7 @@ from worker.ckpt.memory.slot_file import (
 )
 
 NONE_SENT = -1  # the holder has no copy to send after all (gone since it said it had)
+REASON_BYTES = 300  # the most of the holder's why it sent none that reaches the rank
 
 
 def _read_copy(held: Held) -> tuple[bytes, torch.Tensor]:
@@ -63,26 +64,39 @@ def _read_copy(held: Held) -> tuple[bytes, torch.Tensor]:
 
 
 def _send(dst: int, held: Held | None) -> None:
+    """The copy to the rank; when there is none to send, why not in its place (the rank always
+    hears from its holder)."""
     device = collectives.group_device()
+    record, data, why = b"", None, "it holds none"
     try:
-        record, data = _read_copy(held) if held is not None else (b"", None)
-    except Exception:  # gone, changed, unreadable: none sent (the rank says so, the ranks
-        record, data = b"", None  # choose again); the rank always hears from its holder
-    sizes = [len(record), data.numel()] if data is not None else [NONE_SENT, 0]
-    dist.send(torch.tensor(sizes, dtype=torch.int64, device=device), dst=dst)
+        if held is not None:
+            record, data = _read_copy(held)
+    except SlotRefused as exc:  # changed or cut short since it was found
+        why = str(exc)
+    except Exception as exc:  # gone, unreadable: none sent (the rank says why, the ranks
+        why = f"{type(exc).__name__}: {exc}"  # choose again)
     if data is None:
+        said = why.encode()[:REASON_BYTES]
+        dist.send(torch.tensor([NONE_SENT, len(said)], dtype=torch.int64, device=device), dst=dst)
+        if said:
+            dist.send(torch.frombuffer(bytearray(said), dtype=torch.uint8).to(device), dst=dst)
         return
+    dist.send(torch.tensor([len(record), data.numel()], dtype=torch.int64, device=device), dst=dst)
     dist.send(torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device), dst=dst)
     dist.send(data.to(device), dst=dst)
 
 
-def _receive(src: int) -> tuple[dict | None, torch.Tensor | None]:
+def _receive(src: int) -> tuple[dict | str, torch.Tensor | None]:
+    """The holder's copy: (its record, its bytes); (why none was sent, None) when none was."""
     device = collectives.group_device()
     sizes = torch.empty(2, dtype=torch.int64, device=device)
     dist.recv(sizes, src=src)
     record_len, nbytes = (int(x) for x in sizes.cpu().tolist())
     if record_len == NONE_SENT:
-        return None, None
+        why = torch.zeros(min(max(nbytes, 0), REASON_BYTES), dtype=torch.uint8, device=device)
+        if why.numel():
+            dist.recv(why, src=src)
+        return bytes(why.cpu().tolist()).decode(errors="replace"), None
     raw = torch.empty(record_len, dtype=torch.uint8, device=device)
     dist.recv(raw, src=src)
     data = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -149,8 +163,8 @@ def fetch(
             _send(rank, copy)
         elif expect.rank == rank:
             record, data = _receive(holder)
-            if record is None:
-                problem = f"rank {holder} sent no copy of step {step}"
+            if data is None:
+                problem = f"rank {holder} sent no copy of step {step} ({record})"
                 continue
             try:  # whatever fails here, this rank still joins the ranks' answer below
                 fetched, problem = _take(step, holder, job_dir, expect, own, record, data)
