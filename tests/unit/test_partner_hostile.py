@@ -6,6 +6,7 @@ link leaves no thread or socket."""
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import threading
@@ -22,6 +23,7 @@ from worker.ckpt.memory import partner_copy, partner_link, partners
 from worker.hooks import Hooks
 
 KEY = b"k" * 64
+NICE = partner_link.NICE
 HOLDER = replace(EXPECT, rank=2, host="n2")
 
 
@@ -198,6 +200,68 @@ def test_the_link_s_network_thread_yields_the_cpu_and_no_python_thread_does(tmp_
         holder.close()
 
 
+def _nice_by_name(tids: set[int]) -> dict[int, tuple[str, int]]:
+    out = {}
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            out[tid] = (f.read().strip(), os.getpriority(os.PRIO_PROCESS, tid))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads listed in /proc")
+def test_threads_started_elsewhere_meanwhile_keep_their_priority(tmp_path, monkeypatch):
+    """While the link's context starts its threads, another part of the process starts its own
+    (a native thread `threading` does not know yet, another context's I/O thread, as the
+    heartbeat's): only the link's, known by their name, are lowered."""
+    plain, release, foreign = zmq.Context, threading.Lock(), []
+    release.acquire()
+
+    class Busy(plain):
+        def socket(self, kind, **kwargs):
+            if not foreign:
+                _thread.start_new_thread(release.acquire, ())
+                other = plain()
+                foreign.append((other, other.socket(zmq.PUSH)))
+            return super().socket(kind, **kwargs)
+
+    monkeypatch.setattr(partner_link.zmq, "Context", Busy)
+    before = set(partner_link._tasks())
+    holder = partner_link.PartnerLink(holder_store(tmp_path), "127.0.0.1", 1 << 20)
+    try:
+        seen = _nice_by_name(partner_link._tasks() - before)
+        others = {t: n for t, (n, _) in seen.items() if not n.startswith("19/ZMQbg/")}
+        assert len(others) >= 3, seen  # the foreign thread and the other context's two
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert all(seen[t][1] == base for t in others), seen
+        ours = {n: nice for t, (n, nice) in seen.items() if t not in others}
+        assert ours == {"19/ZMQbg/IO/0": NICE, "19/ZMQbg/Reaper": NICE}, seen
+    finally:
+        holder.close()
+        release.release()
+        for other, sock in foreign:
+            sock.close()
+            other.term()
+
+
+@pytest.mark.parametrize("missing", ["/proc", "the right to renice"])
+def test_without_proc_or_the_right_to_renice_the_link_works(tmp_path, monkeypatch, missing):
+    def refused(*_):
+        raise PermissionError(1, "not allowed")
+
+    if missing == "/proc":
+        monkeypatch.setattr(partner_link, "_tasks", set)
+    else:
+        monkeypatch.setattr(partner_link.os, "setpriority", refused)
+    holder = partner_link.PartnerLink(holder_store(tmp_path), "127.0.0.1", 1 << 20)
+    try:
+        holder.start(KEY, None)
+        record, data = copy_of(5)
+        send_each(holder.endpoint, [[of_record(record), data.numpy().tobytes()]])
+        wait_for(lambda: holder.stats().received == 1, what=holder.stats)
+    finally:
+        holder.close()
+
+
 def test_a_holder_without_an_address_is_said_as_a_skipped_copy():
     sender = partner_link.PartnerLink(None, "127.0.0.1", 1 << 20)
     try:
@@ -261,6 +325,20 @@ def test_a_partner_path_that_is_a_file_refuses_the_copy_over_the_link(tmp_path, 
     finally:
         holder.close()
     assert not tracebacks
+
+
+def test_a_held_record_nested_too_deep_to_read_is_refused_not_raised(tmp_path):
+    """A record a sender nested just under the depth the receiver reads (or one written in
+    place) is read again, from deeper down, at a resume: refused there, no RecursionError."""
+    held_copy(tmp_path)
+    json_path = partner_copy.partner_dir(tmp_path) / "rank-1" / "slot-0.json"
+    record = json.loads(json_path.read_text())
+    deep = "[" * 5000 + "]" * 5000
+    json_path.write_text(json.dumps(record)[:-1] + f',"meta":{deep}}}')
+    assert memory.find_held(tmp_path, HOLDER) == {}
+    directory, ward = partner_copy.partner_dir(tmp_path), partner_copy.ward_expect(HOLDER, 1)
+    why = partner_copy.find_ward(directory, ward, 2)[1][0]
+    assert why.startswith("slot 0: unreadable (") and len(why) < 300, why
 
 
 # --- where a link listens, how much a node holds ---------------------------------------------

@@ -86,8 +86,8 @@ def inspect(directory: Path, rank: int, slot: int, expect: Expect) -> Held:
         size = bin_path.stat().st_size
     except FileNotFoundError:
         raise SlotRefused(f"slot {slot}: missing") from None
-    except (OSError, ValueError) as exc:
-        raise SlotRefused(f"slot {slot}: unreadable ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested deep
+        raise SlotRefused(f"slot {slot}: unreadable ({str(exc)[:200]})") from None
     if not isinstance(record, dict) or not isinstance(record.get("gen"), int):
         raise SlotRefused(f"slot {slot}: no record")
     if record.get("format") != FORMAT:

@@ -50,6 +50,10 @@ SEND_HWM = 2  # messages queued towards the holder before a send would block: it
 CLOSE_WAIT_S = 30.0  # at most, for the receiver to finish holding a copy when the link closes
 INT_MAX = (1 << 31) - 1  # the most `recv_into` receives into a buffer
 NICE = 19  # ZeroMQ's I/O thread of the link: the lowest priority
+# The link's context names its threads `19/ZMQbg/...`: only those are lowered, never a thread
+# another part of the process starts meanwhile (a Python thread, another context's I/O thread).
+THREAD_PREFIX = 19
+NAME_WAIT_S = 1.0  # at most, for the context's threads to have named themselves
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,30 @@ def _tasks() -> set[int]:
         return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:
         return set()
+
+
+def _named(tids: set[int], prefix: str) -> set[int]:
+    """Those of `tids` whose thread name starts with `prefix` (one gone meanwhile: not)."""
+    named = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(prefix):
+                    named.add(tid)
+        except OSError:
+            pass
+    return named
+
+
+def _started_threads(before: set[int], prefix: str, count: int) -> set[int]:
+    """The threads started since `before` whose name starts with `prefix`, once there are
+    `count` (a thread names itself as it starts), or as many as there are after NAME_WAIT_S."""
+    deadline = time.monotonic() + NAME_WAIT_S
+    while True:
+        named = _named(_tasks() - before, prefix)
+        if len(named) >= count or time.monotonic() > deadline:
+            return named
+        time.sleep(0.001)
 
 
 def _yield_cpu(tids: set[int]) -> None:
@@ -153,14 +181,20 @@ class PartnerLink:
 
     def _socket(self, kind: int) -> zmq.Socket:
         """A socket of the link's context; with the first, the threads the context starts (its
-        I/O thread: a copy's sends and receipts) are lowered (`_yield_cpu`)."""
+        I/O thread: a copy's sends and receipts), known by their name, are lowered
+        (`_yield_cpu`)."""
         if self._started:
             return self.ctx.socket(kind)
+        try:  # threads started between the two looks are not all the context's: by name
+            self.ctx.set(zmq.THREAD_NAME_PREFIX, THREAD_PREFIX)
+            prefix = f"{THREAD_PREFIX}/ZMQbg/"
+        except (AttributeError, zmq.ZMQError):  # a libzmq without it: its default names
+            prefix = "ZMQbg/"
         before = _tasks()
         sock = self.ctx.socket(kind)
         self._started = True
-        python = {t.native_id for t in threading.enumerate()}  # never a thread holding the GIL
-        _yield_cpu(_tasks() - before - python)
+        if before:  # else no /proc: they run at the process's priority
+            _yield_cpu(_started_threads(before, prefix, self.ctx.get(zmq.IO_THREADS) + 1))
         return sock
 
     def _spawn(self, target, name: str) -> None:
