@@ -15,7 +15,11 @@ from tests.support import TINY_JOB_WORKER, events, run_supervisor, toml_table
 JOB_TIMEOUT = 420
 MAX_TRAIN_S = 60.0  # what the train limit is until learned: a stall found by it takes a minute
 
-WORKER = {**TINY_JOB_WORKER, "train_iters": 50, "save_interval": 10}  # the stall at 45
+# The stall at step 95: by then the train limit has its 20 step gaps (after 5 warm-up steps) and
+# the liveness timeout its 20 beat gaps, however fast the steps (0.05 s here: at step 45 and 4
+# beats a second, CI once had the one and not yet the other).
+WORKER = {**TINY_JOB_WORKER, "train_iters": 100, "save_interval": 20}
+STALL_AT = 95
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +31,7 @@ def write_config(tmp_path: Path, faults: list[dict]) -> Path:
     text += toml_table("[worker]", WORKER)
     text += toml_table("[restart]", {"max_restarts": 3, "teardown_grace_s": 1.0, "backoff_s": [0],
                                 "standby": False})  # fmt: skip
-    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": "auto"})
+    text += toml_table("[heartbeat]", {"interval_s": 0.1, "timeout_s": "auto"})
     progress = {"init": 120, "load": 120, "train": "auto", "save": 120}
     text += toml_table("[heartbeat.progress]", progress)
     text += toml_table("[heartbeat.auto_max]", {"timeout_s": 10, "train": MAX_TRAIN_S})
@@ -42,8 +46,7 @@ def run_job(config: Path) -> tuple[int, str]:
 
 
 def test_a_stall_is_found_under_the_learned_train_limit(tmp_path):
-    # Step 45: past the warm-up and the samples the limit needs (5 + 20 step gaps).
-    stall = {"name": "stall", "at_step": 45, "action": "stall", "target": "rank:0"}
+    stall = {"name": "stall", "at_step": STALL_AT, "action": "stall", "target": "rank:0"}
     rc, out = run_job(write_config(tmp_path, [stall]))
     assert rc == 0, out[-4000:]
     evs = events(tmp_path / "run")

@@ -161,10 +161,17 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
     ]
 
 
-def assert_losses_over(want: dict[int, float], got: Path, steps: range) -> None:
+def assert_losses_over(
+    want: dict[int, float], got: Path, steps: range, last_may_be_lost: bool = False
+) -> None:
+    """`last_may_be_lost`: the run was ended by another rank's failure, and the launcher may end
+    rank 0 before it writes its last step's record (seen in CI); the steps before it are there."""
     have = losses(got)
-    assert set(have) == set(steps), sorted(have)
-    for step in steps:
+    if last_may_be_lost:
+        assert set(steps[:-1]) <= set(have) <= set(steps), sorted(have)
+    else:
+        assert set(have) == set(steps), sorted(have)
+    for step in have:
         assert have[step] == want[step], (step, have[step], want[step])
 
 
@@ -185,7 +192,7 @@ def test_go_trains_the_uninterrupted_run_fresh_and_resumed(tmp_path, sup, refere
     sup.tell("go", ranks)
     out = finish(proc, sup)
     assert proc.returncode != 0 and f"injected failure at step {crash_at}" in out, out
-    assert_losses_over(baseline, tmp_path / "a1" / "metrics-0.jsonl", range(1, crash_at))
+    assert_losses_over(baseline, tmp_path / "a1" / "metrics-0.jsonl", range(1, crash_at), True)
     first = read_metrics(tmp_path / "a1" / "metrics-0.jsonl")[0]
     assert "train/restart_seconds" not in first  # started fresh: nothing was resumed
     assert {"startup/warmup", "startup/standby_wait", "train/standby_prepare_seconds"} <= set(first)
