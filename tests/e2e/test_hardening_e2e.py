@@ -264,7 +264,7 @@ def test_an_attempt_that_completed_a_newer_checkpoint_made_progress(tmp_path):
 
 
 def test_a_memory_tier_copy_is_progress(tmp_path, mem_root):
-    """No durable save before the kills (steps 4, 7), a memory copy every step, two attempts in
+    """No durable save before the kills (steps 4, 10), a memory copy every step, two attempts in
     a row allowed the same resume step: each attempt resumes from the memory copy the one before
     it made, and the job completes. The memory root also holds a dead job's directory (held by
     nobody: swept at the start) and a live job's (held: kept); the job's own is held for its
@@ -275,8 +275,10 @@ def test_a_memory_tier_copy_is_progress(tmp_path, mem_root):
     (dead / "slot-0").write_bytes(b"x" * 64)
     alive = mem_root / "es-mem-alive-0000aaaa"  # a job still running on this node
     fd = locks.hold_mem_dir(alive)
-    kill = {"name": "kill", "at_step": [4, 7], "action": "kill", "target": "all"}
-    worker = {**TINY_JOB_WORKER, "train_iters": 12, "save_interval": 100, "mem_ckpt_interval": 1}
+    # Step 10: the attempt resumed after the kill at 4 (from a step up to 6) says a newer copy
+    # before it is killed (a copy of step k is said during step k + 2).
+    kill = {"name": "kill", "at_step": [4, 10], "action": "kill", "target": "all"}
+    worker = {**TINY_JOB_WORKER, "train_iters": 14, "save_interval": 100, "mem_ckpt_interval": 1}
     config = write_config(tmp_path, worker, restart={"max_same_resume": 2},
                           env={"ES_MEM_ROOT": str(mem_root)}, faults=(kill,))  # fmt: skip
     try:

@@ -39,11 +39,17 @@ def plan_of(*procs: list[str]) -> LaunchPlan:
 def test_exit_is_seen_at_once_and_teardown_leaves_nothing(tmp_path: Path):
     async def main():
         plan = plan_of(
-            [sys.executable, "-c", STUBBORN, "1.0", "3"],
+            [sys.executable, "-c", STUBBORN, "2.0", "3"],
             [sys.executable, "-c", STUBBORN, "300", "0"],
         )
-        launched = await Launched.start(plan, tmp_path / "out.log")
-        await asyncio.sleep(0.5)
+        log = tmp_path / "out.log"
+        launched = await Launched.start(plan, log)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # both ranks have started their grandchild
+            text = log.read_text() if log.exists() else ""
+            if "[0] ready" in text and "[1] ready" in text:
+                break
+            await asyncio.sleep(0.05)
         launched.refresh()
         known = list(launched._known.values())
         ex = await asyncio.wait_for(launched.wait(), 20)
@@ -79,10 +85,10 @@ def test_output_log_has_one_rank_prefix_a_line_under_hydra(tmp_path: Path):
     async def main():
         launched = await Launched.start(plan, out)
         await asyncio.wait_for(launched.wait(), 60)
+        await launched.output_read(10.0)  # every line the ranks wrote is in the log
         await launched.teardown(1.0)
 
     asyncio.run(main())
-    time.sleep(0.2)  # the pump closes the log after the last line
     lines = out.read_text().splitlines()
     assert len(lines) == 40, lines
     assert all(line in ("[0] ZeroDivisionError: half", "[1] ZeroDivisionError: half")
