@@ -25,7 +25,7 @@ from worker import stack_dump
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
 from worker.ckpt import owner
-from worker.dist import RankInfo, abort_job, detect_rank
+from worker.dist import RankInfo, abort_job, detect_rank, end_process
 from worker.errors import UsageError
 from worker.layout import Layout
 from worker.metrics import metrics_dir
@@ -149,4 +149,4 @@ def standby_requested(env: Mapping[str, str]) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())
