@@ -252,9 +252,11 @@ class Job:
         return self.standby.waited_s if self.standby is not None else 0.0
 
     def _standby_tables(self) -> list[AttemptTable]:
-        """The standby's ranks, for a fault that takes their node (`node_loss`)."""
-        attempt = self.standby.attempt if self.standby is not None else None
-        return [attempt.table] if attempt is not None else []
+        """The standby's ranks (and a dropped one's, stopped), for a fault that takes their
+        node (`node_loss`)."""
+        keeper = self.standby
+        kept = (keeper.attempt, keeper.dropped) if keeper is not None else ()
+        return [attempt.table for attempt in kept if attempt is not None]
 
     def _next_number(self) -> int:
         self.numbers += 1

@@ -5,15 +5,18 @@ model build, a cold first step). The keeper starts a standby once the running at
 its first step (so it never slows a start), watches it (liveness; no progress limit while it
 waits), replaces one that is lost after a backoff without spending the restart budget, and hands
 it over on a failure (`take`). One not ready then is waited for when it is well along its start
-(a cold launch would redo it), else dropped: ended in the background while the cold attempt
-starts, never holding it up (`close` waits for every such ending). `close` leaves no standby
-process behind.
+(a cold launch would redo it), else dropped: its ranks are stopped at once (SIGSTOP), so that
+they take no more CPU from the cold attempt starting beside them, and ended (SIGKILL and the
+teardown) once that attempt has stepped, never holding it up (`close` waits for every such
+ending). `close` leaves no standby process behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,6 +44,7 @@ class StandbyKeeper:
         self._task: asyncio.Task | None = None
         self._starting: asyncio.Future | None = None  # a launch under way
         self._endings: set[asyncio.Future] = set()  # standbys' teardowns under way
+        self._dropped: Attempt | None = None  # dropped at a failure: stopped, ended later
         self.prepare_s: float | None = None  # how long the last ready standby took to be ready
         self.waited_s = 0.0  # how long the last `take` waited for a standby still starting
         self.lost_in_a_row = 0
@@ -49,7 +53,9 @@ class StandbyKeeper:
         self.over = False  # the job is over: keep none from now on
 
     def ensure(self) -> None:
-        """Keep a standby from now on (the running attempt has stepped)."""
+        """Keep a standby from now on (the running attempt has stepped); a standby dropped
+        for it is ended now (its teardown first, the next standby's launch after it)."""
+        self._end_dropped()
         if self._task is None and not self.given_up and not self.over:
             self._task = asyncio.get_running_loop().create_task(self._keep())
 
@@ -102,8 +108,30 @@ class StandbyKeeper:
             self._note_ready(attempt)
             return attempt, None
         if attempt is not None:
-            self._end_later(attempt, "unusable")
+            self._drop(attempt)
         return None, choice.why
+
+    def _drop(self, attempt: Attempt) -> None:
+        """Stop the ranks of a standby that cannot be used (SIGSTOP: at once, and no CPU from
+        now on) and end it once the cold attempt has stepped (`ensure`), at the next failure
+        or at `close`. Ended at once, its teardown (the ranks' exits, the launcher's) ran on
+        the cores the cold attempt's imports needed. A stopped rank still dies with its
+        launcher (its parent-death signal is SIGKILL)."""
+        self._end_dropped()
+        for pid in attempt.watch.exits.pids():  # those that said hello: the others are young
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        self._dropped = attempt
+
+    @property
+    def dropped(self) -> Attempt | None:
+        """A standby dropped at the last failure, its ranks stopped until it is ended."""
+        return self._dropped
+
+    def _end_dropped(self) -> None:
+        attempt, self._dropped = self._dropped, None
+        if attempt is not None:
+            self._end_later(attempt, "unusable")
 
     def _choice(self, bad_nodes: Sequence[str]) -> standby_rules.StandbyChoice:
         attempt = self.attempt
@@ -163,6 +191,7 @@ class StandbyKeeper:
     async def close(self, reason: str, for_good: bool = False) -> None:
         """End the standby (if any) and keep none until `ensure` (never again: `for_good`)."""
         self.over = self.over or for_good
+        self._end_dropped()
         await self._stop_keeping()
         attempt, self.attempt = self.attempt, None
         if attempt is not None:

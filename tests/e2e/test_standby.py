@@ -244,8 +244,9 @@ def test_no_standby_process_survives_a_sigkill_of_the_supervisor(tmp_path):
 
 @pytest.mark.slow
 def test_a_kill_before_the_standby_is_ready_relaunches_cold_at_once(tmp_path, reference):
-    """The unready standby is dropped beside the cold launch: the launch comes first, the
-    standby's end after it, and none of its processes is left."""
+    """The unready standby is dropped beside the cold launch: its ranks stopped at once, the
+    launch first, the standby's end once the cold attempt has stepped, and none of its
+    processes is left."""
     want = reference(2, *TINY, *SHARED_LAYOUTS["fsdp2"][1], "--train-iters", str(ITERS))
     run = tmp_path / "run"
     proc = start(write_config(tmp_path, 2, {"train_iters": ITERS, "save_interval": 5}))
@@ -267,7 +268,8 @@ def test_a_kill_before_the_standby_is_ready_relaunches_cold_at_once(tmp_path, re
     cold, dropped = relaunch["attempt"], launch["attempt"]
     order = [(e["event"], e.get("attempt"), e.get("reason")) for e in evs]
     launched = order.index(("launch", cold, None))
-    assert order.index(("standby_exit", dropped, "unusable")) > launched  # ended beside it
+    stepped = order.index(("first_step", cold, None))
+    assert order.index(("standby_exit", dropped, "unusable")) > stepped > launched
     _, alive = psutil.wait_procs(standby, timeout=20)
     assert not alive, f"the dropped standby's processes are left: {alive}"
     ended = next(e for e in evs if e["event"] == "standby_exit" and e["attempt"] == dropped)

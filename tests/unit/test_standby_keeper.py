@@ -1,11 +1,16 @@
-"""The standby keeper's hand-over at a failure: a standby that cannot be used is ended beside the
-cold launch, never before it; one well along its start is waited for."""
+"""The standby keeper's hand-over at a failure: a standby that cannot be used never holds up the
+cold launch (its ranks stopped at once, its end after); one well along its start is waited
+for."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
+
+import psutil
 
 from supervisor.run.standby import StandbyKeeper
 
@@ -20,6 +25,8 @@ class FakeStandby:
         self.table = SimpleNamespace(launched_at=time.monotonic() - launched_ago_s)
         self.ready_at: float | None = None
         self.ended: list[tuple[str, float]] = []
+        self.rank_pids: list[int] = []
+        self.watch = SimpleNamespace(exits=SimpleNamespace(pids=lambda: self.rank_pids))
 
     async def end_standby(self, reason: str) -> None:
         await asyncio.sleep(TEARDOWN_S)
@@ -45,6 +52,34 @@ def test_an_unready_standby_is_dropped_without_holding_up_the_cold_launch():
         await k.close("job over", for_good=True)  # ... and the job's end waits for it
         assert [r for r, _ in standby.ended] == ["unusable"] and unrouted == [standby]
         assert standby.ended[0][1] - t0 >= TEARDOWN_S
+
+    asyncio.run(main())
+
+
+def test_a_dropped_standby_s_ranks_are_stopped_at_once_and_ended_once_the_cold_attempt_steps():
+    """Its teardown would take the cores the cold attempt's start needs: its ranks (a real
+    process here) are SIGSTOPped at the take, and it is ended at the cold attempt's first
+    step (`ensure`)."""
+
+    async def main() -> None:
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            standby = FakeStandby(3, launched_ago_s=0.1)
+            standby.rank_pids = [rank.pid]
+            k, _ = keeper(standby, prepare_s=10.0)
+            k.given_up = True  # no next standby here: only the dropped one's end
+            got, _ = await k.take()
+            assert got is None and k.dropped is standby
+            assert psutil.Process(rank.pid).status() == psutil.STATUS_STOPPED
+            await asyncio.sleep(TEARDOWN_S * 2)
+            assert not standby.ended  # stopped, not ended, while the cold attempt starts
+            k.ensure()  # the cold attempt's first step
+            assert k.dropped is None
+            await k.close("job over", for_good=True)
+            assert [r for r, _ in standby.ended] == ["unusable"]
+        finally:
+            rank.kill()
+            rank.wait()
 
     asyncio.run(main())
 
