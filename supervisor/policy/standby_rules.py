@@ -80,6 +80,22 @@ def standby_choice(
     return StandbyChoice("drop", why)
 
 
+# A relaunch with at most this many steps to redo starts the next standby once past them.
+CATCH_UP_STEPS = 3
+
+
+def standby_start_step(first_step: int, newest_before: int | None) -> int:
+    """Pure: the step of an attempt at whose end the next standby is started. Its first step,
+    or, when it resumed a few steps behind the newest step done before the failure
+    (`newest_before`), the first step past that one: a standby's start (imports, model build)
+    takes the cores beside the ranks, and would slow the very steps that recover the
+    failure's loss. Far behind (more than CATCH_UP_STEPS to redo), its first step: the
+    recompute is long, and a failure during it would find no standby."""
+    if newest_before is None or newest_before - first_step + 1 > CATCH_UP_STEPS:
+        return first_step
+    return max(first_step, newest_before + 1)
+
+
 STANDBY_GIVE_UP_AFTER = 5  # standbys lost in a row before ever being ready: stop keeping one
 
 

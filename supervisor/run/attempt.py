@@ -79,7 +79,7 @@ class Attempt:
         self.faults_see = not standby
         self.running: Running | None = None
         self.launch_error: str | None = None
-        self.on_stepped: Callable[[], None] | None = None  # called at the attempt's first step
+        self.on_step: Callable[[int], None] | None = None  # told its newest step, once stepped
         self.nodes = list(job.resolved.pool.active)  # where its ranks run, in rank order
         self.stack_places: dict[int, str] = {}  # rank -> its main thread's innermost frame
         self.stragglers = StragglerWatch(
@@ -341,8 +341,9 @@ class Attempt:
     # --- what the ranks report ------------------------------------------------------------------
     def on_message(self, msg: dict[str, Any], now: float) -> None:
         """A verified rank message of this attempt (faults see it once the attempt runs)."""
-        if self.watch.on_message(msg, now) and self.on_stepped is not None:
-            self.on_stepped()
+        self.watch.on_message(msg, now)
+        if self.on_step is not None and self.table.max_step is not None:
+            self.on_step(self.table.max_step)
         if self.state is AttemptState.RUNNING and msg["attempt"] == self.number:
             self.stragglers.on_message(msg)
         if self.faults_see:

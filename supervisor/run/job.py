@@ -29,7 +29,7 @@ from supervisor.run.attempt import Attempt, AttemptResult
 from supervisor.run.context import JobContext, Launcher
 from supervisor.run.node_keeper import NodeKeeper
 from supervisor.run.node_scratch import NodeScratch
-from supervisor.run.standby import StandbyKeeper
+from supervisor.run.standby import StandbyKeeper, StandbyStart
 from supervisor.run.stop import StopRequests, stop_signals
 from supervisor.settings import config as config_mod
 from supervisor.settings import toml_dump
@@ -207,8 +207,9 @@ class Job:
         previous, self.active = self.active, attempt
         keep = (attempt, previous, self.standby.attempt if self.standby else None)
         self.attempts = {a.number: a for a in keep if a is not None}
-        if self.standby is not None:
-            attempt.on_stepped = self.standby.ensure  # a standby once it has stepped
+        if self.standby is not None:  # a standby once it has stepped (and caught up)
+            newest = previous.table.max_step if previous is not None else None
+            attempt.on_step = StandbyStart(self.standby.ensure, newest)
         return await attempt.run(self.stop)
 
     async def relaunch(self, after: int, decision: Decision) -> Attempt | None:
@@ -252,11 +253,7 @@ class Job:
         return self.standby.waited_s if self.standby is not None else 0.0
 
     def _standby_tables(self) -> list[AttemptTable]:
-        """The standby's ranks (and a dropped one's, stopped), for a fault that takes their
-        node (`node_loss`)."""
-        keeper = self.standby
-        kept = (keeper.attempt, keeper.dropped) if keeper is not None else ()
-        return [attempt.table for attempt in kept if attempt is not None]
+        return self.standby.tables() if self.standby is not None else []
 
     def _next_number(self) -> int:
         self.numbers += 1

@@ -2,7 +2,8 @@
 
 A failure then costs the load and one warm step instead of a cold start (imports, process group,
 model build, a cold first step). The keeper starts a standby once the running attempt has made
-its first step (so it never slows a start), watches it (liveness; no progress limit while it
+its first step, or has redone the few steps a failure cost it (so it never slows a start nor a
+recovery: `StandbyStart`), watches it (liveness; no progress limit while it
 waits), replaces one that is lost after a backoff without spending the restart budget, and hands
 it over on a failure (`take`). One not ready then is waited for when it is well along its start
 (a cold launch would redo it), else dropped: its ranks are stopped at once (SIGSTOP), so that
@@ -23,8 +24,28 @@ from collections.abc import Callable, Sequence
 from supervisor.policy import standby_rules
 from supervisor.run.attempt import Attempt
 from supervisor.run.context import JobContext
+from supervisor.watch.rank_table import AttemptTable
 
 READY_POLL_S = 0.02  # how often a wait for a standby still starting looks at it
+
+
+class StandbyStart:
+    """Starts the keeper's standby at the attempt's step the rules choose
+    (`standby_rules.standby_start_step`): told each newest step the attempt reached."""
+
+    def __init__(self, start: Callable[[], None], newest_before: int | None) -> None:
+        self.start, self.newest_before = start, newest_before
+        self.at: int | None = None  # chosen at the first step
+        self.started = False
+
+    def __call__(self, step: int) -> None:
+        if self.started:
+            return
+        if self.at is None:
+            self.at = standby_rules.standby_start_step(step, self.newest_before)
+        if step >= self.at:
+            self.started = True
+            self.start()
 
 
 class StandbyKeeper:
@@ -127,6 +148,11 @@ class StandbyKeeper:
     def dropped(self) -> Attempt | None:
         """A standby dropped at the last failure, its ranks stopped until it is ended."""
         return self._dropped
+
+    def tables(self) -> list[AttemptTable]:
+        """The ranks of the standby and of a dropped one (stopped), for a fault that takes
+        their node (`node_loss`)."""
+        return [a.table for a in (self.attempt, self._dropped) if a is not None]
 
     def _end_dropped(self) -> None:
         attempt, self._dropped = self._dropped, None

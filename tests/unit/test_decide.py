@@ -24,6 +24,7 @@ from supervisor.policy.standby_rules import (
     standby_choice,
     standby_ready,
     standby_retry_delay,
+    standby_start_step,
     standby_unusable,
 )
 from supervisor.settings.config import HeartbeatConfig, ProgressConfig, RestartConfig
@@ -291,6 +292,15 @@ def test_a_standby_is_used_waited_for_or_dropped():
     assert overdue == StandbyChoice("wait", unready, 0.5)
     # A quick start (under a second) is never waited for: a cold one is as quick.
     assert standby_choice(False, True, ["a"], [], starting_s=0.9, prepare_s=1.0).action == "drop"
+
+
+def test_the_next_standby_starts_once_the_failure_s_lost_steps_are_redone():
+    assert standby_start_step(1, None) == 1  # the job's first attempt: at its first step
+    assert standby_start_step(13, 12) == 13  # nothing lost: its first step is past 12
+    assert standby_start_step(12, 12) == 13  # one step to redo: once past it
+    assert standby_start_step(10, 12) == 13  # three
+    assert standby_start_step(9, 12) == 9  # four: a long recompute, a standby at once
+    assert standby_start_step(21, 20) == 21  # resumed past it (a graceful stop's save)
 
 
 def test_a_lost_standby_is_retried_with_a_backoff_then_given_up():
