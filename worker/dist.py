@@ -217,10 +217,8 @@ def init_process_group(info: RankInfo, backend: str, device_type: str, timeout_s
 def abort_job(info: RankInfo, code: int) -> None:
     """End this rank so that its peers cannot hang: MPI_Abort under MPI (the launcher then
     kills every rank), else a hard exit that skips process-group and MPI finalizers."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for stream in (sys.stdout, sys.stderr):
-        wait_until_read(stream.fileno(), OUTPUT_DRAIN_S)
+    for fd in flush_output():
+        wait_until_read(fd, OUTPUT_DRAIN_S)
     if info.under_mpi and info.world > 1 and "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
 
@@ -236,14 +234,27 @@ def end_process(code: int) -> None:
     Python tensors; a GIL taken by one of them during finalization aborts the process (SIGABRT,
     `terminate called without an active exception`; seen in 3 of 25 runs on a loaded host), so
     a finished run would end as a failure."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush_output()
     if "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
 
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
     os._exit(code)
+
+
+def flush_output() -> list[int]:
+    """Flush stdout and stderr where they are open; a stream closed or gone (run with `>&-`,
+    a reader that left) is passed over, never raised from on the way out. Returns the file
+    descriptors flushed."""
+    fds = []
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+            fds.append(stream.fileno())
+        except (AttributeError, OSError, ValueError):
+            continue
+    return fds
 
 
 OUTPUT_DRAIN_S = 2.0  # how long an aborting rank waits for the launcher to read its last words

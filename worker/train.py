@@ -11,6 +11,7 @@ which `worker.loop` brings in once the flags are known to be good.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -99,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         # its first frame, the exception's own line lost).
         what = f"{type(exc).__name__}: {exc}"
         said = "".join(traceback.format_exception(exc)) + f"error (rank {info.rank}): {what}\n"
-        sys.stderr.flush()
-        os.write(sys.stderr.fileno(), said.encode())
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # stderr closed: unsaid
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), said.encode())
         beacon.error(what)
         beacon.close()
         abort_job(info, 1)

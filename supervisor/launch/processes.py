@@ -297,6 +297,18 @@ class Launched:
             for proc in left:
                 _signal(proc, signal.SIGKILL)
 
+    def worker_pids(self) -> list[int]:
+        """This launch's processes alive here now that are neither a launcher nor a launcher's
+        own child (Hydra's proxy): the ranks, and anything they started."""
+        self.refresh()
+        launchers = set(self.launcher_pids)
+        found = []
+        for proc in self._alive(include_orphans=False):
+            with contextlib.suppress(psutil.Error):
+                if proc.pid not in launchers and proc.ppid() not in launchers:
+                    found.append(proc.pid)
+        return found
+
     @property
     def launcher_pids(self) -> list[int]:
         """The processes we started that are a launcher (mpiexec, srun), not a rank."""

@@ -229,18 +229,18 @@ class Attempt:
         self._now_running()
         return None
 
-    async def end_standby(self, reason: str) -> TeardownResult | None:
+    async def end_standby(self, reason: str, stopped: bool = False) -> TeardownResult | None:
         """A ready standby: `exit` to every rank, a short wait for them to go, then the teardown
-        of whatever is left. One still starting is torn down at once, without a grace: its
-        ranks could take neither the command nor SIGTERM before they were done starting
-        (seconds, and a job that has decided to end would wait for them), and a standby holds
+        of whatever is left. One still starting, or whose ranks were stopped (`stopped`), is
+        torn down at once, without a grace: its ranks could take neither the command nor
+        SIGTERM (a job that has decided to end would wait for them), and a standby holds
         nothing worth saving."""
         running, control = self.running, self.job.control
         if running is None:
             return None
         self.state = AttemptState.ENDING
         grace = 0.0
-        if self.ready_at is not None and control is not None:
+        if self.ready_at is not None and control is not None and not stopped:
             grace = self.cfg.restart.teardown_grace_s
             t = time.time()
             for rank in range(self.table.world):

@@ -44,6 +44,10 @@ class Running(Protocol):
         """Ask the ranks to save and exit."""
         ...
 
+    def worker_pids(self) -> list[int]:
+        """The ranks' processes alive on this host (no launcher, no launcher's proxy)."""
+        ...
+
     async def teardown(self, grace: float, extra: list[int] = ...) -> TeardownResult: ...
 
     async def output_read(self, timeout: float) -> None:

@@ -29,7 +29,7 @@ from supervisor.run.attempt import Attempt, AttemptResult
 from supervisor.run.context import JobContext, Launcher
 from supervisor.run.node_keeper import NodeKeeper
 from supervisor.run.node_scratch import NodeScratch
-from supervisor.run.standby import StandbyKeeper, StandbyStart
+from supervisor.run.standby import StandbyKeeper
 from supervisor.run.stop import StopRequests, stop_signals
 from supervisor.settings import config as config_mod
 from supervisor.settings import toml_dump
@@ -208,8 +208,7 @@ class Job:
         keep = (attempt, previous, self.standby.attempt if self.standby else None)
         self.attempts = {a.number: a for a in keep if a is not None}
         if self.standby is not None:  # a standby once it has stepped (and caught up)
-            newest = previous.table.max_step if previous is not None else None
-            attempt.on_step = StandbyStart(self.standby.ensure, newest)
+            attempt.on_step = self.standby.starter(previous)
         return await attempt.run(self.stop)
 
     async def relaunch(self, after: int, decision: Decision) -> Attempt | None:

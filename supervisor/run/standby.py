@@ -21,6 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 
+from supervisor.launch import hosts
 from supervisor.policy import standby_rules
 from supervisor.run.attempt import Attempt
 from supervisor.run.context import JobContext
@@ -72,6 +73,14 @@ class StandbyKeeper:
         self.lost_nodes: list[str] = []  # where the last standby lost ran (a node loss takes it)
         self.given_up = False
         self.over = False  # the job is over: keep none from now on
+        self.newest_done: int | None = None  # the newest step any earlier attempt reached
+
+    def starter(self, previous: Attempt | None) -> StandbyStart:
+        """What starts the standby beside a new attempt (`previous` ran before it): at the
+        step the rules choose from the newest step any earlier attempt of the job reached."""
+        if previous is not None and previous.table.max_step is not None:
+            self.newest_done = max(self.newest_done or 0, previous.table.max_step)
+        return StandbyStart(self.ensure, self.newest_done)
 
     def ensure(self) -> None:
         """Keep a standby from now on (the running attempt has stepped); a standby dropped
@@ -115,6 +124,7 @@ class StandbyKeeper:
         starting is waited for when the rules say so; one that cannot be used is dropped, its
         ending left to run beside the cold launch. Either way the keeper starts over at
         `ensure`."""
+        self._end_dropped()  # one dropped at a failure before: its cold attempt never got far
         choice = self._choice(bad_nodes)
         self.waited_s = 0.0
         if choice.action == "wait":
@@ -134,15 +144,29 @@ class StandbyKeeper:
 
     def _drop(self, attempt: Attempt) -> None:
         """Stop the ranks of a standby that cannot be used (SIGSTOP: at once, and no CPU from
-        now on) and end it once the cold attempt has stepped (`ensure`), at the next failure
-        or at `close`. Ended at once, its teardown (the ranks' exits, the launcher's) ran on
-        the cores the cold attempt's imports needed. A stopped rank still dies with its
-        launcher (its parent-death signal is SIGKILL)."""
-        self._end_dropped()
-        for pid in attempt.watch.exits.pids():  # those that said hello: the others are young
+        now on) and end it once the cold attempt has made the step the next standby starts
+        at (`ensure`), at the next failure or at `close`. Ended at once, its teardown (the
+        ranks' exits, the launcher's) ran on the cores the cold attempt's imports needed. A
+        stopped rank still dies with its launcher (its parent-death signal is SIGKILL). Only
+        a standby whose every rank runs here, already started, can be stopped so; another is
+        ended at once, as a rank left running would take the cores the longest."""
+        pids = self._stoppable(attempt)
+        if pids is None:
+            self._end_later(attempt, "unusable")
+            return
+        for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGSTOP)
         self._dropped = attempt
+
+    def _stoppable(self, attempt: Attempt) -> list[int] | None:
+        """The processes of `attempt`'s ranks, when every rank runs on this host and has
+        started; else None."""
+        running, emulated = attempt.running, self.job.resolved.cfg.launch.emulate_nodes
+        if running is None or not (emulated or all(map(hosts.is_this_host, attempt.nodes))):
+            return None
+        pids = running.worker_pids()
+        return pids if len(pids) >= attempt.table.world else None
 
     @property
     def dropped(self) -> Attempt | None:
@@ -157,7 +181,7 @@ class StandbyKeeper:
     def _end_dropped(self) -> None:
         attempt, self._dropped = self._dropped, None
         if attempt is not None:
-            self._end_later(attempt, "unusable")
+            self._end_later(attempt, "unusable", stopped=True)
 
     def _choice(self, bad_nodes: Sequence[str]) -> standby_rules.StandbyChoice:
         attempt = self.attempt
@@ -186,7 +210,7 @@ class StandbyKeeper:
         if attempt is not None and attempt.ready_at is not None:
             self.prepare_s = attempt.ready_at - attempt.table.launched_at
 
-    def _end_later(self, attempt: Attempt, reason: str) -> asyncio.Future:
+    def _end_later(self, attempt: Attempt, reason: str, stopped: bool = False) -> asyncio.Future:
         """End `attempt` in the background (a launch under way first finishes); `close` and the
         next standby wait for it."""
         starting = self._starting
@@ -195,7 +219,7 @@ class StandbyKeeper:
             if starting is not None and not starting.done():
                 with contextlib.suppress(Exception):
                     await starting  # a launch under way: let it finish, then end it
-            await self._end(attempt, reason)
+            await self._end(attempt, reason, stopped)
 
         ending = asyncio.ensure_future(end())
         self._endings.add(ending)
@@ -203,9 +227,10 @@ class StandbyKeeper:
         return ending
 
     async def _ended(self) -> None:
-        """Until every standby teardown under way is over."""
+        """Until every standby teardown under way is over. A wait that is cancelled (the
+        keeper's task, at a take) leaves the teardowns running: `close` still waits for them."""
         while self._endings:
-            await asyncio.gather(*self._endings, return_exceptions=True)
+            await asyncio.wait(set(self._endings))
 
     async def _stop_keeping(self) -> None:
         task, self._task = self._task, None
@@ -224,6 +249,6 @@ class StandbyKeeper:
             self._end_later(attempt, reason)
         await self._ended()
 
-    async def _end(self, attempt: Attempt, reason: str) -> None:
-        await attempt.end_standby(reason)
+    async def _end(self, attempt: Attempt, reason: str, stopped: bool = False) -> None:
+        await attempt.end_standby(reason, stopped)
         self.unroute(attempt)

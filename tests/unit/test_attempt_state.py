@@ -29,6 +29,9 @@ class QuietRunning:
     def refresh(self, extra=()) -> None:
         pass
 
+    def worker_pids(self) -> list[int]:
+        return []
+
     async def teardown(self, grace, extra=()) -> TeardownResult:
         return TeardownResult(0, 0, [], 0.0)
 

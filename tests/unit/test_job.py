@@ -100,6 +100,9 @@ class FakeRunning:
     async def output_read(self, timeout: float) -> None:
         pass
 
+    def worker_pids(self) -> list[int]:
+        return []
+
     async def teardown(self, grace: float, extra: list[int] = ()) -> TeardownResult:
         self.torn_down += 1
         alive = not self._exit.done()

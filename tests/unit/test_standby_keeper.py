@@ -20,22 +20,25 @@ TEARDOWN_S = 0.5  # a slow standby teardown: the hand-over must not wait for it
 class FakeStandby:
     def __init__(self, number: int, launched_ago_s: float) -> None:
         self.number = number
-        self.running = SimpleNamespace(plan=SimpleNamespace(nodes=["n0"]))
+        self.rank_pids: list[int] = []  # its one rank's process, once started
+        self.running = SimpleNamespace(
+            plan=SimpleNamespace(nodes=["n0"]), worker_pids=lambda: self.rank_pids
+        )
         self.nodes = ["n0"]
-        self.table = SimpleNamespace(launched_at=time.monotonic() - launched_ago_s)
+        self.table = SimpleNamespace(launched_at=time.monotonic() - launched_ago_s, world=1)
         self.ready_at: float | None = None
         self.ended: list[tuple[str, float]] = []
-        self.rank_pids: list[int] = []
-        self.watch = SimpleNamespace(exits=SimpleNamespace(pids=lambda: self.rank_pids))
 
-    async def end_standby(self, reason: str) -> None:
+    async def end_standby(self, reason: str, stopped: bool = False) -> None:
         await asyncio.sleep(TEARDOWN_S)
         self.ended.append((reason, time.monotonic()))
 
 
 def keeper(standby: FakeStandby, prepare_s: float | None = None) -> tuple[StandbyKeeper, list]:
     unrouted: list = []
-    k = StandbyKeeper(SimpleNamespace(), lambda: 9, lambda a: None, unrouted.append)
+    launch = SimpleNamespace(emulate_nodes=True)  # every rank on this host
+    job = SimpleNamespace(resolved=SimpleNamespace(cfg=SimpleNamespace(launch=launch)))
+    k = StandbyKeeper(job, lambda: 9, lambda a: None, unrouted.append)  # type: ignore[arg-type]
     k.attempt, k.prepare_s = standby, prepare_s  # type: ignore[assignment]
     return k, unrouted
 
@@ -75,8 +78,15 @@ def test_a_dropped_standby_s_ranks_are_stopped_at_once_and_ended_once_the_cold_a
             assert not standby.ended  # stopped, not ended, while the cold attempt starts
             k.ensure()  # the cold attempt's first step
             assert k.dropped is None
+            # A wait for it that is cancelled (the keeper's task, at the next take) leaves
+            # the teardown running, and the job's end still waits for it.
+            waiter = asyncio.get_running_loop().create_task(k._ended())
+            await asyncio.sleep(0.01)
+            waiter.cancel()
+            t0 = time.monotonic()
             await k.close("job over", for_good=True)
             assert [r for r, _ in standby.ended] == ["unusable"]
+            assert standby.ended[0][1] - t0 >= TEARDOWN_S * 0.8
         finally:
             rank.kill()
             rank.wait()
@@ -128,3 +138,16 @@ def test_a_standby_lost_with_a_failed_node_is_named_at_the_relaunch():
         assert (await k.take(["n1"]))[1] == "no standby running"
 
     asyncio.run(main())
+
+
+def test_the_next_standby_counts_the_newest_step_of_any_earlier_attempt():
+    """An attempt that failed before it stepped knows no step: the one before it does."""
+    k, _ = keeper(FakeStandby(3, launched_ago_s=0.1))
+
+    def ran(max_step):
+        return SimpleNamespace(table=SimpleNamespace(max_step=max_step))
+
+    assert k.starter(None).newest_before is None  # the job's first attempt
+    assert k.starter(ran(12)).newest_before == 12
+    assert k.starter(ran(None)).newest_before == 12  # failed during its start
+    assert k.starter(ran(9)).newest_before == 12
