@@ -283,10 +283,7 @@ class Launched:
 
     async def _kill_ranks_first(self, alive: list[psutil.Process]) -> None:
         """SIGKILL what outlived the grace, the launcher's own processes last (`kill_order`)."""
-        parents: dict[int, int] = {}
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                parents[proc.pid] = proc.ppid()
+        parents = _parents(alive)
         by_pid = {proc.pid: proc for proc in alive}
         now, spared = kill_order(parents, self.launcher_pids)
         for proc in [by_pid[pid] for pid in now] + [p for p in alive if p.pid not in parents]:
@@ -301,13 +298,8 @@ class Launched:
         """This launch's processes alive here now that are neither a launcher nor a launcher's
         own child (Hydra's proxy): the ranks, and anything they started."""
         self.refresh()
-        launchers = set(self.launcher_pids)
-        found = []
-        for proc in self._alive(include_orphans=False):
-            with contextlib.suppress(psutil.Error):
-                if proc.pid not in launchers and proc.ppid() not in launchers:
-                    found.append(proc.pid)
-        return found
+        ranks, _ = kill_order(_parents(self._alive(include_orphans=False)), self.launcher_pids)
+        return ranks
 
     @property
     def launcher_pids(self) -> list[int]:
@@ -352,6 +344,15 @@ def kill_order(
     it. A SIGSTOPped or stalled rank keeps them all alive past the grace."""
     spared = sorted(p for p, ppid in parents.items() if p in launchers or ppid in launchers)
     return sorted(p for p in parents if p not in spared), spared
+
+
+def _parents(procs: list[psutil.Process]) -> dict[int, int]:
+    """pid -> parent pid of those of `procs` still there to ask."""
+    parents: dict[int, int] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            parents[proc.pid] = proc.ppid()
+    return parents
 
 
 def reap_orphans(exclude: set[int]) -> None:

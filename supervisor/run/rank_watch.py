@@ -40,15 +40,11 @@ class RankWatch:
         self.ready_at: float | None = None  # monotonic: every standby rank said it waits
         self._last_progress_event = 0.0
 
-    def on_message(self, msg: dict[str, Any], now: float) -> bool:
-        """Fold a verified rank message into the table and emit what it changed; True when it
-        brought the attempt's first step."""
-        stepped = False
+    def on_message(self, msg: dict[str, Any], now: float) -> None:
+        """Fold a verified rank message into the table and emit what it changed."""
         for note in self.table.update(msg, now):
             self.emit(note.event, **note.fields)
-            if note.event == "first_step":
-                stepped = True
-            elif note.event == "rank_hello" and note.fields["host"] == hosts.this_host():
+            if note.event == "rank_hello" and note.fields["host"] == hosts.this_host():
                 self.exits.watch(note.fields["rank"], note.fields["pid"])
             elif note.event == "rank_error":
                 self.error_at.setdefault(note.fields["rank"], now)
@@ -56,7 +52,6 @@ class RankWatch:
             prepared = msg.get("prepared")
             if isinstance(prepared, str):
                 self.prepared = prepared[:200]
-        return stepped
 
     async def until_finding(
         self, running: Running, on_quiet_check: Callable[[float], None]

@@ -6,10 +6,11 @@ its first step, or has redone the few steps a failure cost it (so it never slows
 recovery: `StandbyStart`), watches it (liveness; no progress limit while it
 waits), replaces one that is lost after a backoff without spending the restart budget, and hands
 it over on a failure (`take`). One not ready then is waited for when it is well along its start
-(a cold launch would redo it), else dropped: its ranks are stopped at once (SIGSTOP), so that
-they take no more CPU from the cold attempt starting beside them, and ended (SIGKILL and the
-teardown) once that attempt has stepped, never holding it up (`close` waits for every such
-ending). `close` leaves no standby process behind.
+(a cold launch would redo it), else dropped, never holding the cold launch up: where all its
+ranks run here and have started, they are stopped at once (SIGSTOP), so that they take no more
+CPU from the cold attempt starting beside them, and the standby is ended (SIGKILL and the
+teardown) once that attempt starts the next standby; any other is ended at once (`close` waits
+for every such ending). `close` leaves no standby process behind.
 """
 
 from __future__ import annotations
