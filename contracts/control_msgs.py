@@ -16,8 +16,10 @@ from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadM
 # nan / spike: a NaN in one of its gradients / its loss scaled by `factor`, at the first step it
 # runs at or after `step` (the numerical guard's faults: worker.guard_step).
 # go / exit: a standby rank resumes and trains / ends (`fault` is 0 for both).
-CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "nan", "spike", "go", "exit"})
-STANDBY_ACTIONS = frozenset({"go", "exit"})
+# become: a prepared rank (worker.prepared, no rank number yet) takes `env` (the rank's and the
+# attempt's variables) and starts as that rank; exit ends it too. Every other action's `env` is {}.
+CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "nan", "spike", "go", "exit", "become"})
+STANDBY_ACTIONS = frozenset({"go", "exit", "become"})
 CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
     "job": str,
@@ -32,7 +34,9 @@ CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "duration_s": NUMBER,
     "step": int,
     "factor": NUMBER,
+    "env": dict,
 }
+MAX_ENV_VARS = 256  # a `become`'s variables: the contract's and [launch] env's, with room
 _CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
 
 
@@ -54,6 +58,7 @@ def control_message(
     duration_s: float = 0.0,
     step: int = 0,
     factor: float = 1.0,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     return {
         "v": VERSION,
@@ -69,6 +74,7 @@ def control_message(
         "duration_s": float(duration_s),
         "step": int(step),
         "factor": float(factor),
+        "env": dict(env or {}),
     }
 
 
@@ -95,6 +101,11 @@ def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) 
         raise BadMessage("not a control message of this version", "version")
     if message["action"] not in CONTROL_ACTIONS:
         raise BadMessage(f"unknown control action {message['action']!r}")
+    env = message["env"]
+    if len(env) > MAX_ENV_VARS or not all(
+        k.__class__ is str and v.__class__ is str for k, v in env.items()
+    ):
+        raise BadMessage("field 'env': expected at most 256 names and values, all strings")
     if (message["job"], message["attempt"], message["rank"]) != (job, attempt, rank):
         raise BadMessage("a control message for another rank, attempt or job", "other_job")
     return message

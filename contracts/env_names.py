@@ -34,6 +34,12 @@ ENV_MEM_PER_NODE = "ES_MEM_PER_NODE"
 # of their beats and steps per interval instead of each rank's beats ([heartbeat] relay).
 ENV_HEARTBEAT_RELAY = "ES_HEARTBEAT_RELAY"
 
+# Prepared ranks (worker.prepared, [restart] warm_spare): a node's are launched on their own, so
+# each says which rank of all the prepared ones it is: this base plus its rank in its launch, of
+# ES_PREPARED_WORLD. Dropped when it becomes a rank.
+ENV_PREPARED_BASE = "ES_PREPARED_BASE"
+ENV_PREPARED_WORLD = "ES_PREPARED_WORLD"
+
 # Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER). Set when the job
 # declares faults or keeps a standby; a rank connects a DEALER whose routing id is
 # `control_identity(...)`.

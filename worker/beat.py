@@ -118,9 +118,10 @@ class Beacon:
         """Control commands for the training loop (stall, slow) received since the last call."""
         return []
 
-    def wait_standby_command(self, stop_requested: Callable[[], bool]) -> str:
-        """Block until the supervisor says `go` or `exit` (returned as such), or a stop is
-        requested ("stop"). Only a beacon with a control channel can be a standby."""
+    def wait_standby_command(self, stop_requested: Callable[[], bool]) -> dict[str, Any]:
+        """Block until the supervisor says `go`, `exit` or `become` (the command is returned),
+        or a stop is requested (action "stop"). Only a beacon with a control channel can be a
+        standby."""
         raise UsageError(
             f"a standby ({env_names.ENV_STANDBY}=1) needs {env_names.ENV_HEARTBEAT_ADDR} and "
             f"{env_names.ENV_CONTROL_ADDR}: it waits for the supervisor's go or exit"
@@ -298,7 +299,7 @@ class ZmqBeacon(Beacon):
     def commands(self) -> list[dict[str, Any]]:
         return self._control.in_step_commands() if self._control is not None else []
 
-    def wait_standby_command(self, stop_requested: Callable[[], bool]) -> str:
+    def wait_standby_command(self, stop_requested: Callable[[], bool]) -> dict[str, Any]:
         if self._control is None:
             return super().wait_standby_command(stop_requested)
         return self._control.wait_standby(stop_requested)

@@ -4,9 +4,9 @@ With `ES_CONTROL_ADDR` the beacon's thread also holds a DEALER socket to the sup
 server and verifies every command on it (signed, for this job, attempt and rank). A `signal` is
 carried out at once, by that thread (the rank signals itself); `stall` and `slow` must happen
 inside a step, so they are queued for the training loop (`worker.beat.StepFaults`); a standby's
-`go` and `exit` are queued for `wait_standby`, where the main thread blocks until one comes
-(worker.standby). The socket is the thread's alone (sockets are not thread-safe); the queues are
-how the two threads meet.
+`go` and `exit` (and a prepared rank's `become`) are queued for `wait_standby`, where the main
+thread blocks until one comes (worker.standby, worker.prepared). The socket is the thread's
+alone (sockets are not thread-safe); the queues are how the two threads meet.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ControlChannel:
         self.socket: Any = None
         self.dropped = 0  # frames that failed verification
         self._in_step: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()  # stall, slow
-        self._standby: queue.SimpleQueue[str] = queue.SimpleQueue()  # go / exit
+        self._standby: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()  # go/exit/become
 
     # --- the beacon's thread -------------------------------------------------------------
     def open(self, ctx: Any, zmq: Any) -> Any:
@@ -67,7 +67,7 @@ class ControlChannel:
                     continue  # its default action would end a process without the handler
                 os.kill(os.getpid(), cmd["signal"])
             elif cmd["action"] in control_msgs.STANDBY_ACTIONS:
-                self._standby.put(cmd["action"])
+                self._standby.put(cmd)
             else:
                 self._in_step.put(cmd)
 
@@ -83,11 +83,12 @@ class ControlChannel:
             out.append(self._in_step.get_nowait())
         return out
 
-    def wait_standby(self, stop_requested: Callable[[], bool]) -> str:
-        """Block until the supervisor says `go` or `exit`, or a stop is requested ("stop")."""
+    def wait_standby(self, stop_requested: Callable[[], bool]) -> dict[str, Any]:
+        """Block until the supervisor says `go`, `exit` or `become` (the command), or a stop is
+        requested (action "stop")."""
         while not stop_requested():
             try:
                 return self._standby.get(timeout=STOP_CHECK_S)
             except queue.Empty:
                 continue
-        return "stop"
+        return {"action": "stop"}

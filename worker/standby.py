@@ -63,7 +63,7 @@ def wait(setup: Setup, stop_requested: Callable[[], bool], prepared: str) -> boo
     startup = setup.startup
     startup.ready()
     setup.beacon.standby(prepared)
-    command = setup.beacon.wait_standby_command(stop_requested)
+    command = setup.beacon.wait_standby_command(stop_requested)["action"]
     startup.mark("standby_wait")
     if command != "go":
         setup.say(f"standby: {command}, exiting without training", flush=True)

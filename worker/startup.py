@@ -26,6 +26,15 @@ def process_start_time() -> float:
 
 
 PROCESS_START = process_start_time()
+
+
+def count_from_now() -> None:
+    """A prepared rank (worker.prepared) told which rank to become: its start, as the rank it
+    becomes counts it, is now (its interpreter and imports were paid before the failure)."""
+    global PROCESS_START
+    PROCESS_START = time.time()
+
+
 # The parts of a (re)start, in order: `choose` picks the checkpoint and starts reading it.
 PARTS = ("imports", "process_group", "choose", "model_build", "load", "first_step")
 

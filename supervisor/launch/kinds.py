@@ -59,6 +59,11 @@ class LauncherKind:
         """MASTER_PORT for an attempt's ranks; 0 where the launcher's own variables do."""
         return 0
 
+    def node_launches(self, flavor: str) -> str | None:
+        """Why this launcher cannot start one node's processes as a launch of their own beside
+        the job's (prepared ranks, [restart] warm_spare), or None where it can."""
+        return f"{self.name} cannot start one node's prepared ranks on their own"
+
     def plan(
         self,
         cfg: Config,
@@ -167,6 +172,11 @@ class Mpiexec(LauncherKind):
         "pals": signal.SIGTERM,
     }
 
+    def node_launches(self, flavor: str) -> str | None:
+        if flavor != "hydra":  # PALS could, with --hosts: not tried
+            return f"prepared ranks need MPICH Hydra's mpiexec, not {flavor}"
+        return None
+
     def flavor(self, cfg: Config, executable: str) -> str:
         if cfg.launch.flavor != "auto":
             return cfg.launch.flavor
@@ -213,6 +223,8 @@ class Mpiexec(LauncherKind):
                 "pals", [ProcSpec(argv, env)], world, nodes, self.STOP_SIGNALS["pals"]
             )
         placed = ["-f", str(hostfile)] if hostfile and multi else []
+        if multi and hostfile is None:  # a launch of its own on some nodes (prepared ranks)
+            placed = ["-hosts", ",".join(nodes)]
         if launch.emulate_nodes:  # each name its own proxy and local ranks, all on this host
             placed = ["-launcher", "fork", "-hosts", ",".join(nodes)]
         argv = [

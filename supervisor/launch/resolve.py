@@ -8,6 +8,7 @@ known (a fault's target rank) is caught before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from supervisor.policy.nodes import NodePool
 from supervisor.settings import checks, toml_dump
 from supervisor.settings import config as config_mod
 from supervisor.settings.config import Config
+
+PREPARED_MODULE = "worker.prepared"  # a rank with no number yet ([restart] warm_spare)
 
 
 @dataclass
@@ -71,6 +74,14 @@ class Resolved:
             self.hostfile(),
             master_port,
             self.worker_overrides,
+        )
+
+    def prepared_plan(self, env: dict[str, str], node: str) -> LaunchPlan:
+        """Prepared ranks on one node, a launch of their own (worker.prepared, the same flags)."""
+        worker = dataclasses.replace(self.cfg.worker, module=PREPARED_MODULE)
+        cfg = dataclasses.replace(self.cfg, worker=worker)
+        return self.kind.plan(
+            cfg, [node], self.executable, self.flavor, env, None, 0, self.worker_overrides
         )
 
     def dry_run_text(self, label: str) -> str:

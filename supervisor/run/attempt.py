@@ -24,8 +24,9 @@ from supervisor.policy.exits import Outcome
 from supervisor.policy.liveness import Finding
 from supervisor.policy.restarts import AttemptRecord
 from supervisor.policy.stragglers import StragglerFinding
-from supervisor.run import attempt_events, attribution, finding_stacks, teardown
+from supervisor.run import attempt_events, attribution, finding_stacks, prepared, teardown
 from supervisor.run.context import JobContext, Running
+from supervisor.run.prepared import Adopted
 from supervisor.run.rank_watch import RankWatch
 from supervisor.run.stop import StopRequests
 from supervisor.run.stragglers import StragglerWatch
@@ -66,7 +67,9 @@ class Attempt:
     A standby (`standby=True`) is started early (`start`), waits prepared (`wait_as_standby`)
     and becomes the running attempt on `go`; `run` then watches it like any other."""
 
-    def __init__(self, number: int, job: JobContext, standby: bool = False) -> None:
+    def __init__(
+        self, number: int, job: JobContext, standby: bool = False, adopt: Adopted | None = None
+    ) -> None:
         self.number = number
         self.job = job
         self.cfg = job.resolved.cfg
@@ -91,6 +94,7 @@ class Attempt:
             job.restarts_left,
         )
         self.replaced: StragglerFinding | None = None  # stopped for this straggler
+        self.adopt = adopt  # prepared ranks to start as this attempt's, not a launch
 
     @property
     def ready_at(self) -> float | None:
@@ -107,7 +111,10 @@ class Attempt:
 
     # --- the attempt, start to end ------------------------------------------------------------
     async def start(self) -> bool:
-        """Launch the ranks; False (and `launch_error`) when they cannot be started."""
+        """Launch the ranks (or start prepared ones as them); False (and `launch_error`) when
+        they cannot be started."""
+        if self.adopt is not None and self._become(self.adopt):
+            return True
         plan = self._plan()
         output, cwd = self.dir / "output.log", self.cfg.launch.cwd or None
         try:
@@ -190,7 +197,17 @@ class Attempt:
         self.table.launched_at = time.monotonic()
         return plan
 
-    def _launched(self, running: Running) -> None:
+    def _become(self, adopt: Adopted) -> bool:
+        """Prepared ranks become this attempt's; False (they are torn down) when one could not
+        be told: the attempt then launches cold."""
+        self.table.launched_at = adopt.group.started
+        if not prepared.become(adopt, self.job, self.number, self.dir, self.emit):
+            return False
+        self.running = adopt.group
+        self._launched(adopt.group, prepared=adopt.number)
+        return True
+
+    def _launched(self, running: Running, **prepared_from: int) -> None:
         self.table.launched_at = running.started
         standby = self.state is AttemptState.STANDBY
         self.emit(
@@ -200,6 +217,7 @@ class Attempt:
             nodes=running.plan.nodes,
             command=str(self.dir / "command.txt"),
             mono=round(running.started, 6),
+            **prepared_from,
         )
         if not standby:
             self._now_running()
@@ -293,8 +311,7 @@ class Attempt:
             replace_task.cancel()
 
     def _quiet_check(self, now: float) -> None:
-        """A check of the running attempt that found nothing: time triggers of the faults (and
-        anything else now due)."""
+        """A check that found nothing: the faults' time triggers, the stragglers' replacement."""
         self.job.faults.fire_due(self.table, now)
         self.stragglers.check(self.table.ckpt_complete)
 
@@ -310,13 +327,9 @@ class Attempt:
     async def _found(self, finding: Finding, detected: float) -> None:
         """A hang or no progress: every rank's stacks before the teardown, then the finding's
         event, which names them."""
-        job = self.job
+        ask = finding_stacks.remote_asker(self.job.control, self.job.job_id, self.number)
         got = await finding_stacks.collect(
-            self.dir,
-            self.table,
-            finding.ranks,
-            this_host=hosts.this_host(),
-            ask_remote=finding_stacks.remote_asker(job.control, job.job_id, self.number),
+            self.dir, self.table, finding.ranks, this_host=hosts.this_host(), ask_remote=ask
         )
         self.stack_places = got.places
         self.emit(finding.kind, **attempt_events.finding_fields(finding, detected, **got.facts))

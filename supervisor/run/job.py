@@ -18,26 +18,23 @@ import sys
 from typing import IO, Any
 
 from contracts.exit_codes import ExitCode
-from supervisor.launch import hosts
 from supervisor.launch.processes import ProcessLauncher
 from supervisor.launch.resolve import Resolved
 from supervisor.log.events import EventLog
-from supervisor.policy import restarts
+from supervisor.policy import prepared_rules, restarts
 from supervisor.policy.restarts import AttemptRecord, Decision
-from supervisor.run import fault_hooks, stragglers
+from supervisor.run import fault_hooks, services, stragglers
 from supervisor.run.attempt import Attempt, AttemptResult
 from supervisor.run.context import JobContext, Launcher
 from supervisor.run.node_keeper import NodeKeeper
 from supervisor.run.node_scratch import NodeScratch
+from supervisor.run.prepared import PreparedRanks
 from supervisor.run.standby import StandbyKeeper
 from supervisor.run.stop import StopRequests, stop_signals
 from supervisor.settings import config as config_mod
 from supervisor.settings import toml_dump
 from supervisor.watch.control import ControlServer, bind_for
-from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
 from supervisor.watch.rank_table import AttemptTable
-
-BAD_MESSAGES_EVERY_S = 5.0
 
 
 class Job:
@@ -65,6 +62,7 @@ class Job:
         self.numbers = 0  # the next attempt number (a standby takes one too)
         self.control: ControlServer | None = None
         self.standby: StandbyKeeper | None = None
+        self.prepared: PreparedRanks | None = None  # prepared ranks ([restart] warm_spare)
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
         self.scratch = NodeScratch(self.cfg, self.job_id, self.emit)
 
@@ -91,7 +89,7 @@ class Job:
         handlers."""
         self.log = EventLog(self.resolved.run_dir / "events.jsonl", self.console)
         self.launcher.prepare()
-        self.server = server = self._bind()
+        self.server = server = services.bind_heartbeat(self.resolved, self.key, self.job_id)
         if self.cfg.restart.standby or self.cfg.faults:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
         self.faults = fault_hooks.for_job(
@@ -108,6 +106,15 @@ class Job:
             self.standby = StandbyKeeper(
                 self.context, self._next_number, self._route, self._unroute
             )
+        self.prepared_off = prepared_rules.unavailable(
+            wanted=self.cfg.restart.warm_spare,
+            standby=self.cfg.restart.standby,
+            spares=len(self.resolved.pool.spares),
+            launcher_cannot=self.resolved.kind.node_launches(self.resolved.flavor),
+            module=self.cfg.worker.module,
+        )
+        if self.prepared_off is None:
+            self.prepared = PreparedRanks(self.context, self._next_number, self._standby_ready)
         loop = asyncio.get_running_loop()
         self.stop_signals = stop_signals()  # read before our handlers replace what they were
         for sig in self.stop_signals:
@@ -127,7 +134,7 @@ class Job:
         )
         return [
             asyncio.create_task(server.serve(self._on_message)),
-            asyncio.create_task(self._report_dropped()),
+            asyncio.create_task(services.report_dropped(server, self.cfg.heartbeat, self.emit)),
         ]
 
     async def _close(self, services: list[asyncio.Task], code: ExitCode, reason: str) -> None:
@@ -166,6 +173,8 @@ class Job:
         finally:
             if self.standby is not None:  # the job is over, however: no standby outlives it
                 await self.standby.close("job over", for_good=True)
+            if self.prepared is not None:
+                await self.prepared.close("job over")
 
     async def _attempts_from(self, attempt: Attempt) -> tuple[ExitCode, str]:
         while True:
@@ -208,7 +217,7 @@ class Job:
         keep = (attempt, previous, self.standby.attempt if self.standby else None)
         self.attempts = {a.number: a for a in keep if a is not None}
         if self.standby is not None:  # a standby once it has stepped (and caught up)
-            attempt.on_step = self.standby.starter(previous)
+            attempt.on_step = self.standby.starter(previous, self.prepared)
         return await attempt.run(self.stop)
 
     async def relaunch(self, after: int, decision: Decision) -> Attempt | None:
@@ -219,6 +228,11 @@ class Job:
         standby, cold_because = None, "standby off"
         if self.standby is not None:
             standby, cold_because = await self.standby.take(self.nodes.just_excluded)
+        adopt, why = None, self.prepared_off
+        if standby is None and self.prepared is not None:
+            adopt, why = self.prepared.take(self.resolved.active)
+        if why is not None and self.nodes.just_excluded:  # a spare's start: warm or why not
+            cold_because = f"{cold_because}; no prepared ranks: {why}"
         number = standby.number if standby else self._next_number()
         self.emit(
             "relaunch",
@@ -228,7 +242,7 @@ class Job:
             restarts=self.restarts,
             restarts_left=left,
             reason=decision.reason,
-            mode="warm" if standby else "cold",
+            mode="warm" if standby else ("prepared" if adopt else "cold"),
             **({} if standby else {"cold_because": cold_because}),
             **({"standby_waited_s": waited} if (waited := self._standby_waited()) else {}),
         )
@@ -240,7 +254,7 @@ class Job:
                 await standby.end_standby("interrupted")
             return None
         if standby is None:
-            return Attempt(number, self.context)
+            return Attempt(number, self.context, adopt=adopt)
         why = standby.go() if standby.running is not None else "no standby running"
         if why is None:
             return standby
@@ -252,7 +266,12 @@ class Job:
         return self.standby.waited_s if self.standby is not None else 0.0
 
     def _standby_tables(self) -> list[AttemptTable]:
-        return self.standby.tables() if self.standby is not None else []
+        tables = self.standby.tables() if self.standby is not None else []
+        return tables + (self.prepared.tables() if self.prepared is not None else [])
+
+    def _standby_ready(self) -> bool:
+        standby = self.standby.attempt if self.standby is not None else None
+        return standby is not None and standby.ready_at is not None
 
     def _next_number(self) -> int:
         self.numbers += 1
@@ -292,48 +311,18 @@ class Job:
         existing = [int(p.name) for p in (run_dir / "attempts").iterdir() if p.name.isdigit()]
         return max(existing) + 1 if existing else 0
 
-    def _bind(self) -> HeartbeatServer:
-        heartbeat = self.cfg.heartbeat
-        resolved = self.resolved
-        local = self.cfg.launch.emulate_nodes or all(hosts.is_this_host(n) for n in resolved.nodes)
-        bind = heartbeat.bind if heartbeat.bind != "auto" else ("127.0.0.1" if local else "0.0.0.0")
-        advertise = (
-            heartbeat.advertise
-            if heartbeat.advertise != "auto"
-            else ("127.0.0.1" if local else hosts.this_host())
-        )
-        # Bound beyond loopback (a multi-node job): only the job's nodes may even connect.
-        allow = () if bind.startswith("127.") else node_addresses(resolved.nodes)
-        return HeartbeatServer(
-            self.key.encode(), self.job_id, bind, heartbeat.port, advertise, allow
-        )
-
     def emit(self, event: str, **facts: Any) -> None:
         self.log.emit(event, **facts)
 
     def _on_message(self, msg: dict[str, Any], now: float) -> None:
         """A verified rank message, to its attempt (a straggler: to the running one, as
         stale)."""
+        if self.prepared is not None and msg["attempt"] == self.prepared.number:
+            self.prepared.on_message(msg, now)
+            return
         to = self.attempts.get(msg["attempt"]) or self.active
         if to is not None:
             to.on_message(msg, now)
-
-    async def _report_dropped(self) -> None:
-        """A `bad_messages` event when the count of dropped (unsigned, malformed) messages
-        moves, at most one every BAD_MESSAGES_EVERY_S: a flood must not flood the log too."""
-        reported, last = 0, -BAD_MESSAGES_EVERY_S
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat.check_s)
-            dropped = sum(self.server.dropped.values())
-            now = asyncio.get_running_loop().time()
-            if dropped != reported and now - last >= BAD_MESSAGES_EVERY_S:
-                self.emit(
-                    "bad_messages",
-                    total=dropped,
-                    new=dropped - reported,
-                    by_reason=dict(self.server.dropped),
-                )
-                reported, last = dropped, now
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop.request()

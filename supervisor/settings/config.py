@@ -83,6 +83,11 @@ class RestartConfig:
     # it and wait, prepared, for a failure (a second set of processes per node). False: every
     # relaunch starts cold.
     standby: bool = True
+    # With spares, the standby on and MPICH Hydra's mpiexec: prepared ranks (the interpreter
+    # started and torch imported, no rank number yet) are kept on every node and spare, one
+    # launch per node; a relaunch the standby cannot serve (a lost node, a spare in its place)
+    # starts them as its ranks instead of cold processes. False: such a relaunch is cold.
+    warm_spare: bool = True
     # A node with this many failures attributed to it in this job is excluded (0: never).
     exclude_after: int = 2
     # Without a spare to take an excluded node's place: go on with fewer nodes (a smaller world,

@@ -47,9 +47,11 @@ class ControlServer:
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def command(self, attempt: int, rank: int, action: str, t: float) -> str | None:
-        """A `go` or `exit` (or another action without arguments) to one rank."""
-        message = control_msgs.control_message(self.job, attempt, rank, t, action, 0)
+    def command(
+        self, attempt: int, rank: int, action: str, t: float, env: dict[str, str] | None = None
+    ) -> str | None:
+        """A `go`, `exit` or `become` (with the rank's `env`) to one rank."""
+        message = control_msgs.control_message(self.job, attempt, rank, t, action, 0, env=env)
         return self.send(attempt, rank, message)
 
 

@@ -1,0 +1,51 @@
+"""The job's services that outlive its attempts: where the heartbeat server binds, and how often
+the messages it drops are reported."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from supervisor.launch import hosts
+from supervisor.launch.resolve import Resolved
+from supervisor.settings.config import HeartbeatConfig
+from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
+
+BAD_MESSAGES_EVERY_S = 5.0
+
+
+def bind_heartbeat(resolved: Resolved, key: str, job_id: str) -> HeartbeatServer:
+    """The heartbeat server: on loopback when every node is this host (or emulated), else on
+    every address, open only to the job's nodes."""
+    cfg = resolved.cfg
+    heartbeat = cfg.heartbeat
+    local = cfg.launch.emulate_nodes or all(hosts.is_this_host(n) for n in resolved.nodes)
+    bind = heartbeat.bind if heartbeat.bind != "auto" else ("127.0.0.1" if local else "0.0.0.0")
+    advertise = (
+        heartbeat.advertise
+        if heartbeat.advertise != "auto"
+        else ("127.0.0.1" if local else hosts.this_host())
+    )
+    # Bound beyond loopback (a multi-node job): only the job's nodes may even connect.
+    allow = () if bind.startswith("127.") else node_addresses(resolved.nodes)
+    return HeartbeatServer(key.encode(), job_id, bind, heartbeat.port, advertise, allow)
+
+
+async def report_dropped(
+    server: HeartbeatServer, heartbeat: HeartbeatConfig, emit: Callable[..., None]
+) -> None:
+    """A `bad_messages` event when the count of dropped (unsigned, malformed) messages moves,
+    at most one every BAD_MESSAGES_EVERY_S: a flood must not flood the log too."""
+    reported, last = 0, -BAD_MESSAGES_EVERY_S
+    while True:
+        await asyncio.sleep(heartbeat.check_s)
+        dropped = sum(server.dropped.values())
+        now = asyncio.get_running_loop().time()
+        if dropped != reported and now - last >= BAD_MESSAGES_EVERY_S:
+            emit(
+                "bad_messages",
+                total=dropped,
+                new=dropped - reported,
+                by_reason=dict(server.dropped),
+            )
+            reported, last = dropped, now

@@ -1,0 +1,68 @@
+"""`python -m worker.prepared <worker flags>`: a prepared rank, with no rank number yet.
+
+The supervisor keeps such processes on every node of a job and on its spares ([restart]
+warm_spare), launched one node at a time so that a lost node takes only its own. Each pays the
+interpreter's start and the imports a cold start would (torch, the training loop), says phase
+`standby` (prepared `imports`) and blocks until the supervisor's signed `become` or `exit`. On
+`become` it takes the variables it is given (its rank, the world, the rendezvous address, the
+attempt) and runs `worker.train` as that rank: the process group is formed after the word, with
+whichever nodes the relaunch uses, a spare in a lost node's place included. Exit status: as
+worker.train's once it became a rank; 0 when told to exit or stopped before.
+
+Its identity while it waits: attempt `ES_ATTEMPT` (the prepared ranks' own number) and rank
+`ES_PREPARED_BASE` + its rank in its node's launch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from contracts import env_names
+from worker import startup
+from worker.beat import Beacon
+from worker.dist import detect_rank, end_process
+
+# The variables a launcher set for the prepared process, which say nothing of the rank it becomes.
+DROPPED_AT_BECOME = (env_names.ENV_PREPARED_BASE, env_names.ENV_PREPARED_WORLD)
+
+
+class Stop:
+    """SIGTERM / SIGUSR1 while it waits: end without training (a launcher's stop reaches it)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop = Stop()
+    env = os.environ
+    launched = detect_rank(env)
+    base = int(env.get(env_names.ENV_PREPARED_BASE, "0"))
+    world = int(env.get(env_names.ENV_PREPARED_WORLD, str(launched.world)))
+    beacon = Beacon.from_env(base + launched.rank, world)  # no relay: each beats on its own
+    beacon.hello("init")
+    from worker import loop  # noqa: F401 - the imports a cold start pays (torch, the loop)
+
+    beacon.standby("imports")
+    command = beacon.wait_standby_command(lambda: stop.requested)
+    beacon.close()
+    if command["action"] != "become":
+        return 0
+    for name in DROPPED_AT_BECOME:
+        env.pop(name, None)
+    env.update(command["env"])
+    startup.count_from_now()
+    from worker import train
+
+    return train.main(argv)
+
+
+if __name__ == "__main__":
+    end_process(main(sys.argv[1:]))
