@@ -93,7 +93,7 @@ class PreparedRanks:
             try:
                 run = await self.job.launcher.start(plan, folder / f"output-{node}.log", cwd, None)
             except OSError as exc:
-                self.job.emit("prepared_lost", attempt=number, node=node, reason=str(exc))
+                self.job.emit("prepared_failed", attempt=number, node=node, reason=str(exc))
                 continue
             self.launches[node], self.bases[node] = run, base
         self.job.emit("prepared_launch", attempt=number, nodes=nodes, world=self.table.world)

@@ -114,9 +114,9 @@ def control():
     key = b"k" * 32
     beacon = ZmqBeacon(f"tcp://127.0.0.1:{p_port}", key, ident, 0.05, f"tcp://127.0.0.1:{r_port}")
 
-    def send(action: str, key: bytes = key, attempt: int = 4) -> None:
+    def send(action: str, key: bytes = key, attempt: int = 4, env=None) -> None:
         frame = messages.encode(
-            key, control_msgs.control_message("job", attempt, 1, time.time(), action, 0)
+            key, control_msgs.control_message("job", attempt, 1, time.time(), action, 0, env=env)
         )
         deadline = time.monotonic() + 10
         while True:
@@ -140,15 +140,23 @@ def test_wait_returns_the_verified_command(control, action):
     send(action, attempt=3)  # another attempt's: dropped
     send(action)
     t0 = time.monotonic()
-    assert beacon.wait_standby_command(lambda: False) == action
+    assert beacon.wait_standby_command(lambda: False)["action"] == action
     assert time.monotonic() - t0 < 5
     assert beacon.control_dropped == 2
+
+
+def test_a_become_brings_its_variables(control):
+    """A prepared rank's `become`: the rank's variables, as signed."""
+    beacon, send = control
+    send("become", env={"RANK": "2", "WORLD_SIZE": "3"})
+    cmd = beacon.wait_standby_command(lambda: False)
+    assert (cmd["action"], cmd["env"]) == ("become", {"RANK": "2", "WORLD_SIZE": "3"})
 
 
 def test_a_stop_ends_the_wait_promptly(control):
     beacon, _ = control
     asked = time.monotonic() + 0.3
-    assert beacon.wait_standby_command(lambda: time.monotonic() > asked) == "stop"
+    assert beacon.wait_standby_command(lambda: time.monotonic() > asked)["action"] == "stop"
     assert time.monotonic() - asked < 0.5
 
 

@@ -1,0 +1,86 @@
+"""Prepared ranks ([restart] warm_spare): whether a job keeps them, which become an attempt's
+ranks, and the launches of several nodes watched as one (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from supervisor.launch.launch_group import LaunchGroup
+from supervisor.launch.plan import LaunchPlan, ProcSpec
+from supervisor.launch.processes import Launched
+from supervisor.launch.registry import launcher_for
+from supervisor.launch.resolve import Resolved
+from supervisor.policy import prepared_rules
+from supervisor.settings import loading
+
+KEEPS = dict(wanted=True, standby=True, spares=1, launcher_cannot=None, module="worker.train")
+
+
+def test_kept_only_with_a_spare_a_standby_and_a_launcher_that_can():
+    assert prepared_rules.unavailable(**KEEPS) is None
+    for change, why in (
+        ({"wanted": False}, "restart.warm_spare is false"),
+        ({"standby": False}, "restart.standby is false"),
+        ({"spares": 0}, "no spare node (launch.spares = 0)"),
+        ({"launcher_cannot": "srun cannot"}, "srun cannot"),
+        ({"module": "my.trainer"}, "worker module my.trainer has no prepared form"),
+    ):
+        assert prepared_rules.unavailable(**{**KEEPS, **change}).startswith(why), change
+
+
+def test_only_hydra_starts_one_node_on_its_own():
+    assert launcher_for("mpiexec").node_launches("hydra") is None
+    assert "Hydra" in launcher_for("mpiexec").node_launches("pals")
+    assert launcher_for("srun").node_launches("srun") is not None
+    assert launcher_for("local").node_launches("local") is not None
+
+
+def test_each_node_of_the_new_list_gives_its_waiting_ranks_in_rank_order():
+    ready = {"n0": [0, 1], "n1": [2, 3], "n2": [4, 5], "n3": [6, 7]}
+    # n1 lost, the spare n3 in its place: rank 2 and 3 are n3's.
+    assert prepared_rules.placement(["n0", "n3", "n2"], ready, 2) == [0, 1, 6, 7, 4, 5]
+    short = {**ready, "n3": [6]}  # one of the spare's still importing
+    assert prepared_rules.placement(["n0", "n3"], short, 2) == (
+        "no prepared ranks ready on n3 (1 of 2)"
+    )
+    assert prepared_rules.placement(["n9"], ready, 2).startswith("no prepared ranks ready on n9")
+
+
+def _launch(code: str, label: str) -> LaunchPlan:
+    return LaunchPlan("local", [ProcSpec([sys.executable, "-c", code], {}, label)], 1, [label])
+
+
+def test_launch_group_waits_for_all_or_the_first_failure(tmp_path):
+    async def scenario():
+        ok = [await Launched.start(_launch("pass", f"n{i}"), tmp_path / f"{i}.log") for i in (0, 1)]
+        clean = await asyncio.wait_for(LaunchGroup(ok, 0.0).wait(), 30)
+        failing = [
+            await Launched.start(_launch("import time; time.sleep(60)", "n0"), tmp_path / "a.log"),
+            await Launched.start(_launch("raise SystemExit(3)", "n1"), tmp_path / "b.log"),
+        ]
+        group = LaunchGroup(failing, 0.0)
+        first = await asyncio.wait_for(group.wait(), 30)
+        result = await group.teardown(0.5)
+        return clean, first, result, group
+
+    clean, first, result, group = asyncio.run(scenario())
+    assert clean.returncode == 0
+    assert first.returncode == 3  # the other node's launch still ran: the first failure ends it
+    assert not result.survivors and result.terminated >= 1
+    assert group.plan.nodes == ["n0", "n1"] and group.plan.world == 2
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_one_node_s_launch_names_only_that_node(tmp_path, emulated):
+    """A prepared launch of one node: Hydra places it by name, never by the job's host file."""
+    launch = {"launcher": "mpiexec", "nodes": ["a", "b", "c"], "spares": 1}
+    launch["emulate_nodes"] = emulated
+    cfg = loading.from_dict({"launch": launch, "worker": {"model": "debug"}})
+    resolved = Resolved(cfg, tmp_path, ["a", "b", "c"], "/usr/bin/mpiexec", "hydra")
+    argv = resolved.prepared_plan({}, "c").procs[0].argv
+    assert argv[argv.index("-hosts") + 1] == "c" and "-f" not in argv
+    assert argv[argv.index("-n") + 1] == "1"
+    assert argv[argv.index("-m") + 1] == "worker.prepared"
