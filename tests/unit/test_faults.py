@@ -369,8 +369,9 @@ def test_control_message_checks():
         "RANK": "1"
     }
     for env in ({"RANK": 1}, {"RANK": ["1"]}, [], {f"V{i}": "" for i in range(257)}):
+        frame = messages.encode(key, {**become, "env": env})
         with pytest.raises(messages.BadMessage):
-            control_msgs.decode_control(key, messages.encode(key, {**become, "env": env}), "job", 0, 1)
+            control_msgs.decode_control(key, frame, "job", 0, 1)
 
 
 # --- the engine ---------------------------------------------------------------------------------
