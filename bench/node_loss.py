@@ -23,6 +23,11 @@ network against a loopback floor (a ZeroMQ PUSH/PULL of the same bytes in this p
 bytes or record; copied out of the job's
 memory while it ran) of which none may pass the checks a fetch makes. The last line is JSON.
 
+With `--standby on` every job trains 80 steps, the crash comes at step 25 and the node loss at
+step 70 (the standby ready at the crash; the next standby, then the prepared ranks of
+[restart] warm_spare at the loss); each failure's row says its relaunch's `mode` (warm,
+prepared or cold).
+
 Usage: python bench/node_loss.py [--standby off|on] [--pairs 3] [--keep]
 """
 
@@ -57,6 +62,9 @@ SIZE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"
 TRAIN_ITERS = 45
 CRASH = {"name": "crash", "at_step": 12, "action": "kill", "target": "rank:1"}
 LOSS = {"name": "lose-node1", "at_step": 32, "action": "node_loss", "target": "node:1"}
+# With the standby: later, so that the standby is ready at the crash and, after it, the next
+# standby and then the prepared ranks (imports on 5 nodes) at the node loss.
+STANDBY_STEPS = {"train_iters": 80, "crash": 25, "loss": 70}
 SNAPSHOT_AT = 25  # step at which a held partner copy is copied out for the damage trials
 SKIP_AFTER_START = 3  # steps of each attempt left out of the steady step
 TRIALS = 100
@@ -66,8 +74,9 @@ PAIR = (("without", False), ("with", True))
 def config(out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, standby: bool):
     raw = tomllib.loads((ROOT / "configs" / "debug.toml").read_text())
     worker = {k: v for k, v in raw["worker"].items() if k not in SIZE_KEYS}
+    steps = STANDBY_STEPS if standby else {"train_iters": TRAIN_ITERS, "crash": 12, "loss": 32}
     worker.update(
-        model="debug", batch_size=1, train_iters=TRAIN_ITERS, save_interval=20,
+        model="debug", batch_size=1, train_iters=steps["train_iters"], save_interval=20,
         mem_ckpt_interval=1, mem_partner="on" if partner else "off",
     )  # fmt: skip
     nodes = [f"n{i}" for i in range(5 if faults else 4)]
@@ -79,7 +88,8 @@ def config(out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, stan
             "env": {"OMP_NUM_THREADS": "1", "ES_MEM_ROOT": str(mem)},
         },
         worker=worker,
-        faults=[CRASH, LOSS] if faults else [],
+        faults=[{**CRASH, "at_step": steps["crash"]}, {**LOSS, "at_step": steps["loss"]}]
+        if faults else [],
     )  # fmt: skip
     raw["restart"] = {**raw.get("restart", {}), "standby": standby, "backoff_s": [0]}
     raw["restart"]["exclude_after"] = 2
@@ -125,12 +135,14 @@ def failures(run: Path) -> list[dict]:
         after = [r for a, rs in recs.items() if a > fault["attempt"] for r in rs]
         past = next((r for r in after if r["step"] > before), None)
         resumed = [e for e in evs if e["event"] == "resumed" and e["attempt"] > fault["attempt"]]
+        relaunch = [e for e in evs if e["event"] == "relaunch" and e["after"] == fault["attempt"]]
         out.append({
             "name": fault["name"], "action": fault["action"], "before": before,
             "lost": lost.get(fault["attempt"]),
             "from": resumed[0].get("source") if resumed else None,
             "resumed": resumed[0]["step"] if resumed else None,
             "cost_s": round(past["t"] - fault["ts"], 3) if past else None,
+            "mode": relaunch[0]["mode"] if relaunch else None,
         })  # fmt: skip
     return out
 
@@ -265,7 +277,7 @@ def main() -> None:
         for r in rows:
             where = f"resumed {r['resumed']} ({r['from']})"
             print(f"{r['name']:<12} {r['action']:<10} before {r['before']:>3}  {where}  "
-                  f"lost {r['lost']}  cost {r['cost_s']} s")  # fmt: skip
+                  f"lost {r['lost']}  cost {r['cost_s']} s  {r['mode']}")  # fmt: skip
         crash = next(r for r in rows if r["action"] == "kill")
         node = next(r for r in rows if r["action"] == "node_loss")
         each = {n: [steady_step(runs[f"{n}{i}"]) for i in range(args.pairs)] for n, _ in PAIR}
@@ -281,9 +293,10 @@ def main() -> None:
             "node_loss": {
                 "lost": node["lost"], "from": node["from"],
                 "durable_reads": sum(r["from"] == "durable" for r in rows if r is node),
-                "cost_s": node["cost_s"],
+                "cost_s": node["cost_s"], "mode": node["mode"],
             },
-            "crash": {"lost": crash["lost"], "from": crash["from"], "cost_s": crash["cost_s"]},
+            "crash": {"lost": crash["lost"], "from": crash["from"], "cost_s": crash["cost_s"],
+                      "mode": crash["mode"]},
             "node_over_crash": round(node["cost_s"] / crash["cost_s"], 2)
             if node["cost_s"] and crash["cost_s"] else None,
             "bit_exact": got == want,

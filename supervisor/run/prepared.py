@@ -197,8 +197,12 @@ def become(
     """Tell each chosen prepared rank that it is now rank r of attempt `number` (the attempt's
     variables, its rank's and the rendezvous). False when one could not be told: the prepared
     ranks are then torn down (in the background) and the attempt launches cold."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # a full run dir: the attempt runs all the same
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / "command.txt").write_text(
+            f"# prepared ranks of attempt {adopted.number} on {', '.join(adopted.nodes)}: their "
+            f"launches' commands and output are in attempts/{adopted.number:03d}/\n"
+        )
     control, master = job.control, adopted.nodes[0]
     local = job.resolved.cfg.launch.emulate_nodes or hosts.is_this_host(master)
     shared = {

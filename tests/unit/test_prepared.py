@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from contracts import control_msgs, messages
 from supervisor.launch.launch_group import LaunchGroup
 from supervisor.launch.plan import LaunchPlan, ProcSpec
 from supervisor.launch.processes import Launched
@@ -47,6 +48,17 @@ def test_each_node_of_the_new_list_gives_its_waiting_ranks_in_rank_order():
         "no prepared ranks ready on n3 (1 of 2)"
     )
     assert prepared_rules.placement(["n9"], ready, 2).startswith("no prepared ranks ready on n9")
+
+
+def test_a_become_carries_string_variables_only():
+    key = b"k" * 32
+    become = control_msgs.control_message("job", 0, 1, 1.0, "become", 0, env={"RANK": "1"})
+    frame = messages.encode(key, become)
+    assert control_msgs.decode_control(key, frame, "job", 0, 1)["env"] == {"RANK": "1"}
+    for env in ({"RANK": 1}, {"RANK": ["1"]}, [], {f"V{i}": "" for i in range(257)}):
+        frame = messages.encode(key, {**become, "env": env})
+        with pytest.raises(messages.BadMessage):
+            control_msgs.decode_control(key, frame, "job", 0, 1)
 
 
 def _launch(code: str, label: str) -> LaunchPlan:

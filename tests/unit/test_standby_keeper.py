@@ -147,7 +147,7 @@ def test_the_next_standby_counts_the_newest_step_of_any_earlier_attempt():
     def ran(max_step):
         return SimpleNamespace(table=SimpleNamespace(max_step=max_step))
 
-    assert k.starter(None).newest_before is None  # the job's first attempt
-    assert k.starter(ran(12)).newest_before == 12
-    assert k.starter(ran(None)).newest_before == 12  # failed during its start
-    assert k.starter(ran(9)).newest_before == 12
+    assert k.starter(None, None).newest_before is None  # the job's first attempt
+    assert k.starter(ran(12), None).newest_before == 12
+    assert k.starter(ran(None), None).newest_before == 12  # failed during its start
+    assert k.starter(ran(9), None).newest_before == 12
