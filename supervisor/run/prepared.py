@@ -90,6 +90,8 @@ class PreparedRanks:
         for k, node in enumerate(nodes):
             base = k * per_node
             plan = resolved.prepared_plan({**env, env_names.ENV_PREPARED_BASE: str(base)}, node)
+            with contextlib.suppress(OSError):
+                (folder / f"command-{node}.txt").write_text(plan.text())
             try:
                 run = await self.job.launcher.start(plan, folder / f"output-{node}.log", cwd, None)
             except OSError as exc:
