@@ -189,7 +189,8 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
         mode = None
         if relaunch is not None:
             went = any(e.get("event") == "standby_go" and e.get("attempt") == nxt for e in ev)
-            mode = "warm" if went else "cold"
+            said = relaunch.get("mode")  # prepared ranks: their own word
+            mode = "warm" if went else (said if said == "prepared" else "cold")
         out.append(
             Failure(
                 attempt=a,
