@@ -193,6 +193,23 @@ def mpi_world():
 _mpi_shm_released = False
 
 
+STORE_POLL_S = 0.005  # how often a rank looks again for rank 0's store
+
+
+def wait_for_store(addr: str, port: int, timeout_s: float) -> None:
+    """Until rank 0's rendezvous store accepts connections (or `timeout_s`: torch's own connect
+    then says what is wrong). A rank that reaches the store before rank 0 made it has torch's
+    client back off between tries: 0.44 s for a store that came 0.05 s late, measured here,
+    which every rank of the group then waits for."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(STORE_POLL_S)
+
+
 def init_process_group(info: RankInfo, backend: str, device_type: str, timeout_s: float):
     import torch
     import torch.distributed as dist
@@ -202,6 +219,8 @@ def init_process_group(info: RankInfo, backend: str, device_type: str, timeout_s
     elif device_type == "xpu":
         torch.xpu.set_device(info.local_rank)
     addr, port = rendezvous_address(info)
+    if info.rank != 0:
+        wait_for_store(addr, port, timeout_s)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{addr}:{port}",
