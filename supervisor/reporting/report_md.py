@@ -254,7 +254,8 @@ def render(a: Analysis) -> str:
     lines += [
         "detection: failure (the fault's time, else the launcher's exit or the last step) → "
         "the supervisor's finding (a hang or no progress) or teardown began (an exit); "
-        "relaunch: warm (the standby took over) or cold (new processes); "
+        "relaunch: warm (the standby took over), prepared (prepared ranks became the ranks: "
+        "imports paid, process group new) or cold (new processes); "
         "downtime: failure → first productive step after resume; total: "
         "downtime + recomputing the lost steps."
         + (

@@ -113,7 +113,7 @@ class Attempt:
     async def start(self) -> bool:
         """Launch the ranks (or start prepared ones as them); False (and `launch_error`) when
         they cannot be started."""
-        if self.adopt is not None and self._become(self.adopt):
+        if self.adopt is not None and await self._become(self.adopt):
             return True
         plan = self._plan()
         output, cwd = self.dir / "output.log", self.cfg.launch.cwd or None
@@ -197,11 +197,11 @@ class Attempt:
         self.table.launched_at = time.monotonic()
         return plan
 
-    def _become(self, adopt: Adopted) -> bool:
+    async def _become(self, adopt: Adopted) -> bool:
         """Prepared ranks become this attempt's; False (they are torn down) when one could not
         be told: the attempt then launches cold."""
         self.table.launched_at = adopt.group.started
-        if not prepared.become(adopt, self.job, self.number, self.dir, self.emit):
+        if not await prepared.become(adopt, self.job, self.number, self.dir, self.emit):
             return False
         self.running = adopt.group
         self._launched(adopt.group, prepared=adopt.number)

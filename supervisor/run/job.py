@@ -252,6 +252,8 @@ class Job:
         if self.stop.count:
             if standby is not None:
                 await standby.end_standby("interrupted")
+            if adopt is not None:
+                await adopt.group.teardown(0.0)
             return None
         if standby is None:
             return Attempt(number, self.context, adopt=adopt)

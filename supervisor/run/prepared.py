@@ -193,12 +193,12 @@ class PreparedRanks:
             await asyncio.wait(set(self._endings))
 
 
-def become(
+async def become(
     adopted: Adopted, job: JobContext, number: int, folder: Path, emit: Callable[..., None]
 ) -> bool:
     """Tell each chosen prepared rank that it is now rank r of attempt `number` (the attempt's
     variables, its rank's and the rendezvous). False when one could not be told: the prepared
-    ranks are then torn down (in the background) and the attempt launches cold."""
+    ranks are then torn down and the attempt launches cold."""
     with contextlib.suppress(OSError):  # a full run dir: the attempt runs all the same
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "command.txt").write_text(
@@ -224,5 +224,5 @@ def become(
     if why is None:
         return True
     emit("prepared_failed", reason=why, prepared=adopted.number)
-    asyncio.ensure_future(adopted.group.teardown(0.0))
+    await adopted.group.teardown(0.0)
     return False
