@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
+from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from contracts import control_msgs, messages
@@ -15,6 +18,7 @@ from supervisor.launch.processes import Launched
 from supervisor.launch.registry import launcher_for
 from supervisor.launch.resolve import Resolved
 from supervisor.policy import prepared_rules
+from supervisor.run.prepared import PreparedRanks
 from supervisor.settings import loading
 
 KEEPS = dict(wanted=True, standby=True, spares=1, launcher_cannot=None, module="worker.train")
@@ -96,3 +100,95 @@ def test_one_node_s_launch_names_only_that_node(tmp_path, emulated):
     assert argv[argv.index("-hosts") + 1] == "c" and "-f" not in argv
     assert argv[argv.index("-n") + 1] == "1"
     assert argv[argv.index("-m") + 1] == "worker.prepared"
+
+
+# --- the keeper: launch per node, take, end (real processes as the prepared ranks) -------------
+WAITS = "import time; time.sleep(60)"
+
+
+def fake_job(tmp_path, nodes, spares, emitted):
+    """What the keeper reads of a job: two nodes' worth of resolved config, a launcher that
+    starts a sleeping process per node, a control channel that records its words."""
+    told: list[tuple[int, int, str, dict]] = []
+    launch = SimpleNamespace(ranks_per_node=1, cwd=None, emulate_nodes=True)
+
+    class Launcher:
+        async def start(self, plan, output, cwd, on_rank_exit):
+            return await Launched.start(plan, output)
+
+    resolved = SimpleNamespace(
+        cfg=SimpleNamespace(launch=launch),
+        pool=SimpleNamespace(active=nodes, spares=spares),
+        worker_overrides={},
+        run_dir=tmp_path,
+        prepared_plan=lambda env, node: _launch(WAITS, node),
+    )
+    control = SimpleNamespace(
+        command=lambda a, r, action, t, env=None: told.append((a, r, action, env)) and None
+    )
+    job = SimpleNamespace(
+        resolved=resolved,
+        launcher=Launcher(),
+        rank_env=lambda number, folder, standby: {"ES_ATTEMPT": str(number)},
+        emit=lambda event, **f: emitted.append((event, f)),
+        control=control,
+        faults=SimpleNamespace(nodes_down=lambda: frozenset({"gone"})),
+    )
+    return job, told
+
+
+def say_waiting(keeper, ranks):
+    """Each of `ranks` says hello, then that it waits (as worker.prepared does)."""
+    for r in ranks:
+        common = {"attempt": keeper.number, "rank": r, "t": time.time(), "host": "h", "pid": 1,
+                  "world": 3}  # fmt: skip
+        keeper.on_message({**common, "kind": "hello", "phase": "init"}, time.monotonic())
+        keeper.on_message(
+            {**common, "kind": "phase", "phase": "standby", "step": 0}, time.monotonic()
+        )
+
+
+def test_the_keeper_gives_the_new_node_list_its_ranks_and_ends_the_rest(tmp_path):
+    emitted: list = []
+
+    async def scenario():
+        job, told = fake_job(tmp_path, ["n0", "n1", "gone"], ["n2"], emitted)
+        keeper = PreparedRanks(job, lambda: 7, lambda: True)
+        keeper.ensure()
+        await keeper._task
+        assert keeper.number == 7 and list(keeper.launches) == ["n0", "n1", "n2"]
+        say_waiting(keeper, [0, 2])  # n1's not yet waiting
+        assert keeper.ready() == {"n0": [0], "n1": [], "n2": [2]}
+        adopted, why = keeper.take(["n0", "n2"])  # n1 lost, its place taken by n2
+        assert why is None and adopted.chosen == [0, 2] and adopted.nodes == ["n0", "n2"]
+        assert keeper.number is None and keeper.launches == {}  # none kept after a take
+        await keeper.close("job over")  # n1's, not taken, ended (told exit first)
+        assert (7, 1, "exit", {}) in [(a, r, act, e or {}) for a, r, act, e in told]
+        await adopted.group.teardown(0.0)
+        return adopted
+
+    adopted = asyncio.run(scenario())
+    names = [e for e, _ in emitted]
+    assert names[:1] == ["prepared_launch"] and "prepared_ready" not in names
+    assert [f["node"] for e, f in emitted if e == "prepared_exit"] == ["n1"]
+    assert not [p for p in adopted.group.pids if psutil.pid_exists(p)]
+
+
+def test_a_node_not_all_waiting_sends_the_relaunch_cold_and_ends_every_one(tmp_path):
+    emitted: list = []
+
+    async def scenario():
+        job, _ = fake_job(tmp_path, ["n0", "n1"], ["n2"], emitted)
+        keeper = PreparedRanks(job, lambda: 4, lambda: True)
+        keeper.ensure()
+        await keeper._task
+        pids = [p for run in keeper.launches.values() for p in run.pids]
+        say_waiting(keeper, [0, 1])
+        got = keeper.take(["n0", "n2"])
+        await keeper.close("job over")
+        return got, pids
+
+    (adopted, why), pids = asyncio.run(scenario())
+    assert adopted is None and why == "no prepared ranks ready on n2 (0 of 1)"
+    assert sorted(f["node"] for e, f in emitted if e == "prepared_exit") == ["n0", "n1", "n2"]
+    assert not [p for p in pids if psutil.pid_exists(p)]
