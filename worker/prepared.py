@@ -16,32 +16,21 @@ Its identity while it waits: attempt `ES_ATTEMPT` (the prepared ranks' own numbe
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from contracts import env_names
 from worker import startup
 from worker.beat import Beacon
 from worker.dist import detect_rank, end_process
+from worker.train import StopRequest
+from worker.train import main as train_main
 
 # The variables a launcher set for the prepared process, which say nothing of the rank it becomes.
 DROPPED_AT_BECOME = (env_names.ENV_PREPARED_BASE, env_names.ENV_PREPARED_WORLD)
 
 
-class Stop:
-    """SIGTERM / SIGUSR1 while it waits: end without training (a launcher's stop reaches it)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-
 def main(argv: list[str] | None = None) -> int:
-    stop = Stop()
+    stop = StopRequest()  # while it waits: ends it untrained; after `become`: the rank's
     env = os.environ
     launched = detect_rank(env)
     base = int(env.get(env_names.ENV_PREPARED_BASE, "0"))
@@ -57,15 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     beacon.standby("imports")
     command = beacon.wait_standby_command(lambda: stop.requested)
     beacon.close()
-    if command["action"] != "become":
+    if command["action"] != "become" or stop.requested:
         return 0
     for name in DROPPED_AT_BECOME:
         env.pop(name, None)
     env.update(command["env"])
     startup.count_from_now()
-    from worker import train
-
-    return train.main(argv)
+    return train_main(argv, stop)
 
 
 if __name__ == "__main__":

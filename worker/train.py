@@ -66,9 +66,11 @@ def check_paths(args: TrainArgs) -> None:
         owner.refuse_if_owned(Path(args.ckpt_dir))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """`stop`: the request a prepared rank (worker.prepared) has watched for since its start."""
     info = detect_rank(os.environ)
-    stop = StopRequest()  # early: a stop asked for during start-up is honoured after step one
+    # Early: a stop asked for during start-up is honoured after step one.
+    stop = stop if stop is not None else StopRequest()
     # Early too: a rank stuck anywhere from here on can be asked for its stacks (SIGUSR2).
     stack_dump.install(os.environ, info.rank)
     say = print if info.rank == 0 else (lambda *a, **k: None)

@@ -58,9 +58,11 @@ def judge_ranks(
     waiting: bool = False,
     limits: Limits | None = None,
     known: Mapping[int, RankState] | None = None,
+    hello_s: float | None = None,
 ) -> Finding | None:
     """A rank gone before `done` first, then liveness (no message for `timeout_s`), then
-    progress (the phase's timeout), then ranks that never said hello (the init timeout).
+    progress (the phase's timeout), then ranks that never said hello (the init timeout, or
+    `hello_s` where the ranks were told to start rather than launched: prepared ranks).
 
     `limits`: the limits in force (learned ones included); by default the config's, every
     "auto" at its maximum. `waiting`: the attempt is a standby; its ranks may stay in phase
@@ -91,7 +93,8 @@ def judge_ranks(
                 stalled.append((st, limit))
     missing: list[int] = []
     heard = ranks if known is None else known
-    if len(heard) < world and now - launched_at > p["init"]:
+    hello = p["init"] if hello_s is None else hello_s
+    if len(heard) < world and now - launched_at > hello:
         missing = [r for r in range(world) if r not in heard]
     if gone:
         first = min(gone, key=lambda s: s.exited_at)
@@ -141,10 +144,14 @@ def judge_ranks(
         return Finding(
             kind="no_progress",
             ranks=tuple(missing),
-            reason=f"no hello within the init timeout ({p['init']:g} s)",
+            reason=(
+                f"no hello within the init timeout ({hello:g} s)"
+                if hello_s is None
+                else f"no hello within {hello:g} s of the word to become these ranks"
+            ),
             phase="init",
             step=-1,
-            deadline=launched_at + p["init"],
+            deadline=launched_at + hello,
         )
     return None
 

@@ -113,8 +113,8 @@ class Attempt:
     async def start(self) -> bool:
         """Launch the ranks (or start prepared ones as them); False (and `launch_error`) when
         they cannot be started."""
-        if self.adopt is not None and await self._become(self.adopt):
-            return True
+        if self.adopt is not None:
+            return await self._become(self.adopt)
         plan = self._plan()
         output, cwd = self.dir / "output.log", self.cfg.launch.cwd or None
         try:
@@ -127,7 +127,6 @@ class Attempt:
             self.state = AttemptState.ENDING
             self.emit("launch_failed", error=str(exc), standby=standby)
             return False
-        self.running = running
         self._launched(running)
         return True
 
@@ -198,17 +197,17 @@ class Attempt:
         return plan
 
     async def _become(self, adopt: Adopted) -> bool:
-        """Prepared ranks become this attempt's; False (they are torn down) when one could not
-        be told: the attempt then launches cold."""
-        self.table.launched_at = adopt.group.started
-        if not await prepared.become(adopt, self.job, self.number, self.dir, self.emit):
+        """Prepared ranks become its ranks; else (one not told) it ends unlaunched: False."""
+        self.table.hello_s = prepared.HELLO_S
+        why = await prepared.become(adopt, self.job, self.number, self.dir, self.emit)
+        if why is not None:
+            self.launch_error, self.state = why, AttemptState.ENDING
             return False
-        self.running = adopt.group
         self._launched(adopt.group, prepared=adopt.number)
         return True
 
     def _launched(self, running: Running, **prepared_from: int) -> None:
-        self.table.launched_at = running.started
+        self.running, self.table.launched_at = running, running.started
         standby = self.state is AttemptState.STANDBY
         self.emit(
             "standby_launch" if standby else "launch",

@@ -243,7 +243,7 @@ class Job:
             restarts_left=left,
             reason=decision.reason,
             mode="warm" if standby else ("prepared" if adopt else "cold"),
-            **({} if standby else {"cold_because": cold_because}),
+            **({} if standby else {"standby_unused" if adopt else "cold_because": cold_because}),
             **({"standby_waited_s": waited} if (waited := self._standby_waited()) else {}),
         )
         if decision.delay_s > 0:

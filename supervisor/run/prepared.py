@@ -24,12 +24,18 @@ from contracts import env_names
 from supervisor.launch import hosts
 from supervisor.launch.launch_group import LaunchGroup
 from supervisor.launch.processes import Launched
-from supervisor.policy import prepared_rules, standby_rules
+from supervisor.policy import exits, prepared_rules
 from supervisor.run.context import JobContext
 from supervisor.watch.rank_table import AttemptTable
 
 LAUNCH_AFTER_S = 0.2  # how often a launch waiting for the standby to be ready looks again
 END_GRACE_S = 1.0  # prepared ranks told to exit hold nothing: a short grace, then the teardown
+# Told to become, a prepared rank says hello at once (imported, nothing to start): one that has
+# not within this is judged at once (its word lost) rather than after the init timeout.
+HELLO_S = 10.0
+# What a `become` never carries: the prepared rank has it from its launch, and a word that went
+# to whoever took its routing id first must not hand them the job's key.
+NOT_SENT = (env_names.ENV_HEARTBEAT_KEY,)
 
 
 @dataclass
@@ -62,6 +68,7 @@ class PreparedRanks:
         self.bases: dict[str, int] = {}  # node -> its first prepared rank
         self.overrides: dict[str, Any] = {}
         self._task: asyncio.Task | None = None
+        self._watches: set[asyncio.Future] = set()  # each kept node's launch, until it ends
         self._endings: set[asyncio.Future] = set()
         self.over = False
         self.ready_said = False
@@ -98,7 +105,20 @@ class PreparedRanks:
                 self.job.emit("prepared_failed", attempt=number, node=node, reason=str(exc))
                 continue
             self.launches[node], self.bases[node] = run, base
+            watch = asyncio.ensure_future(self._watch(node, run))
+            self._watches.add(watch)
+            watch.add_done_callback(self._watches.discard)
         self.job.emit("prepared_launch", attempt=number, nodes=nodes, world=self.table.world)
+
+    async def _watch(self, node: str, run: Launched) -> None:
+        """A kept node's prepared ranks that end while they wait are said at once (the node
+        lost, or a rank killed); they are not replaced until the next set."""
+        ended = await run.wait()
+        if self.launches.get(node) is run:
+            self.job.emit(
+                "prepared_lost", attempt=self.number, node=node,
+                reason=f"their launch ended ({exits.describe_returncode(ended.returncode)})",
+            )  # fmt: skip
 
     def _down(self) -> frozenset[str]:
         return self.job.faults.nodes_down()
@@ -109,13 +129,14 @@ class PreparedRanks:
         if table is None or msg["attempt"] != table.attempt:
             return
         table.update(msg, now)
-        if not self.ready_said and standby_rules.standby_ready(table.ranks, table.world):
+        waiting, per_node = self.ready(), self.job.resolved.cfg.launch.ranks_per_node
+        if not self.ready_said and all(len(w) == per_node for w in waiting.values()) and waiting:
             self.ready_said = True
             self.job.emit(
                 "prepared_ready",
                 attempt=table.attempt,
                 seconds=round(now - table.launched_at, 6),
-                nodes=list(self.launches),
+                nodes=list(waiting),
             )
 
     def ready(self) -> dict[str, list[int]]:
@@ -159,6 +180,8 @@ class PreparedRanks:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+        for watch in list(self._watches):
+            watch.cancel()
         self.number, self.table, self.launches, self.bases = None, None, {}, {}
 
     def _end_all(self, keep: set[Launched], reason: str) -> None:
@@ -195,10 +218,10 @@ class PreparedRanks:
 
 async def become(
     adopted: Adopted, job: JobContext, number: int, folder: Path, emit: Callable[..., None]
-) -> bool:
+) -> str | None:
     """Tell each chosen prepared rank that it is now rank r of attempt `number` (the attempt's
-    variables, its rank's and the rendezvous). False when one could not be told: the prepared
-    ranks are then torn down and the attempt launches cold."""
+    variables but the key, its rank's and the rendezvous). None when every word was sent; else
+    why not, and the prepared ranks are torn down (those told already with them)."""
     with contextlib.suppress(OSError):  # a full run dir: the attempt runs all the same
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "command.txt").write_text(
@@ -207,8 +230,9 @@ async def become(
         )
     control, master = job.control, adopted.nodes[0]
     local = job.resolved.cfg.launch.emulate_nodes or hosts.is_this_host(master)
+    env = job.rank_env(number, folder, standby=False)
     shared = {
-        **job.rank_env(number, folder, standby=False),
+        **{name: value for name, value in env.items() if name not in NOT_SENT},
         "WORLD_SIZE": str(len(adopted.chosen)),
         "LOCAL_WORLD_SIZE": str(adopted.ranks_per_node),
         "MASTER_ADDR": "127.0.0.1" if local else master,
@@ -222,7 +246,7 @@ async def become(
         err = control.command(adopted.number, prepared, "become", t, mine)
         why = None if err is None else f"prepared rank {prepared}: {err}"
     if why is None:
-        return True
+        return None
     emit("prepared_failed", reason=why, prepared=adopted.number)
     await adopted.group.teardown(0.0)
-    return False
+    return why

@@ -32,6 +32,7 @@ class AttemptTable:
     launched_at: float
     heartbeat: HeartbeatConfig | None = None
     learner: Learner | None = None
+    hello_s: float | None = None  # ranks told to start (prepared): their hello deadline
     ranks: dict[int, RankState] = field(default_factory=dict)
     first_step: int | None = None
     max_step: int | None = None
@@ -63,16 +64,18 @@ class AttemptTable:
         """`judge_ranks` over this attempt's ranks: relayed ones node by node first."""
         if not self.relays:
             return judge_ranks(
-                self.ranks, self.world, now, self.launched_at, heartbeat, waiting, limits
-            )
+                self.ranks, self.world, now, self.launched_at, heartbeat, waiting, limits,
+                hello_s=self.hello_s,
+            )  # fmt: skip
         lim = limits if limits is not None else fixed_limits(heartbeat)
         found, silent = relays.suspects(self.relays.values(), now, lim, waiting)
         ranks = self.direct
         if found:
             ranks = {**ranks, **{st.rank: st for st in found}}
         finding = judge_ranks(
-            ranks, self.world, now, self.launched_at, heartbeat, waiting, limits, known=self.ranks
-        )
+            ranks, self.world, now, self.launched_at, heartbeat, waiting, limits,
+            known=self.ranks, hello_s=self.hello_s,
+        )  # fmt: skip
         return relays.silent_relay(finding, silent) if finding is not None else None
 
     def exited(self, st: RankState, now: float) -> None:

@@ -80,6 +80,9 @@ def test_a_lost_node_s_ranks_resume_from_their_partners_on_the_spare(tmp_path, r
     assert len(fault["standby_pids"]) == 2  # the standby's rank and the prepared rank on n1
     (relaunch,) = of(evs, "relaunch")
     assert relaunch["mode"] == "prepared", relaunch
+    assert relaunch["standby_unused"].startswith("the standby ended with the failed node n1")
+    (lost,) = of(evs, "prepared_lost")  # n1's, killed with its node
+    assert lost["node"] == "n1" and "cold_because" not in relaunch
     launches = of(evs, "launch")
     assert [e["nodes"] for e in launches] == [["n0", "n1", "n2"], ["n0", "n3", "n2"]]
     assert launches[-1]["prepared"] == prepared["attempt"]

@@ -18,8 +18,10 @@ from supervisor.launch.processes import Launched
 from supervisor.launch.registry import launcher_for
 from supervisor.launch.resolve import Resolved
 from supervisor.policy import prepared_rules
-from supervisor.run.prepared import PreparedRanks
+from supervisor.policy.liveness import RankState, judge_ranks
+from supervisor.run.prepared import Adopted, PreparedRanks, become
 from supervisor.settings import loading
+from supervisor.settings.config import HeartbeatConfig
 
 KEEPS = dict(wanted=True, standby=True, spares=1, launcher_cannot=None, module="worker.train")
 
@@ -192,3 +194,32 @@ def test_a_node_not_all_waiting_sends_the_relaunch_cold_and_ends_every_one(tmp_p
     assert adopted is None and why == "no prepared ranks ready on n2 (0 of 1)"
     assert sorted(f["node"] for e, f in emitted if e == "prepared_exit") == ["n0", "n1", "n2"]
     assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_ranks_told_to_become_owe_a_hello_within_seconds_not_the_init_timeout():
+    """A `become` lost (its routing id taken by another peer, say) is judged after HELLO_S."""
+    heard = {0: RankState(0, last_seen=5.0, last_progress=5.0, phase="load")}
+    hb = HeartbeatConfig()
+    assert judge_ranks(heard, 2, now=5.0, launched_at=0.0, heartbeat=hb, hello_s=10.0) is None
+    late = judge_ranks(heard, 2, now=10.5, launched_at=0.0, heartbeat=hb, hello_s=10.0)
+    assert late is not None and late.ranks == (1,) and late.deadline == 10.0
+    assert late.reason == "no hello within 10 s of the word to become these ranks"
+    assert judge_ranks(heard, 2, now=10.5, launched_at=0.0, heartbeat=hb) is None  # launched
+
+
+def test_a_become_names_the_rank_and_never_carries_the_key(tmp_path):
+    emitted: list = []
+    job, told = fake_job(tmp_path, ["n0", "n2"], [], emitted)
+    job.rank_env = lambda number, folder, standby: {
+        "ES_ATTEMPT": str(number), "ES_HEARTBEAT_KEY": "secret", "ES_JOB_ID": "j",
+    }  # fmt: skip
+    group = SimpleNamespace(teardown=None)  # a teardown only where a word cannot be sent
+    adopted = Adopted(7, group, [4, 1], ["n0", "n2"], 1)
+    why = asyncio.run(become(adopted, job, 9, tmp_path / "009", lambda *a, **k: None))
+    assert why is None
+    assert [(a, r, action) for a, r, action, _ in told] == [(7, 4, "become"), (7, 1, "become")]
+    first, second = (env for *_, env in told)
+    assert "ES_HEARTBEAT_KEY" not in first and first["ES_ATTEMPT"] == "9"
+    assert (first["RANK"], second["RANK"], first["WORLD_SIZE"]) == ("0", "1", "2")
+    assert first["MASTER_ADDR"] == "127.0.0.1" and first["MASTER_PORT"] == second["MASTER_PORT"]
+    assert "prepared ranks of attempt 7" in (tmp_path / "009" / "command.txt").read_text()
