@@ -21,7 +21,8 @@ from typing import Any
 from contracts import scratch
 from supervisor.host import hygiene, node_probe
 from supervisor.host.node_probe import MARK
-from supervisor.launch.processes import child_setup
+from supervisor.launch.plan import LaunchPlan
+from supervisor.launch.processes import child_setup, helper_process
 from supervisor.launch.resolve import Resolved
 
 
@@ -106,6 +107,12 @@ async def run_on(
         start_new_session=True,
         preexec_fn=child_setup,
     )
+    with helper_process(proc.pid):
+        return await _report(proc, plan, timeout)
+
+
+async def _report(proc: asyncio.subprocess.Process, plan: LaunchPlan, timeout: float) -> list[str]:
+    """The probe's lines, read until it ends or `timeout`; then its process group is gone."""
     lines: list[str] = []
 
     # Hydra prefixes each chunk a process writes, not each line: a report may come in pieces

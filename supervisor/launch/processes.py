@@ -23,7 +23,7 @@ import subprocess
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +92,28 @@ class TeardownResult:
 # attempt being torn down; Hydra's proxies and ranks each start their own session, so a session
 # does not tell them apart: their process trees do).
 _LIVE: weakref.WeakSet[Launched] = weakref.WeakSet()
+# Processes the supervisor starts for itself beside the attempts (the node check's launcher): no
+# teardown takes them or their descendants for its orphans (a standby ended while the node check
+# before a relaunch ran counted its 9 processes as its own).
+_HELPERS: set[int] = set()
+
+
+@contextlib.contextmanager
+def helper_process(pid: int) -> Iterator[None]:
+    """While in the block, `pid` and its descendants are the supervisor's own, not an attempt's."""
+    _HELPERS.add(pid)
+    try:
+        yield
+    finally:
+        _HELPERS.discard(pid)
+
+
+def _helpers_tree() -> set[int]:
+    pids = set(_HELPERS)
+    for pid in list(_HELPERS):
+        with contextlib.suppress(psutil.Error):
+            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    return pids
 
 
 @dataclass(eq=False)  # by identity: held in _LIVE
@@ -322,6 +344,7 @@ class Launched:
             except psutil.Error:
                 children = []
             others = {pid for run in list(_LIVE) if run is not self for pid in run._tree()}
+            others |= _helpers_tree()
             try:
                 for child in children:
                     if child.status() != psutil.STATUS_ZOMBIE and child.pid not in found:

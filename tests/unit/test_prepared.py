@@ -4,6 +4,7 @@ ranks, and the launches of several nodes watched as one (real processes)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ import pytest
 from contracts import control_msgs, messages
 from supervisor.launch.launch_group import LaunchGroup
 from supervisor.launch.plan import LaunchPlan, ProcSpec
-from supervisor.launch.processes import Launched
+from supervisor.launch.processes import Launched, helper_process
 from supervisor.launch.registry import launcher_for
 from supervisor.launch.resolve import Resolved
 from supervisor.policy import prepared_rules
@@ -223,3 +224,21 @@ def test_a_become_names_the_rank_and_never_carries_the_key(tmp_path):
     assert (first["RANK"], second["RANK"], first["WORLD_SIZE"]) == ("0", "1", "2")
     assert first["MASTER_ADDR"] == "127.0.0.1" and first["MASTER_PORT"] == second["MASTER_PORT"]
     assert "prepared ranks of attempt 7" in (tmp_path / "009" / "command.txt").read_text()
+
+
+def test_a_teardown_leaves_the_supervisor_s_own_helpers_alone(tmp_path):
+    """The node check runs beside a standby's end: its processes are not the standby's orphans."""
+
+    async def scenario():
+        helper = subprocess.Popen([sys.executable, "-c", WAITS], start_new_session=True)
+        try:
+            run = await Launched.start(_launch(WAITS, "n0"), tmp_path / "a.log")
+            with helper_process(helper.pid):
+                result = await run.teardown(0.2)
+            return result, helper.poll()
+        finally:
+            helper.kill()
+            helper.wait()
+
+    result, helper_rc = asyncio.run(scenario())
+    assert helper_rc is None and not result.survivors  # the helper ran on, and was not counted
