@@ -32,6 +32,15 @@ DROPPED_AT_BECOME = (env_names.ENV_PREPARED_BASE, env_names.ENV_PREPARED_WORLD)
 def main(argv: list[str] | None = None) -> int:
     stop = StopRequest()  # while it waits: ends it untrained; after `become`: the rank's
     env = os.environ
+    needed = (env_names.ENV_HEARTBEAT_ADDR, env_names.ENV_CONTROL_ADDR)
+    if not all(env.get(name) for name in needed):
+        print(
+            f"error: worker.prepared waits for the supervisor's word on its control channel "
+            f"({' and '.join(needed)} unset): the supervisor starts it ([restart] warm_spare); "
+            "to train, run worker.train",
+            file=sys.stderr,
+        )
+        return 2
     launched = detect_rank(env)
     base = int(env.get(env_names.ENV_PREPARED_BASE, "0"))
     world = int(env.get(env_names.ENV_PREPARED_WORLD, str(launched.world)))

@@ -4,6 +4,7 @@ ranks, and the launches of several nodes watched as one (real processes)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -242,3 +243,13 @@ def test_a_teardown_leaves_the_supervisor_s_own_helpers_alone(tmp_path):
 
     result, helper_rc = asyncio.run(scenario())
     assert helper_rc is None and not result.survivors  # the helper ran on, and was not counted
+
+
+def test_a_prepared_rank_started_by_hand_says_what_it_is_for():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ES_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.prepared"], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("error: worker.prepared waits for the supervisor's word")
