@@ -129,8 +129,10 @@ class PreparedRanks:
         if table is None or msg["attempt"] != table.attempt:
             return
         table.update(msg, now)
+        if self.ready_said or msg["kind"] != "phase":  # only a phase moves one to waiting
+            return
         waiting, per_node = self.ready(), self.job.resolved.cfg.launch.ranks_per_node
-        if not self.ready_said and all(len(w) == per_node for w in waiting.values()) and waiting:
+        if waiting and all(len(w) == per_node for w in waiting.values()):
             self.ready_said = True
             self.job.emit(
                 "prepared_ready",
