@@ -105,7 +105,9 @@ def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) 
     if len(env) > MAX_ENV_VARS or not all(
         k.__class__ is str and v.__class__ is str for k, v in env.items()
     ):
-        raise BadMessage("field 'env': expected at most 256 names and values, all strings")
+        raise BadMessage(
+            f"field 'env': expected at most {MAX_ENV_VARS} names and values, all strings"
+        )
     if (message["job"], message["attempt"], message["rank"]) != (job, attempt, rank):
         raise BadMessage("a control message for another rank, attempt or job", "other_job")
     return message

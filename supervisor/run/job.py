@@ -217,7 +217,8 @@ class Job:
         keep = (attempt, previous, self.standby.attempt if self.standby else None)
         self.attempts = {a.number: a for a in keep if a is not None}
         if self.standby is not None:  # a standby once it has stepped (and caught up)
-            attempt.on_step = self.standby.starter(previous, self.prepared)
+            also = self.prepared.ensure if self.prepared is not None else None
+            attempt.on_step = self.standby.starter(previous, also)
         return await attempt.run(self.stop)
 
     async def relaunch(self, after: int, decision: Decision) -> Attempt | None:

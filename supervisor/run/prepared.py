@@ -83,7 +83,8 @@ class PreparedRanks:
             await asyncio.sleep(LAUNCH_AFTER_S)
         resolved, cfg = self.job.resolved, self.job.resolved.cfg
         per_node = cfg.launch.ranks_per_node
-        nodes = [n for n in [*resolved.pool.active, *resolved.pool.spares] if n not in self._down()]
+        down = self.job.faults.nodes_down()
+        nodes = [n for n in [*resolved.pool.active, *resolved.pool.spares] if n not in down]
         number = self.number = self.next_number()
         self.table = AttemptTable(number, per_node * len(nodes), time.monotonic())
         self.overrides = dict(resolved.worker_overrides)
@@ -119,9 +120,6 @@ class PreparedRanks:
                 "prepared_lost", attempt=self.number, node=node,
                 reason=f"their launch ended ({exits.describe_returncode(ended.returncode)})",
             )  # fmt: skip
-
-    def _down(self) -> frozenset[str]:
-        return self.job.faults.nodes_down()
 
     def on_message(self, msg: dict[str, Any], now: float) -> None:
         """A verified message of a prepared rank: its phase (waiting once `standby`)."""
@@ -188,11 +186,10 @@ class PreparedRanks:
 
     def _end_all(self, keep: set[Launched], reason: str) -> None:
         number, control = self.number, self.job.control
-        table = self.table
         for node, run in self.launches.items():
             if run in keep:
                 continue
-            if control is not None and number is not None and table is not None:
+            if control is not None and number is not None:
                 base = self.bases[node]
                 for r in range(base, base + self.job.resolved.cfg.launch.ranks_per_node):
                     control.command(number, r, "exit", time.time())
@@ -240,13 +237,16 @@ async def become(
         "MASTER_ADDR": "127.0.0.1" if local else master,
         "MASTER_PORT": str(hosts.free_port()),
     }
-    t, why = time.time(), None if control is not None else "no control channel"
+    why = "no control channel" if control is None else None
+    t = time.time()
     for rank, prepared in enumerate(adopted.chosen):
-        if why is not None or control is None:
+        if control is None:
             break
         mine = {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank % adopted.ranks_per_node)}
         err = control.command(adopted.number, prepared, "become", t, mine)
-        why = None if err is None else f"prepared rank {prepared}: {err}"
+        if err is not None:
+            why = f"prepared rank {prepared}: {err}"
+            break
     if why is None:
         return None
     emit("prepared_failed", reason=why, prepared=adopted.number)

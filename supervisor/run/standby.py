@@ -26,7 +26,6 @@ from supervisor.launch import hosts
 from supervisor.policy import standby_rules
 from supervisor.run.attempt import Attempt
 from supervisor.run.context import JobContext
-from supervisor.run.prepared import PreparedRanks
 from supervisor.watch.rank_table import AttemptTable
 
 READY_POLL_S = 0.02  # how often a wait for a standby still starting looks at it
@@ -77,17 +76,19 @@ class StandbyKeeper:
         self.over = False  # the job is over: keep none from now on
         self.newest_done: int | None = None  # the newest step any earlier attempt reached
 
-    def starter(self, previous: Attempt | None, prepared: PreparedRanks | None) -> StandbyStart:
+    def starter(
+        self, previous: Attempt | None, also: Callable[[], None] | None = None
+    ) -> StandbyStart:
         """What starts the standby beside a new attempt (`previous` ran before it): at the
         step the rules choose from the newest step any earlier attempt of the job reached;
-        the prepared ranks (if kept) with it, launched once it is ready."""
+        `also` is called with it (the prepared ranks', launched once the standby is ready)."""
         if previous is not None and previous.table.max_step is not None:
             self.newest_done = max(self.newest_done or 0, previous.table.max_step)
 
         def start() -> None:
             self.ensure()
-            if prepared is not None:
-                prepared.ensure()
+            if also is not None:
+                also()
 
         return StandbyStart(start, self.newest_done)
 
