@@ -74,9 +74,11 @@ class LauncherKind:
         hostfile: Path | None = None,
         master_port: int = 0,
         overrides: Mapping[str, object] | None = None,
+        template: bool = False,
     ) -> LaunchPlan:
         """The processes of one attempt on `nodes` (the active ones). `env` is the contract
-        environment plus [launch] env; `overrides`: worker flags a smaller world needs."""
+        environment plus [launch] env; `overrides`: worker flags a smaller world needs;
+        `template`: each rank forked by its node's template (worker.template_client)."""
         raise NotImplementedError
 
 
@@ -106,9 +108,10 @@ class Local(LauncherKind):
         hostfile: Path | None = None,
         master_port: int = 0,
         overrides: Mapping[str, object] | None = None,
+        template: bool = False,
     ) -> LaunchPlan:
         world = cfg.launch.ranks_per_node * len(nodes)
-        worker = worker_argv(cfg, overrides)
+        worker = worker_argv(cfg, overrides, template)
         procs = []
         for r in range(world):
             rank_env = {
@@ -141,6 +144,7 @@ class Srun(LauncherKind):
         hostfile: Path | None = None,
         master_port: int = 0,
         overrides: Mapping[str, object] | None = None,
+        template: bool = False,
     ) -> LaunchPlan:
         per_node = cfg.launch.ranks_per_node
         world = per_node * len(nodes)
@@ -155,7 +159,7 @@ class Srun(LauncherKind):
             "--export=ALL",
             *(["--overlap"] if cfg.restart.standby else []),  # the standby's step shares CPUs
             *cfg.launch.args,
-            *worker_argv(cfg, overrides),
+            *worker_argv(cfg, overrides, template),
         ]
         return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, self.stop_signal)
 
@@ -199,11 +203,12 @@ class Mpiexec(LauncherKind):
         hostfile: Path | None = None,
         master_port: int = 0,
         overrides: Mapping[str, object] | None = None,
+        template: bool = False,
     ) -> LaunchPlan:
         launch = cfg.launch
         per_node = launch.ranks_per_node
         world = per_node * len(nodes)
-        worker = worker_argv(cfg, overrides)
+        worker = worker_argv(cfg, overrides, template)
         multi = len(nodes) > 1 or not hosts.is_this_host(nodes[0])
         if flavor == "pals":
             placed = ["--hostfile", str(hostfile)] if hostfile and multi else []

@@ -53,7 +53,14 @@ def python_of(launch: LaunchConfig) -> str:
     return launch.python or sys.executable
 
 
-def worker_argv(cfg: Config, overrides: Mapping[str, object] | None = None) -> list[str]:
-    """The rank's command; `overrides`: worker flags that differ from [worker] (a shrink)."""
+TEMPLATE_CLIENT = "worker.template_client"  # started in a rank's place ([restart] template)
+
+
+def worker_argv(
+    cfg: Config, overrides: Mapping[str, object] | None = None, template: bool = False
+) -> list[str]:
+    """The rank's command; `overrides`: worker flags that differ from [worker] (a shrink);
+    `template`: the client that has the node's fork template fork the rank."""
     flags = flags_from_table({**cfg.worker.flags, **overrides}) if overrides else cfg.worker_flags()
-    return [python_of(cfg.launch), "-m", cfg.worker.module, *flags]
+    via = [TEMPLATE_CLIENT] if template else []
+    return [python_of(cfg.launch), "-m", *via, cfg.worker.module, *flags]

@@ -18,11 +18,13 @@ from supervisor.launch.kinds import LauncherKind
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.registry import launcher_for
 from supervisor.policy.nodes import NodePool
+from supervisor.policy.prepared_rules import template_unavailable
 from supervisor.settings import checks, toml_dump
 from supervisor.settings import config as config_mod
 from supervisor.settings.config import Config
 
 PREPARED_MODULE = "worker.prepared"  # a rank with no number yet ([restart] warm_spare)
+TEMPLATE_MODULE = "worker.template"  # a node's fork template ([restart] template)
 
 
 @dataclass
@@ -43,6 +45,15 @@ class Resolved:
 
     def __post_init__(self) -> None:
         self.pool = NodePool.split(self.nodes, self.cfg.launch.spares)
+
+    @property
+    def template_off(self) -> str | None:
+        """Why the job's ranks are not forked from fork templates, or None when they are."""
+        return template_unavailable(
+            wanted=self.cfg.restart.template,
+            launcher_cannot=self.kind.node_launches(self.flavor),
+            module=self.cfg.worker.module,
+        )
 
     @property
     def kind(self) -> LauncherKind:
@@ -74,6 +85,7 @@ class Resolved:
             self.hostfile(),
             master_port,
             self.worker_overrides,
+            template=self.template_off is None,
         )
 
     def prepared_plan(self, env: dict[str, str], node: str) -> LaunchPlan:
@@ -81,8 +93,16 @@ class Resolved:
         worker = dataclasses.replace(self.cfg.worker, module=PREPARED_MODULE)
         cfg = dataclasses.replace(self.cfg, worker=worker)
         return self.kind.plan(
-            cfg, [node], self.executable, self.flavor, env, None, 0, self.worker_overrides
-        )
+            cfg, [node], self.executable, self.flavor, env, None, 0, self.worker_overrides,
+            template=self.template_off is None,
+        )  # fmt: skip
+
+    def template_plan(self, env: dict[str, str], node: str) -> LaunchPlan:
+        """One node's fork template: one process, a launch of its own (worker.template)."""
+        launch = dataclasses.replace(self.cfg.launch, ranks_per_node=1)
+        worker = dataclasses.replace(self.cfg.worker, module=TEMPLATE_MODULE, flags={})
+        cfg = dataclasses.replace(self.cfg, launch=launch, worker=worker)
+        return self.kind.plan(cfg, [node], self.executable, self.flavor, env, None, 0)
 
     def dry_run_text(self, label: str) -> str:
         """What `--dry-run` prints: the resolved config and the first attempt's launch command

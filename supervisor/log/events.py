@@ -30,6 +30,7 @@ _LEVELS = {
     "teardown_survivors": "error",
     "bad_messages": "warning",
     "standby_lost": "warning",
+    "template_lost": "warning",
     "standby_off": "warning",
     # A node taken out of the job (a spare in its place, or fewer nodes) is worth a look.
     "node_excluded": "warning",

@@ -27,6 +27,18 @@ def unavailable(
     return None
 
 
+def template_unavailable(*, wanted: bool, launcher_cannot: str | None, module: str) -> str | None:
+    """Why this job keeps no fork templates ([restart] template), or None when it does: each
+    node's is a launch of its own, and it imports the project's worker (no other)."""
+    if not wanted:
+        return "restart.template is false"
+    if launcher_cannot is not None:
+        return launcher_cannot.replace("prepared ranks", "fork templates")
+    if module != PREPARED_WORKER:
+        return f"worker module {module} has no fork template (only {PREPARED_WORKER})"
+    return None
+
+
 def placement(
     nodes: Sequence[str], ready: Mapping[str, Sequence[int]], ranks_per_node: int
 ) -> list[int] | str:

@@ -31,6 +31,7 @@ from supervisor.run.node_scratch import NodeScratch
 from supervisor.run.prepared import PreparedRanks
 from supervisor.run.standby import StandbyKeeper
 from supervisor.run.stop import StopRequests, stop_signals
+from supervisor.run.templates import Templates
 from supervisor.settings import config as config_mod
 from supervisor.settings import toml_dump
 from supervisor.watch.control import ControlServer, bind_for
@@ -63,6 +64,7 @@ class Job:
         self.control: ControlServer | None = None
         self.standby: StandbyKeeper | None = None
         self.prepared: PreparedRanks | None = None  # prepared ranks ([restart] warm_spare)
+        self.templates: Templates | None = None  # fork templates ([restart] template)
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
         self.scratch = NodeScratch(self.cfg, self.job_id, self.emit)
 
@@ -167,6 +169,7 @@ class Job:
         if self.stop.count:  # asked to stop before anything ran (during the node check, say)
             self.give_up(first, ExitCode.INTERRUPTED, "interrupted before the first launch")
             return ExitCode.INTERRUPTED, "interrupted"
+        self.templates = await Templates.start_for(self.context)
         attempt = Attempt(self._next_number(), self.context)
         try:
             return await self._attempts_from(attempt)
@@ -175,6 +178,8 @@ class Job:
                 await self.standby.close("job over", for_good=True)
             if self.prepared is not None:
                 await self.prepared.close("job over")
+            if self.templates is not None:
+                await self.templates.close()
 
     async def _attempts_from(self, attempt: Attempt) -> tuple[ExitCode, str]:
         while True:
@@ -226,6 +231,8 @@ class Job:
         say go; None if the user asked to stop meanwhile."""
         self.restarts += 1
         left = restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts)
+        if self.templates is not None:  # a lost node's template went with it
+            await self.templates.drop_down()
         standby, cold_because = None, "standby off"
         if self.standby is not None:
             standby, cold_because = await self.standby.take(self.nodes.just_excluded)

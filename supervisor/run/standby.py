@@ -176,7 +176,11 @@ class StandbyKeeper:
         if running is None or not (emulated or all(map(hosts.is_this_host, attempt.nodes))):
             return None
         pids = running.worker_pids()
-        return pids if len(pids) >= attempt.table.world else None
+        if self.job.resolved.template_off is None:  # forked by the templates: not in its tree
+            pids += [st.pid for st in attempt.table.ranks.values() if st.pid]
+            if len([st for st in attempt.table.ranks.values() if st.pid]) < attempt.table.world:
+                return None
+        return sorted(set(pids)) if len(pids) >= attempt.table.world else None
 
     @property
     def dropped(self) -> Attempt | None:

@@ -88,6 +88,11 @@ class RestartConfig:
     # launch per node; a relaunch the standby cannot serve (a lost node, a spare in its place)
     # starts them as its ranks instead of cold processes. False: such a relaunch is cold.
     warm_spare: bool = True
+    # A fork template per node (and spare), a launch of its own with torch and the training loop
+    # imported: every rank the job starts there (cold, standby, prepared) is forked from it
+    # instead of a new interpreter paying the imports again. Needs MPICH Hydra's mpiexec and the
+    # project's worker; False: every rank is a new interpreter.
+    template: bool = True
     # A node with this many failures attributed to it in this job is excluded (0: never).
     exclude_after: int = 2
     # Without a spare to take an excluded node's place: go on with fewer nodes (a smaller world,

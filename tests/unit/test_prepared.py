@@ -103,7 +103,8 @@ def test_one_node_s_launch_names_only_that_node(tmp_path, emulated):
     argv = resolved.prepared_plan({}, "c").procs[0].argv
     assert argv[argv.index("-hosts") + 1] == "c" and "-f" not in argv
     assert argv[argv.index("-n") + 1] == "1"
-    assert argv[argv.index("-m") + 1] == "worker.prepared"
+    at = argv.index("-m") + 1  # forked by the node's template (the default)
+    assert argv[at : at + 2] == ["worker.template_client", "worker.prepared"]
 
 
 # --- the keeper: launch per node, take, end (real processes as the prepared ranks) -------------

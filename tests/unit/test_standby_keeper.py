@@ -37,7 +37,8 @@ class FakeStandby:
 def keeper(standby: FakeStandby, prepare_s: float | None = None) -> tuple[StandbyKeeper, list]:
     unrouted: list = []
     launch = SimpleNamespace(emulate_nodes=True)  # every rank on this host
-    job = SimpleNamespace(resolved=SimpleNamespace(cfg=SimpleNamespace(launch=launch)))
+    resolved = SimpleNamespace(cfg=SimpleNamespace(launch=launch), template_off="no templates")
+    job = SimpleNamespace(resolved=resolved)
     k = StandbyKeeper(job, lambda: 9, lambda a: None, unrouted.append)  # type: ignore[arg-type]
     k.attempt, k.prepare_s = standby, prepare_s  # type: ignore[assignment]
     return k, unrouted

@@ -1,0 +1,99 @@
+"""A node's fork template (worker.template) and the processes the launcher starts in its place
+(worker.template_client): where the template listens and what the two say to each other.
+
+The launcher starts a small client for each rank; the client hands the template its command,
+environment, working directory and open file descriptors (SCM_RIGHTS) and the template forks a
+rank from its already-imported interpreter. The template answers with the rank's pid, and later
+with how it ended; the client mirrors that end as its own, so the launcher sees the rank's exit
+code or signal. Every message is one JSON object behind a 4-byte big-endian length: nothing read
+from the socket is unpickled, and the template serves only its own user (SO_PEERCRED) and only
+the job's key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from contracts import env_names
+
+MAX_REQUEST_BYTES = 1 << 20  # a command and an environment: far below this
+MAX_FDS = 64  # descriptors one client hands over (stdio, the PMI socket, a few more)
+_LENGTH = struct.Struct(">I")
+
+
+class TemplateError(Exception):
+    """A message that breaks the contract (too long, not JSON, a field missing)."""
+
+
+def socket_name(env: Mapping[str, str], hostname: str) -> str:
+    """The template's abstract socket on this node: one per user, job and node name (emulated
+    nodes share a host and its network namespace, so the node's name is part of it)."""
+    job = env.get(env_names.ENV_JOB_ID, "")
+    node = env_names.node_name(dict(env), hostname)
+    return f"\0es-template-{os.getuid()}-{job}-{node}"
+
+
+def frame(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_REQUEST_BYTES:
+        raise TemplateError(f"a message of {len(body)} bytes")
+    return _LENGTH.pack(len(body)) + body
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
+    data = frame(message)
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _ints(fds))])
+    else:
+        sock.sendall(data)
+
+
+def receive(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message (None at a clean end of the stream) and the descriptors that came with it."""
+    fds: list[int] = []
+    head = b""
+    while len(head) < _LENGTH.size:
+        if with_fds and not head:
+            chunk, fds = _recv_fds(sock, _LENGTH.size)
+        else:
+            chunk = sock.recv(_LENGTH.size - len(head))
+        if not chunk:
+            if head:
+                raise TemplateError("the stream ended inside a message")
+            return None, fds
+        head += chunk
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_REQUEST_BYTES:
+        raise TemplateError(f"a message of {length} bytes")
+    body = bytearray()
+    while len(body) < length:
+        chunk = sock.recv(length - len(body))
+        if not chunk:
+            raise TemplateError("the stream ended inside a message")
+        body += chunk
+    try:
+        message = json.loads(body.decode())
+    except ValueError as exc:
+        raise TemplateError(f"not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise TemplateError("not a JSON object")
+    return message, fds
+
+
+def _ints(fds) -> bytes:
+    return struct.pack(f"{len(fds)}i", *fds)
+
+
+def _recv_fds(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
+    data, ancillary, _, _ = sock.recvmsg(size, socket.CMSG_SPACE(MAX_FDS * 4))
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds += list(struct.unpack(f"{usable // 4}i", payload[:usable]))
+    return data, fds

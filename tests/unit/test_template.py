@@ -1,0 +1,82 @@
+"""Fork templates ([restart] template): whether a job keeps them, the commands that start them
+and the ranks forked from them, and the socket contract's framing (no process)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from contracts import template_msgs
+from supervisor.launch.resolve import Resolved
+from supervisor.policy.prepared_rules import template_unavailable
+from supervisor.settings import loading
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({}, None),
+        ({"wanted": False}, "restart.template is false"),
+        ({"launcher_cannot": "prepared ranks need MPICH Hydra's mpiexec, not pals"},
+         "fork templates need MPICH Hydra's mpiexec, not pals"),
+        ({"module": "my.trainer"}, "worker module my.trainer has no fork template"),
+    ],
+)  # fmt: skip
+def test_a_job_keeps_templates_only_where_they_can_serve(change, why):
+    facts = {"wanted": True, "launcher_cannot": None, "module": "worker.train", **change}
+    got = template_unavailable(**facts)
+    assert got == why if why is None else got.startswith(why)
+
+
+def resolved(tmp_path, restart=None, launcher="mpiexec", flavor="hydra") -> Resolved:
+    launch = {"launcher": launcher, "nodes": ["a", "b"], "ranks_per_node": 2}
+    cfg = loading.from_dict(
+        {"launch": launch, "worker": {"model": "debug"}, "restart": restart or {}}
+    )
+    return Resolved(cfg, tmp_path, ["a", "b"], "/usr/bin/mpiexec", flavor)
+
+
+def test_every_rank_is_started_through_the_client_and_each_node_gets_one_template(tmp_path):
+    job = resolved(tmp_path)
+    argv = job.plan({}).procs[0].argv
+    at = argv.index("-m") + 1
+    assert argv[at : at + 3] == ["worker.template_client", "worker.train", "--model"]
+    template = job.template_plan({}, "b").procs[0].argv
+    assert template[template.index("-n") + 1] == "1"
+    assert template[template.index("-hosts") + 1] == "b" and "-f" not in template
+    assert template[template.index("-m") + 1] == "worker.template"
+
+
+def test_without_templates_a_rank_is_a_new_interpreter(tmp_path):
+    for job in (resolved(tmp_path, {"template": False}), resolved(tmp_path, flavor="pals")):
+        assert job.template_off is not None
+        argv = job.plan({}).procs[0].argv
+        assert "worker.template_client" not in argv
+        assert argv[argv.index("-m") + 1] == "worker.train"
+
+
+def test_the_socket_is_per_user_job_and_node():
+    env = {"ES_JOB_ID": "j-1", "PMI_HOSTNAME": "n3"}
+    name = template_msgs.socket_name(env, "host")
+    assert name.startswith("\0es-template-") and name.endswith("-j-1-n3")
+    assert template_msgs.socket_name({"ES_JOB_ID": "j-1"}, "host").endswith("-j-1-host")
+
+
+def test_messages_round_trip_with_descriptors_and_bad_ones_are_refused():
+    a, b = socket.socketpair()
+    with a, b:
+        r, w = __import__("os").pipe()
+        template_msgs.send(a, {"module": "worker.train", "fds": [w]}, [w])
+        message, fds = template_msgs.receive(b, with_fds=True)
+        assert message == {"module": "worker.train", "fds": [w]} and len(fds) == 1
+        a.sendall(b"\x00\x00\x00\x05[1,2]")
+        with pytest.raises(template_msgs.TemplateError, match="not a JSON object"):
+            template_msgs.receive(b)
+        a.sendall(b"\xff\xff\xff\xff")
+        with pytest.raises(template_msgs.TemplateError, match="a message of"):
+            template_msgs.receive(b)
+        a.sendall(b'\x00\x00\x00\x03{"')
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(template_msgs.TemplateError, match="ended inside"):
+            template_msgs.receive(b)

@@ -1,0 +1,322 @@
+"""`python -m worker.template`: a node's fork template ([restart] template).
+
+The supervisor keeps one per node (and spare), a launch of its own. It pays once what every rank
+started on the node would pay again: the interpreter and the imports of torch, the training loop
+and `torch._dynamo` (which FSDP2 imports at its first shard). Then it waits; for each
+`worker.template_client` that the launcher starts in a rank's place, it forks the rank from
+itself: a new standby, prepared rank or cold start costs a fork instead of an interpreter and
+its imports, and the pages the imports filled are shared, not copied, until written.
+
+What the template holds when it forks: the imported modules and nothing else. No thread (a fork
+copies only the thread that forks: the template refuses to fork once it finds a second), no
+device context (CUDA and XPU are initialised by the rank after the fork, never here), no process
+group, no MPI (the rank initialises MPI through the descriptors its client handed over), no
+random state that matters (the worker seeds everything it draws from). Its garbage collector's
+objects are frozen before the first fork so that a collection in a rank does not copy them.
+
+Its ranks die with it (PR_SET_PDEATHSIG), and a rank whose client ends is killed at once: the
+client is what the launcher owns, so a launcher's SIGKILL reaches the rank too. It serves only
+its own user (SO_PEERCRED) and clients that carry the job's key, and forks only the modules
+it was started for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import hmac
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from contracts import env_names, template_msgs
+
+# What a client may ask to run: the training program and a prepared rank.
+MODULES = ("worker.train", "worker.prepared")
+PR_SET_PDEATHSIG = 1
+REQUEST_TIMEOUT_S = 10.0  # a client that connected says what it wants within this
+ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+
+def main() -> int:
+    env = os.environ
+    if not env.get(env_names.ENV_JOB_ID) or not env.get(env_names.ENV_HEARTBEAT_KEY):
+        print(
+            "error: worker.template forks ranks for a job the supervisor runs ([restart] "
+            f"template); {env_names.ENV_JOB_ID} and {env_names.ENV_HEARTBEAT_KEY} are unset",
+            file=sys.stderr,
+        )
+        return 2
+    if env.get(env_names.ENV_EXIT_WITH_PARENT) == "1":
+        _die_with_parent()
+    name = template_msgs.socket_name(env, socket.gethostname())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(name)  # first: clients that come while we import wait in the backlog
+    except OSError as exc:
+        print(f"error: fork template socket {name[1:]!r}: {exc.strerror}", file=sys.stderr)
+        return 1
+    listener.listen(256)
+    key = env[env_names.ENV_HEARTBEAT_KEY]
+    imports()
+    return Template(listener, key).serve()
+
+
+def imports() -> None:
+    """What a cold start of the training program imports, and what FSDP2 imports later."""
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    import worker.prepared  # noqa: F401
+    import worker.standby  # noqa: F401
+    from worker import loop  # noqa: F401
+    from worker.ckpt.memory import tier  # noqa: F401
+
+
+class Template:
+    """Forks ranks for clients; tells each client its rank's pid and, later, how it ended."""
+
+    def __init__(self, listener: socket.socket, key: str) -> None:
+        self.listener, self.key = listener, key
+        self.ranks: dict[int, socket.socket] = {}  # rank pid -> its client's connection
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.ending = False
+        self.why = ""
+        self.frozen = False
+
+    def serve(self) -> int:
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        for sig in ENDING:
+            signal.signal(sig, self._end)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        print(f"template: ready, pid {os.getpid()}", flush=True)
+        while not self.ending:
+            for key, _ in self.selector.select():
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        os.read(self.wake_r, 4096)
+                    self._reap()
+                else:
+                    self._client_readable(key.data, key.fileobj)
+        print(f"template: {self.why}: ending, with {len(self.ranks)} rank(s)", flush=True)
+        for pid in list(self.ranks):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return 0
+
+    def _end(self, signum, frame) -> None:
+        self.ending = True
+        self.why = signal.Signals(signum).name
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            self._serve_one(conn)
+        except Exception as exc:  # one bad client never ends the template
+            print(f"template: a client refused: {exc}", file=sys.stderr, flush=True)
+            conn.close()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        uid = _peer_uid(conn)
+        if uid != os.getuid():
+            raise PermissionError(f"a client of uid {uid}")
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        fds: list[int] = []
+        try:
+            request, fds = template_msgs.receive(conn, with_fds=True)
+            why = self._refusal(request, fds)
+            if why is not None:
+                template_msgs.send(conn, {"refused": why})
+                conn.close()
+                return
+            pid = self._fork(request, fds, conn)
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        conn.settimeout(None)
+        self.ranks[pid] = conn
+        template_msgs.send(conn, {"pid": pid})
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def _refusal(self, request, fds: list[int]) -> str | None:
+        """Why this request is not served (the client then starts its rank cold), or None."""
+        if request is None:
+            return "no request"
+        env = request.get("env")
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            return "no environment"
+        if not hmac.compare_digest(
+            env.get(env_names.ENV_HEARTBEAT_KEY, "").encode(), self.key.encode()
+        ):
+            return "not this job's key"
+        if request.get("module") not in MODULES:
+            return f"module {request.get('module')!r} is not one this template runs"
+        argv, wanted = request.get("argv"), request.get("fds")
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            return "no command"
+        if not isinstance(wanted, list) or len(wanted) != len(fds):
+            return "descriptors missing"
+        if not isinstance(request.get("cwd"), str):
+            return "no working directory"
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:  # a fork would copy a lock some thread holds: never
+            return f"the template runs {threads} threads"
+        return None
+
+    def _fork(self, request: dict, fds: list[int], conn: socket.socket) -> int:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if not self.frozen:
+            gc.collect()
+            gc.freeze()  # the imports' objects: never scanned (so never copied) in a rank
+            self.frozen = True
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = self._become_rank(request, fds, parent)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        return pid
+
+    def _become_rank(self, request: dict, fds: list[int], parent: int) -> int:
+        """In the forked child: the client's process in all but its pid, then the module."""
+        _die_with_parent()
+        if os.getppid() != parent:  # the template died between the fork and the line above
+            return 1
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, *ENDING):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
+        self.selector.close()
+        self.listener.close()
+        for other in self.ranks.values():
+            other.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        _take_fds(fds, request["fds"])
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _fresh_stdio()
+        from worker import startup
+
+        started = request.get("started")
+        startup.PROCESS_START = started if isinstance(started, float) else time.time()
+        import runpy
+        import warnings
+
+        sys.argv = [request["module"], *request["argv"]]
+        with warnings.catch_warnings():  # the module is imported already: that is the point
+            warnings.filterwarnings("ignore", "'worker.", RuntimeWarning)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        return 0
+
+    def _client_readable(self, pid: int, conn) -> None:
+        """A client's connection only ever ends: the client is gone, so is its rank."""
+        try:
+            data = conn.recv(1)
+        except OSError:
+            data = b""
+        if not data:
+            self.selector.unregister(conn)
+            print(f"template: rank {pid}: its client is gone, killing it", flush=True)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.ranks.pop(pid, None)
+            if conn is None:
+                continue
+            ended = (
+                {"signal": os.WTERMSIG(status)}
+                if os.WIFSIGNALED(status)
+                else {"exit": os.waitstatus_to_exitcode(status)}
+            )
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                template_msgs.send(conn, ended)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(conn)
+            conn.close()
+
+
+def _take_fds(fds: list[int], numbers: list[int]) -> None:
+    """The client's descriptors at the client's numbers (first moved out of their way)."""
+    moved = []
+    for fd in fds:
+        high = os.dup(fd) if fd >= 1000 else _dup_high(fd)
+        os.close(fd)
+        moved.append(high)
+    for high, number in zip(moved, numbers, strict=True):
+        os.dup2(high, number, inheritable=True)
+        os.close(high)
+
+
+def _dup_high(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1000)
+
+
+def _fresh_stdio() -> None:
+    """Python's stdio objects over descriptors 0-2, which are the client's now."""
+    import io
+
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(
+            raw, encoding="utf-8", errors="backslashreplace", line_buffering=True,
+            write_through=unbuffered or fd == 2,
+        )  # fmt: skip
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    import struct
+
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
