@@ -1,0 +1,93 @@
+"""Fork templates with real processes: ranks forked from a node's template under the real
+mpiexec compute what cold ranks compute, end as the ranks end, die with their clients, and a
+client the template refuses starts its rank cold."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.support import TINY, losses, mpiexec, rank_env, run_worker, wait_for_step
+
+FLAGS = [*TINY, "--device", "cpu", "--batch-size", "2"]
+
+
+@pytest.fixture
+def template(tmp_path):
+    """A running template for a job of its own: (its process, the ranks' environment)."""
+    env = rank_env(ES_JOB_ID=f"t-{secrets.token_hex(4)}", ES_HEARTBEAT_KEY=secrets.token_hex(8))
+    log = open(tmp_path / "template.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.template"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 60
+    while "ready" not in (tmp_path / "template.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "the template did not start"
+        time.sleep(0.05)
+    yield proc, env
+    proc.kill()
+    proc.wait(10)
+    log.close()
+
+
+def client_cmd(ranks: int, *flags: str) -> list[str]:
+    client = [sys.executable, "-m", "worker.template_client", "worker.train"]
+    return [mpiexec(), "-n", str(ranks), *client, *FLAGS, *flags]
+
+
+def test_forked_ranks_train_as_cold_ones_and_end_as_they_end(tmp_path, template):
+    proc, env = template
+    cold = run_worker(2, *FLAGS, "--train-iters", "6", "--outdir", str(tmp_path / "cold"))
+    assert cold.returncode == 0, cold.stderr
+    forked = subprocess.run(
+        client_cmd(2, "--train-iters", "6", "--outdir", str(tmp_path / "forked")),
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert forked.returncode == 0, forked.stderr
+    assert "step 6/6" in forked.stdout  # the rank writes where the launcher reads
+    want = losses(tmp_path / "cold" / "metrics-0.jsonl")
+    assert losses(tmp_path / "forked" / "metrics-0.jsonl") == want
+    bad = subprocess.run(
+        client_cmd(2, "--train-iters", "-1"), env=env, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "--train-iters" in bad.stderr  # a usage error's exit 2
+
+
+def test_a_rank_dies_with_its_client_and_a_refused_client_starts_cold(tmp_path, template):
+    proc, env = template
+    outdir = tmp_path / "run"
+    job = subprocess.Popen(
+        client_cmd(2, "--train-iters", "100000", "--outdir", str(outdir)), env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_step(outdir / "metrics-0.jsonl", 2, job)
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2  # forked by the template, not started by the launcher
+        clients = [
+            p for p in psutil.Process(job.pid).children(recursive=True)
+            if "worker.template_client" in " ".join(p.cmdline())
+        ]  # fmt: skip
+        assert len(clients) == 2
+        clients[0].send_signal(signal.SIGKILL)
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive  # one killed with its client; the other's job ended with it
+        job.wait(60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    other_key = {**env, "ES_HEARTBEAT_KEY": "not-the-job-s"}
+    cold = subprocess.run(
+        client_cmd(1, "--train-iters", "2", "--outdir", str(tmp_path / "cold")),
+        env=other_key, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cold.returncode == 0, cold.stderr
+    assert psutil.Process(proc.pid).children() == []  # it was never forked
