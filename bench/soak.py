@@ -1,0 +1,320 @@
+"""Goodput under a storm of failures: the same training for the same wall time, clean and under
+a seeded failure trace, for the project and for torchrun.
+
+Each system trains the debug preset on CPU, a durable save every 10 steps, for `--duration`
+seconds of wall time counted from rank 0's first step, once clean and once under the trace:
+
+  project   `python -m supervisor run` on a generated config: everything else its defaults
+            (warm standby, prepared ranks with a spare, ...), plus `--set KEY=VALUE` (TOML
+            values, passed as given: `--set worker.mem_ckpt_interval=1`); the trace given by
+            its own fault engine (`at_s`: the clean run's start-up plus the trace time)
+  torchrun  `torchrun --standalone --max-restarts` with the same worker flags, plus
+            `--pg-timeout` (it notices a stopped rank only when a collective times out) and
+            `--torchrun-set KEY=VALUE` (`--torchrun-set mem_ckpt_interval=1`: the memory tier);
+            the trace given from outside by signals to its ranks
+
+Traces (seeded: `--seed`; one failure every `--rate` seconds +- 30 %, the same times for both
+systems; each waits until the job trains again after the one before):
+  --kills   SIGKILL of every training rank; 2 ranks on one node
+  --mixed   kills, one rank SIGKILLed alone, SIGSTOP hangs, stalls inside a step, `nan`,
+            `slow` and `node_loss`, in a seeded mix; 3 emulated nodes x 1 rank + 1 spare.
+            torchrun runs 3 ranks on one host; the kinds it cannot be given as such are
+            approximated or left out, and the output says how (soak_trace.TORCHRUN_GIVEN)
+
+Figures, per system: progress (the highest step rank 0 recorded by the window's end), goodput
+(progress under the trace over the same system's clean progress), per failure its kind,
+detection, downtime (failure -> the next attempt's first step), steps lost, the relaunch (warm,
+prepared or cold) and where the resume came from (memory, partner or durable), and its cost:
+the seconds from it to the next failure (or the window's end) less the clean time of the steps
+gained meanwhile (the costs add up to the whole deficit). Bit-exactness: every record's loss
+against the clean run's at the same step (same system); after a `nan` against the worker run
+alone with the skipped data positions (soak_reference). Then the ratio project / torchrun.
+`--runs N` repeats everything and gives medians. The last line is JSON.
+
+Usage: python bench/soak.py [--kills | --mixed] [--rate S] [--duration 150] [--seed 0]
+           [--runs 1] [--systems project,torchrun] [--set KEY=VALUE ...]
+           [--torchrun-set KEY=VALUE ...] [--no-clean] [--startup-s S] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The bench's own modules, beside this script (a script's folder is on sys.path).
+import soak_project  # noqa: E402
+import soak_reference  # noqa: E402
+import soak_torchrun  # noqa: E402
+from soak_figures import (  # noqa: E402
+    Numeric,
+    exactness,
+    goodput,
+    interval_costs,
+    median,
+    numerics,
+    pace,
+    progress,
+    skip_positions,
+)
+from soak_run import Outcome  # noqa: E402
+from soak_trace import KILLS, MIXED, TORCHRUN_GIVEN, Shape, make_trace  # noqa: E402
+
+SHAPES = {"kills": Shape(nodes=1, ranks_per_node=2), "mixed": Shape(3, 1, spares=1)}
+RATES = {"kills": 15.0, "mixed": 30.0}
+STARTUP_GUESS_S = 10.0  # the project's launch -> first step, when no clean run measured it
+
+
+def main() -> None:
+    args = parse()
+    which = "mixed" if args.mixed else "kills"
+    shape = SHAPES[which]
+    rate = args.rate or RATES[which]
+    trace = make_trace(MIXED if args.mixed else KILLS, rate_s=rate, duration_s=args.duration,
+                       seed=args.seed, shape=shape)  # fmt: skip
+    print(f"trace --{which}: {len(trace)} failures, every {rate:g} s +- 30 %, seed {args.seed}, "
+          f"{args.duration:g} s from the first step; {shape.nodes} node(s) x "
+          f"{shape.ranks_per_node} rank(s) + {shape.spares} spare(s)")  # fmt: skip
+    for f in trace:
+        print(f"  {f.at_s:7.2f} s  {f.kind:<9} {'' if f.target is None else f.target}")
+    for kind in sorted({f.kind for f in trace} & set(TORCHRUN_GIVEN)):
+        if "torchrun" in args.systems and kind not in ("kill", "kill_rank", "hang"):
+            print(f"  torchrun, {kind}: {TORCHRUN_GIVEN[kind]}")
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="es-soak-"))
+    results: dict[str, list[dict]] = {s: [] for s in args.systems}
+    for i in range(args.runs):
+        order = args.systems if i % 2 == 0 else list(reversed(args.systems))
+        for system in order:
+            figures = one_run(args, system, trace, shape, root / f"{i}-{system}")
+            results[system].append(figures)
+            show_run(system, i, figures)
+    summary = {s: summarize(rs) for s, rs in results.items()}
+    for s, sm in summary.items():
+        show_summary(s, sm)
+    ratio = ratios(summary)
+    if ratio:
+        print(f"\nproject / torchrun: progress under the trace {fmt(ratio.get('trace'))}x, "
+              f"clean {fmt(ratio.get('clean'))}x")  # fmt: skip
+    print(("kept " if args.keep else "run dirs under ") + str(root), file=sys.stderr)
+    print(json.dumps({
+        "trace": {"kind": which, "rate_s": rate, "duration_s": args.duration, "seed": args.seed,
+                  "nodes": shape.nodes, "ranks_per_node": shape.ranks_per_node,
+                  "spares": shape.spares, "runs": args.runs, "sets": args.set,
+                  "torchrun_sets": args.torchrun_set,
+                  "failures": [[f.at_s, f.kind, f.target] for f in trace]},
+        "systems": {s: {**summary[s], "runs": results[s]} for s in results},
+        "ratio": ratio,
+    }, default=str))  # fmt: skip
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--kills", action="store_true", help="SIGKILL of every rank (default)")
+    kind.add_argument("--mixed", action="store_true", help="a seeded mix of failure kinds")
+    p.add_argument("--rate", type=float, help="mean seconds between failures (15; mixed 30)")
+    p.add_argument("--duration", type=float, default=150.0, help="seconds from the first step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1, help="repeat; the summary takes medians")
+    p.add_argument("--systems", default="project,torchrun")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a project config key, as `supervisor run --set` (repeatable)",
+    )
+    p.add_argument(
+        "--torchrun-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a worker flag under torchrun, e.g. mem_ckpt_interval=1 (repeatable)",
+    )
+    p.add_argument("--no-clean", action="store_true", help="skip the clean runs (no goodput)")
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        help="the project's launch -> first step, for "
+        "its faults' at_s (default: its clean run's, else 10)",
+    )
+    p.add_argument("--pg-timeout", type=float, default=45.0, help="torchrun's worker flag")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="no reference run for the bit-exact check after a nan",
+    )
+    p.add_argument("--keep", metavar="DIR", help="keep every run's directory here")  # fmt: skip
+    args = p.parse_args()
+    args.systems = [s for s in args.systems.split(",") if s]
+    if not set(args.systems) <= {"project", "torchrun"} or not args.systems:
+        p.error("--systems: project and/or torchrun")
+    return args
+
+
+def torchrun_flags(args) -> dict:
+    flags = {**soak_project.WORKER, "pg_timeout": int(args.pg_timeout)}
+    for item in args.torchrun_set:
+        key, _, value = item.partition("=")
+        try:
+            flags[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            flags[key] = value
+    return flags
+
+
+def one_run(args, system: str, trace, shape: Shape, tmp: Path) -> dict:
+    """A clean window (unless --no-clean), then one under the trace; their figures."""
+    clean = None
+    if not args.no_clean:
+        clean = window(args, system, [], shape, tmp / "clean", None)
+    startup = args.startup_s or (clean.startup_s if clean else None) or STARTUP_GUESS_S
+    traced = window(args, system, trace, shape, tmp / "trace", startup)
+    return figures(args, traced, clean, tmp)
+
+
+def window(args, system: str, trace, shape: Shape, tmp: Path, startup: float | None) -> Outcome:
+    tmp.mkdir(parents=True, exist_ok=True)
+    print(f"--- {system} {'clean' if not trace else 'trace'} ({tmp})", flush=True)
+    if system == "project":
+        return soak_project.run(trace, shape=shape, sets=args.set, duration_s=args.duration,
+                                startup_s=startup or STARTUP_GUESS_S, tmp=tmp)  # fmt: skip
+    return soak_torchrun.run(trace, world=shape.world, flags=torchrun_flags(args),
+                             duration_s=args.duration, tmp=tmp)  # fmt: skip
+
+
+def figures(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict:
+    """One run's figures: progress, goodput, the failures' rows with their cost, exactness."""
+    steps = progress(traced.records, traced.t0, args.duration)
+    clean_steps = progress(clean.records, clean.t0, args.duration) if clean else None
+    end = traced.t0 + args.duration
+    per_step = pace(clean_steps, args.duration) or median(r["train/dt"] for r in traced.records)
+    given = sorted((x for x in traced.fired if x.wall is not None), key=lambda x: x.wall)
+    walls = [x.wall for x in given]
+    spent: list = [None] * len(walls)
+    if per_step:
+        spent = interval_costs(traced.records, walls, end, per_step)
+    cost = {x.fault.index: c for x, c in zip(given, spent, strict=True)}
+    for row in traced.rows:
+        row["cost_s"] = cost.get(row["index"])
+    shifts = [x.wall - traced.t0 - x.fault.at_s for x in traced.fired if x.wall is not None]
+    out = {
+        "clean_steps": clean_steps, "trace_steps": steps, "goodput": goodput(steps, clean_steps),
+        "startup_s": traced.startup_s, "clean_startup_s": clean.startup_s if clean else None,
+        "ended": traced.ended or None, "clean_ended": (clean.ended or None) if clean else None,
+        "given": [[x.fault.index, x.fault.kind, x.how] for x in traced.fired],
+        "late_s": [round(s, 2) for s in shifts], "rows": traced.rows,
+    }  # fmt: skip
+    out["exact"] = check(args, traced, clean, tmp)
+    return out
+
+
+def check(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict | None:
+    """Every record's loss against the reference: the clean run's, or after a stayed `nan`
+    the worker alone with the skipped positions."""
+    found: list[Numeric] = numerics(traced.skipped, traced.resumes)
+    skip = skip_positions(found)
+    if skip:
+        if args.no_verify:
+            return {"note": "not checked: a nan's skip and --no-verify"}
+        upto = max(r["step"] for r in traced.records)
+        ref = soak_reference.losses(traced.run_dir, traced.world, skip, upto, tmp / "reference")
+    elif clean is not None:
+        ref = {r["step"]: r["loss"] for r in clean.records}
+    else:
+        return None
+    got = exactness(traced.records, ref, found, traced.resumes).as_dict()
+    return {**got, "against": "worker with --skip-batches" if skip else "clean run"}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the runs; per kind the medians of its failures' figures; counts."""
+    rows = [r for run in runs for r in run["rows"]]
+    kinds: dict[str, dict] = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        kinds[kind] = {"n": len(mine), **{k: median(r.get(k) for r in mine) for k in
+                       ("detection_s", "downtime_s", "lost", "cost_s")}}  # fmt: skip
+    exact = [run["exact"] for run in runs if run.get("exact") and "wrong" in run["exact"]]
+    return {
+        "clean_steps": median(r["clean_steps"] for r in runs),
+        "trace_steps": median(r["trace_steps"] for r in runs),
+        "goodput": median(r["goodput"] for r in runs),
+        "by_kind": kinds,
+        "relaunch": dict(Counter(r["relaunch"] for r in rows if r.get("relaunch"))),
+        "source": dict(Counter(r["source"] for r in rows if r.get("source"))),
+        "steps_wrong": sum(e["wrong"] for e in exact) if exact else None,
+        "steps_checked": sum(e["checked"] for e in exact) if exact else None,
+    }
+
+
+def ratios(summary: dict) -> dict:
+    if not {"project", "torchrun"} <= set(summary):
+        return {}
+    p, t = summary["project"], summary["torchrun"]
+    out = {}
+    for k, name in (("trace_steps", "trace"), ("clean_steps", "clean")):
+        if p[k] and t[k]:
+            out[name] = round(p[k] / t[k], 3)
+    return out
+
+
+def fmt(v, digits: int = 2) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def show_run(system: str, i: int, f: dict) -> None:
+    print(f"\n{system}, run {i}: clean {fmt(f['clean_steps'])} steps, trace "
+          f"{f['trace_steps']} steps, goodput {fmt(f['goodput'], 3)}; start-up "
+          f"{fmt(f['startup_s'])} s (clean {fmt(f['clean_startup_s'])} s)")  # fmt: skip
+    for note in (f["ended"], f["clean_ended"]):
+        if note:
+            print(f"  NOTE: {note}")
+    print(f"  {'#':>3} {'kind':<9} {'at':>7} {'detect':>7} {'down':>7} {'lost':>5} "
+          f"{'relaunch':>9} {'from':>8} {'cost':>7}")  # fmt: skip
+    for r in f["rows"]:
+        idx = "-" if r["index"] is None else r["index"]
+        print(f"  {idx:>3} {r['kind']:<9} {r['at_s']:>6.1f}s {fmt(r.get('detection_s')):>7} "
+              f"{fmt(r.get('downtime_s')):>7} {fmt(r.get('lost')):>5} "
+              f"{fmt(r.get('relaunch')):>9} {fmt(r.get('source')):>8} "
+              f"{fmt(r.get('cost_s')):>7}")  # fmt: skip
+    not_given = [g for g in f["given"] if g[2].startswith("not given")]
+    for idx, kind, how in not_given:
+        print(f"  {idx:>3} {kind:<9} {how}")
+    if f["late_s"]:
+        print(
+            f"  given after their trace time by {min(f['late_s']):+.2f} to "
+            f"{max(f['late_s']):+.2f} s (waiting for the job to train, or start-up guessed)"
+        )
+    e = f["exact"]
+    if e:
+        if "wrong" in e:
+            print(f"  bit-exact against the {e['against']}: {e['wrong']} of {e['checked']} steps "
+                  f"wrong{'' if not e['first_wrong'] else ' ' + str(e['first_wrong'])}, "
+                  f"{e['not_checked']} not checked")  # fmt: skip
+        else:
+            print(f"  {e['note']}")
+
+
+def show_summary(system: str, s: dict) -> None:
+    print(f"\n== {system}: clean {fmt(s['clean_steps'])} steps, trace {fmt(s['trace_steps'])} "
+          f"steps, goodput {fmt(s['goodput'], 3)} (medians)")  # fmt: skip
+    print(f"  {'kind':<9} {'n':>3} {'detect':>7} {'down':>7} {'lost':>5} {'cost':>7}")
+    for kind, k in s["by_kind"].items():
+        print(f"  {kind:<9} {k['n']:>3} {fmt(k['detection_s']):>7} {fmt(k['downtime_s']):>7} "
+              f"{fmt(k['lost']):>5} {fmt(k['cost_s']):>7}")  # fmt: skip
+    print(
+        f"  relaunches: {s['relaunch'] or '–'}; resumed from: {s['source'] or '–'}; steps "
+        f"wrong: {fmt(s['steps_wrong'])} of {fmt(s['steps_checked'])} checked"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The arithmetic of `bench/soak.py`, pure: progress in a window, goodput, what each failure
+cost, and which steps' losses differ from a reference. Records are rank 0's metrics lines (dicts
+with `step`, wall time `t` and `loss`), each with the `attempt` it came from added.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def best_at(records: Iterable[dict], t: float) -> int:
+    """The highest step done by wall time `t` (0: none yet)."""
+    return max((r["step"] for r in records if r["t"] <= t), default=0)
+
+
+def progress(records: Sequence[dict], t0: float, duration_s: float) -> int:
+    """Steps done in the window: the highest step rank 0 recorded by `t0 + duration_s`. A step
+    a failure in the window's last moments lost, not yet done again, still counts."""
+    return best_at(records, t0 + duration_s)
+
+
+def goodput(trace_steps: int | None, clean_steps: int | None) -> float | None:
+    """Progress under failures over the same system's clean progress."""
+    if not trace_steps or not clean_steps:
+        return None if clean_steps is None or trace_steps is None else 0.0
+    return trace_steps / clean_steps
+
+
+def interval_costs(
+    records: Sequence[dict], fired: Sequence[float], end: float, pace_s: float
+) -> list[float]:
+    """What each failure cost, in seconds of clean progress: from its firing to the next one
+    (the last: to `end`), the time that passed less the clean time of the steps gained.
+    `fired` is sorted wall times; `pace_s` the clean run's seconds per step. The costs add up
+    to the whole deficit from the first failure on, each kind's aftermath (detection, restart,
+    steps redone, a standby's preparation beside the next attempt) in its own row."""
+    out = []
+    for i, t in enumerate(fired):
+        nxt = fired[i + 1] if i + 1 < len(fired) else end
+        gained = best_at(records, nxt) - best_at(records, t)
+        out.append((nxt - t) - gained * pace_s)
+    return out
+
+
+def pace(clean_steps: int | None, duration_s: float) -> float | None:
+    """The clean run's seconds per step over its window."""
+    return duration_s / clean_steps if clean_steps else None
+
+
+@dataclass(frozen=True)
+class Numeric:
+    """A bad step the guard skipped: its step, the attempt, and whether its skip stayed (no
+    later attempt resumed from before it, which would train that step again without it)."""
+
+    step: int
+    attempt: int
+    stayed: bool
+
+
+def numerics(bad: Sequence[tuple[int, int]], resumes: Sequence[tuple[int, int]]) -> list[Numeric]:
+    """`bad`: (attempt, step) of each skipped step; `resumes`: (attempt, resumed step) of each
+    relaunched attempt. A skip is undone by a later attempt that resumed from before it."""
+    return [Numeric(step, a, not any(b > a and r < step for b, r in resumes)) for a, step in bad]
+
+
+def skip_positions(found: Sequence[Numeric]) -> list[int]:
+    """The data positions the stayed skips dropped: step s trains on the s-th position not
+    skipped, so the k-th stayed skip (in step order) at step s dropped position s + k."""
+    stayed = sorted(n.step for n in found if n.stayed)
+    return [s + k for k, s in enumerate(stayed)]
+
+
+def unchecked(record: dict, found: Sequence[Numeric], resumes: Sequence[tuple[int, int]]) -> bool:
+    """A record trained with a skip that a later resume undid: it follows no reference."""
+    for n in found:
+        if n.stayed or record["step"] < n.step or record["attempt"] < n.attempt:
+            continue
+        undone_by = min((b for b, r in resumes if b > n.attempt and r < n.step), default=None)
+        if undone_by is not None and record["attempt"] < undone_by:
+            return True
+    return False
+
+
+@dataclass
+class Exactness:
+    """Steps whose loss differs from the reference's (any record of the step), and how many
+    steps were compared."""
+
+    wrong: list[int]
+    checked: int
+    not_checked: int  # past the reference's last step, or trained with a skip undone later
+
+    def as_dict(self) -> dict:
+        return {"wrong": len(self.wrong), "checked": self.checked,
+                "not_checked": self.not_checked, "first_wrong": self.wrong[:5]}  # fmt: skip
+
+
+def exactness(
+    records: Sequence[dict],
+    reference: dict[int, object],
+    found: Sequence[Numeric] = (),
+    resumes: Sequence[tuple[int, int]] = (),
+) -> Exactness:
+    """Every record's loss against the reference's loss at its step, bit for bit."""
+    wrong, checked, skipped = set(), set(), set()
+    for r in records:
+        if r["step"] not in reference or unchecked(r, found, resumes):
+            skipped.add(r["step"])
+            continue
+        checked.add(r["step"])
+        if r["loss"] != reference[r["step"]]:
+            wrong.add(r["step"])
+    return Exactness(sorted(wrong), len(checked), len(skipped - checked))
+
+
+def median(values: Iterable[float | int | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None

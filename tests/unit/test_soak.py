@@ -1,0 +1,113 @@
+"""bench/soak.py's pure parts: the seeded failure trace, its `[[faults]]` tables, and the
+arithmetic of progress, goodput, per-failure cost and the bit-exact check. No process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import soak_figures as fig  # noqa: E402
+import soak_trace as tr  # noqa: E402
+
+MIXED_SHAPE = tr.Shape(nodes=3, ranks_per_node=1, spares=1)
+KILL_SHAPE = tr.Shape(nodes=1, ranks_per_node=2)
+
+
+def test_times_are_seeded_jittered_and_inside_the_window():
+    got = tr.times(15, 150, seed=0)
+    assert got == tr.times(15, 150, seed=0)
+    assert got != tr.times(15, 150, seed=1)
+    gaps = [b - a for a, b in zip([0.0, *got], got, strict=False)]
+    assert all(15 * 0.7 <= g <= 15 * 1.3 + 1e-6 for g in gaps)
+    assert got[-1] < 150 and len(got) >= 150 / (15 * 1.3) - 1
+
+
+def test_kills_and_mixed_of_one_seed_fail_at_the_same_times():
+    kills = tr.make_trace(tr.KILLS, rate_s=15, duration_s=150, seed=4, shape=KILL_SHAPE)
+    mixed = tr.make_trace(tr.MIXED, rate_s=15, duration_s=150, seed=4, shape=MIXED_SHAPE)
+    assert [f.at_s for f in kills] == [f.at_s for f in mixed]
+    assert {(f.kind, f.target) for f in kills} == {("kill", None)}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_mixed_trace_never_excludes_a_node_nor_loses_more_than_the_spares(seed):
+    trace = tr.make_trace(tr.MIXED, rate_s=8, duration_s=300, seed=seed, shape=MIXED_SHAPE)
+    assert trace == tr.make_trace(tr.MIXED, rate_s=8, duration_s=300, seed=seed,
+                                  shape=MIXED_SHAPE)  # fmt: skip
+    assert sum(f.kind == "node_loss" for f in trace) <= MIXED_SHAPE.spares
+    laid = [0] * MIXED_SHAPE.nodes  # by active position; a lost node's place starts afresh
+    for f in trace:
+        if f.kind == "node_loss":
+            laid[f.target] = 0
+        elif f.kind in tr.LAID:
+            laid[f.target] += 1
+            assert laid[f.target] < MIXED_SHAPE.exclude_after, trace
+        if f.kind != "kill":
+            assert 0 <= f.target < MIXED_SHAPE.world
+    assert {f.kind for f in trace} <= set(tr.MIXED)
+
+
+def test_one_node_gets_no_node_loss_and_its_failures_are_never_laid():
+    trace = tr.make_trace(tr.MIXED, rate_s=5, duration_s=200, seed=2, shape=KILL_SHAPE)
+    assert "node_loss" not in {f.kind for f in trace}
+    assert sum(f.kind in tr.LAID for f in trace) > 2  # one node is never excluded
+
+
+def test_project_faults_put_each_failure_at_the_start_up_plus_its_time():
+    trace = [tr.Fault(0, 12.5, "kill", None), tr.Fault(1, 40.0, "node_loss", 2),
+             tr.Fault(2, 70.0, "slow", 1), tr.Fault(3, 90.0, "kill_rank", 0)]  # fmt: skip
+    got = tr.project_faults(trace, startup_s=9.25)
+    assert got[0] == {"name": "soak-0-kill", "at_s": [21.75], "action": "kill", "target": "all"}
+    assert (got[1]["action"], got[1]["target"]) == ("node_loss", "node:2")
+    assert got[2]["delay_s"] == tr.SLOW_DELAY_S and got[2]["target"] == "rank:1"
+    assert (got[3]["action"], got[3]["target"]) == ("kill", "rank:0")
+    assert set(tr.TORCHRUN_GIVEN) == set(tr.MIXED)
+
+
+def rec(step, t, attempt=0, loss=1.0):
+    return {"step": step, "t": t, "attempt": attempt, "loss": loss}
+
+
+def test_progress_is_the_highest_step_done_in_the_window():
+    records = [rec(1, 100.0), rec(2, 101.0), rec(3, 102.0), rec(2, 106.0, 1), rec(3, 107.0, 1),
+               rec(4, 108.0, 1)]  # fmt: skip
+    assert fig.progress(records, t0=100.0, duration_s=7.5) == 3  # step 3 again, no further
+    assert fig.progress(records, t0=100.0, duration_s=8.0) == 4
+    assert fig.best_at(records, 99.0) == 0
+    assert fig.goodput(300, 400) == 0.75
+    assert fig.goodput(0, 400) == 0.0 and fig.goodput(300, None) is None
+    assert fig.pace(500, 150.0) == pytest.approx(0.3)
+
+
+def test_interval_costs_add_up_to_the_deficit():
+    # 1 s a step clean; a failure at 10 costs 4 s (step 11 comes at 15), one at 20 nothing.
+    records = [rec(s, float(s)) for s in range(1, 11)]
+    records += [rec(s, float(s + 4)) for s in range(11, 30)]
+    costs = fig.interval_costs(records, [10.0, 20.0], end=30.0, pace_s=1.0)
+    assert costs == pytest.approx([4.0, 0.0])
+    assert sum(costs) == pytest.approx((30.0 - 10.0) - (26 - 10) * 1.0)
+
+
+def test_a_nan_s_skip_stays_unless_a_later_resume_goes_back_before_it():
+    found = fig.numerics(bad=[(0, 20), (2, 50)], resumes=[(1, 30), (2, 40), (3, 45)])
+    assert [(n.step, n.stayed) for n in found] == [(20, True), (50, False)]
+    assert fig.skip_positions(found) == [20]
+    two = fig.numerics(bad=[(0, 20), (0, 25)], resumes=[])
+    assert fig.skip_positions(two) == [20, 26]  # the second skip's step trains on position 26
+
+
+def test_exactness_counts_wrong_steps_and_leaves_an_undone_skip_s_records_out():
+    ref = {s: float(s) for s in range(1, 60)}
+    found = fig.numerics(bad=[(2, 50)], resumes=[(1, 30), (2, 40), (3, 45)])
+    records = [rec(s, s, 0, float(s)) for s in range(1, 35)]
+    records += [rec(s, s, 2, 999.0 if s >= 50 else float(s)) for s in range(41, 53)]
+    records += [rec(s, s, 3, float(s)) for s in range(46, 56)]
+    records += [rec(58, 58, 3, 0.5), rec(70, 70, 3, 70.0)]
+    got = fig.exactness(records, ref, found, [(1, 30), (2, 40), (3, 45)])
+    assert got.wrong == [58]  # 50-52 of attempt 2 trained with the skip attempt 3 undid
+    assert got.not_checked == 1  # step 70: past the reference
+    assert got.checked == len(set(range(1, 35)) | set(range(41, 56)) | {58})
