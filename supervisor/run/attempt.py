@@ -142,7 +142,7 @@ class Attempt:
             result = await teardown.tear_down(
                 running,
                 end,
-                grace=self.cfg.restart.teardown_grace_s,
+                grace=teardown.grace_for(end, self.cfg.restart.teardown_grace_s),
                 rank_pids=self.watch.exits.pids,
                 drain=self.job.drain,
                 emit=self.emit,

@@ -28,6 +28,13 @@ class WatchEnd:
     stopping: bool = False
 
 
+def grace_for(end: WatchEnd, grace: float) -> float:
+    """The SIGTERM grace of this teardown: none after a `hang` or `no_progress` finding, whose
+    ranks are stopped or stuck in a step and its collectives (a SIGTERM's save would wait on the
+    very rank that hangs), so the grace would only hold the relaunch up."""
+    return 0.0 if end.finding is not None else grace
+
+
 async def forward_stop(
     running: Running,
     exit_task: asyncio.Task,

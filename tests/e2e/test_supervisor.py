@@ -373,5 +373,5 @@ def test_dry_run_starts_nothing(tmp_path):
     rc, out = finish(proc, 60)
     assert rc == 0, out
     assert "[worker]" in out and "train_iters = 7" in out
-    assert "-m worker.train" in out and "--train-iters 7" in out
+    assert "-m worker.template_client worker.train" in out and "--train-iters 7" in out
     assert not (tmp_path / "run").exists()
