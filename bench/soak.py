@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import tomllib
@@ -67,7 +68,7 @@ from soak_trace import KILLS, MIXED, TORCHRUN_GIVEN, Shape, make_trace  # noqa: 
 
 SHAPES = {"kills": Shape(nodes=1, ranks_per_node=2), "mixed": Shape(3, 1, spares=1)}
 RATES = {"kills": 15.0, "mixed": 30.0}
-STARTUP_GUESS_S = 10.0  # the project's launch -> first step, when no clean run measured it
+STARTUP_GUESS_S = 5.0  # the project's launch -> first step, when no clean run measured it
 
 
 def main() -> None:
@@ -87,12 +88,18 @@ def main() -> None:
             print(f"  torchrun, {kind}: {TORCHRUN_GIVEN[kind]}")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="es-soak-"))
     results: dict[str, list[dict]] = {s: [] for s in args.systems}
-    for i in range(args.runs):
-        order = args.systems if i % 2 == 0 else list(reversed(args.systems))
-        for system in order:
-            figures = one_run(args, system, trace, shape, root / f"{i}-{system}")
-            results[system].append(figures)
-            show_run(system, i, figures)
+    try:
+        for i in range(args.runs):
+            order = args.systems if i % 2 == 0 else list(reversed(args.systems))
+            for system in order:
+                figures = one_run(args, system, trace, shape, root / f"{i}-{system}")
+                results[system].append(figures)
+                show_run(system, i, figures)
+    finally:
+        if args.keep:
+            print(f"kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     summary = {s: summarize(rs) for s, rs in results.items()}
     for s, sm in summary.items():
         show_summary(s, sm)
@@ -100,7 +107,6 @@ def main() -> None:
     if ratio:
         print(f"\nproject / torchrun: progress under the trace {fmt(ratio.get('trace'))}x, "
               f"clean {fmt(ratio.get('clean'))}x")  # fmt: skip
-    print(("kept " if args.keep else "run dirs under ") + str(root), file=sys.stderr)
     print(json.dumps({
         "trace": {"kind": which, "rate_s": rate, "duration_s": args.duration, "seed": args.seed,
                   "nodes": shape.nodes, "ranks_per_node": shape.ranks_per_node,
@@ -141,7 +147,7 @@ def parse() -> argparse.Namespace:
         "--startup-s",
         type=float,
         help="the project's launch -> first step, for "
-        "its faults' at_s (default: its clean run's, else 10)",
+        "its faults' at_s (default: its clean run's, else 5)",
     )
     p.add_argument("--pg-timeout", type=float, default=45.0, help="torchrun's worker flag")
     p.add_argument(
@@ -290,8 +296,9 @@ def show_run(system: str, i: int, f: dict) -> None:
         print(f"  {idx:>3} {kind:<9} {how}")
     if f["late_s"]:
         print(
-            f"  given after their trace time by {min(f['late_s']):+.2f} to "
-            f"{max(f['late_s']):+.2f} s (waiting for the job to train, or start-up guessed)"
+            f"  given {min(f['late_s']):+.2f} to {max(f['late_s']):+.2f} s from their trace "
+            "times (later: waiting for the job to train again; the project's also moved by "
+            "its start-up, guessed from the clean run's)"
         )
     e = f["exact"]
     if e:

@@ -44,6 +44,28 @@ def interval_costs(
     return out
 
 
+def after_failures(records: Sequence[dict], fired: Sequence[float]) -> list[dict]:
+    """Per failure that ended an attempt (`fired`: sorted wall times), from rank 0's records of
+    a launcher that says nothing else: the next start's first step (the first record after it
+    carrying `train/startup_seconds`, before the next failure), the downtime to it, the step it
+    resumed from (0: fresh) and the steps lost (the newest step done before the failure less
+    that). Empty for a failure no start followed."""
+    out = []
+    for i, t in enumerate(fired):
+        nxt = fired[i + 1] if i + 1 < len(fired) else float("inf")
+        first = next((r for r in records if t < r["t"] < nxt and "train/startup_seconds" in r),
+                     None)  # fmt: skip
+        before = [r for r in records if r["t"] < t]
+        if first is None or not before:
+            out.append({})
+            continue
+        resumed = first["step"] - 1
+        done = max(before, key=lambda r: r["t"])["step"]
+        out.append({"downtime_s": first["t"] - t, "resumed": resumed,
+                    "lost": max(0, done - resumed)})  # fmt: skip
+    return out
+
+
 def pace(clean_steps: int | None, duration_s: float) -> float | None:
     """The clean run's seconds per step over its window."""
     return duration_s / clean_steps if clean_steps else None

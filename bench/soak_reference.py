@@ -38,6 +38,7 @@ def losses(run_dir: Path, world: int, skip: list[int], upto: int, tmp: Path) -> 
     cmd = [mpiexec, "-n", str(world), sys.executable, "-m", module,
            *config_mod.flags_from_table(flags)]  # fmt: skip
     metrics = tmp / "out" / "metrics-0.jsonl"
+    tmp.mkdir(parents=True, exist_ok=True)
     with (tmp / "reference.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip

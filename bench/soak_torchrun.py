@@ -24,9 +24,10 @@ from pathlib import Path
 
 import psutil
 import soak_run
+from soak_figures import after_failures
 from soak_run import Fired, Outcome
 from soak_trace import DISRUPTIVE, SLOW_DELAY_S, SLOW_DURATION_S, TORCHRUN_GIVEN, Fault
-from vs_torchrun import env, notice_times, per_kill, rank_pids, records
+from vs_torchrun import env, notice_times, rank_pids, records
 
 from supervisor.settings import config as config_mod
 
@@ -159,19 +160,19 @@ def failure_rows(result: Outcome, log: str) -> list[dict]:
     given = [x for x in result.fired if x.wall is not None]
     ends = [x for x in given if x.fault.kind in DISRUPTIVE]
     noticed = notice_times(log, datetime.fromtimestamp(ends[0].wall)) if ends else []
-    after = dict(zip([x.fault.index for x in ends],
-                     per_kill(result.records, [x.wall for x in ends]), strict=True))  # fmt: skip
+    got = after_failures(result.records, [x.wall for x in ends])
+    after = dict(zip([x.fault.index for x in ends], got, strict=True))
     resumes = [(int(m.group(1)), m.group(2) or "durable") for m in RESUMED.finditer(log)]
     rows = []
     for x in given:
         row = {"index": x.fault.index, "kind": x.fault.kind, "at_s": x.wall - result.t0,
                "relaunch": None, "source": None}  # fmt: skip
         if x.fault.index in after:
-            down, lost, resumed, restart = after[x.fault.index]
+            got = after[x.fault.index]
             row.update(
                 detection_s=next((t - x.wall for t in noticed if t >= x.wall), None),
-                downtime_s=down, lost=lost, restart_s=restart, relaunch="cold",
-                source=_source(resumes, resumed),
+                downtime_s=got.get("downtime_s"), lost=got.get("lost"), relaunch="cold",
+                source=_source(resumes, got.get("resumed")),
             )  # fmt: skip
         rows.append(row)
     return rows

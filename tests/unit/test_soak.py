@@ -111,3 +111,14 @@ def test_exactness_counts_wrong_steps_and_leaves_an_undone_skip_s_records_out():
     assert got.wrong == [58]  # 50-52 of attempt 2 trained with the skip attempt 3 undid
     assert got.not_checked == 1  # step 70: past the reference
     assert got.checked == len(set(range(1, 35)) | set(range(41, 56)) | {58})
+
+
+def test_after_failures_reads_each_restart_from_the_records_alone():
+    start = {"train/startup_seconds": 5.0}
+    records = [rec(s, float(s)) for s in range(1, 9)]
+    records += [{**rec(1, 20.0, 1), **start}, rec(2, 21.0, 1)]  # fresh: nothing was saved
+    records += [{**rec(7, 30.0, 2), **start}, rec(8, 31.0, 2)]  # resumed from step 6
+    got = fig.after_failures(records, [8.5, 21.5, 40.0])
+    assert got[0] == {"downtime_s": 11.5, "resumed": 0, "lost": 8}
+    assert got[1] == {"downtime_s": 8.5, "resumed": 6, "lost": 0}  # newest before: step 2
+    assert got[2] == {}  # no start after it
