@@ -73,7 +73,7 @@ def run(
     result.startup_s = result.t0 - start["ts"]
     result.records = all_records(run_dir)
     result.fired = fired(trace, evs, result.t0 + duration_s)
-    result.rows = failure_rows(result, evs)
+    result.rows = failure_rows(result, evs, duration_s)
     result.skipped = [(e["attempt"], e["step"]) for e in evs if e["event"] == "numeric_fault"]
     resumed = {e["attempt"]: e["step"] for e in evs if e["event"] == "resumed"}  # one per rank
     result.resumes = sorted(resumed.items())
@@ -99,9 +99,10 @@ def fired(trace: list[Fault], evs: list[dict], end: float) -> list[Fired]:
     return out
 
 
-def failure_rows(result: Outcome, evs: list[dict]) -> list[dict]:
+def failure_rows(result: Outcome, evs: list[dict], duration_s: float) -> list[dict]:
     """Per failure given: the report analysis's row (detection, downtime, lost steps, relaunch
-    mode, resume source), and failures no fault of the trace caused, as kind `natural`."""
+    mode, resume source), and failures in the window no fault of the trace caused, as kind
+    `natural` (not the stop at its end)."""
     failures = analyze(load_run(result.run_dir)).failures
     rows = []
     for x in (x for x in result.fired if x.wall is not None):
@@ -113,8 +114,8 @@ def failure_rows(result: Outcome, evs: list[dict]) -> list[dict]:
         rows.append(row)
     start = next(e for e in evs if e["event"] == "start")["ts"]  # the report's time 0
     for f in failures:
-        if not f.fault:
-            at_s = start + f.at_s - result.t0
+        at_s = start + f.at_s - result.t0
+        if not f.fault and at_s <= duration_s:
             rows.append({"index": None, "kind": "natural", "at_s": at_s, **_figures(f)})
     return rows
 
