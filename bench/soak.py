@@ -190,7 +190,7 @@ def window(args, system: str, trace, shape: Shape, tmp: Path, startup: float | N
     if system == "project":
         return soak_project.run(trace, shape=shape, sets=args.set, duration_s=args.duration,
                                 startup_s=startup or STARTUP_GUESS_S, tmp=tmp)  # fmt: skip
-    return soak_torchrun.run(trace, world=shape.world, flags=torchrun_flags(args),
+    return soak_torchrun.run(trace, shape=shape, flags=torchrun_flags(args),
                              duration_s=args.duration, tmp=tmp)  # fmt: skip
 
 
@@ -214,7 +214,7 @@ def figures(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict:
         "startup_s": traced.startup_s, "clean_startup_s": clean.startup_s if clean else None,
         "ended": traced.ended or None, "clean_ended": (clean.ended or None) if clean else None,
         "given": [[x.fault.index, x.fault.kind, x.how] for x in traced.fired],
-        "late_s": [round(s, 2) for s in shifts], "rows": traced.rows,
+        "late_s": [round(s, 2) for s in shifts], "rows": traced.rows, "notes": traced.notes,
     }  # fmt: skip
     out["exact"] = check(args, traced, clean, tmp)
     return out
@@ -230,6 +230,8 @@ def check(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict | Non
             return {"note": "not checked: a nan's skip and --no-verify"}
         upto = max(r["step"] for r in traced.records)
         ref = soak_reference.losses(traced.run_dir, traced.world, skip, upto, tmp / "reference")
+        if not ref:
+            return {"note": f"not checked: the reference run made no step ({tmp / 'reference'})"}
     elif clean is not None:
         ref = {r["step"]: r["loss"] for r in clean.records}
     else:
@@ -280,7 +282,7 @@ def show_run(system: str, i: int, f: dict) -> None:
     print(f"\n{system}, run {i}: clean {fmt(f['clean_steps'])} steps, trace "
           f"{f['trace_steps']} steps, goodput {fmt(f['goodput'], 3)}; start-up "
           f"{fmt(f['startup_s'])} s (clean {fmt(f['clean_startup_s'])} s)")  # fmt: skip
-    for note in (f["ended"], f["clean_ended"]):
+    for note in (f["ended"], f["clean_ended"], *f["notes"]):
         if note:
             print(f"  NOTE: {note}")
     print(f"  {'#':>3} {'kind':<9} {'at':>7} {'detect':>7} {'down':>7} {'lost':>5} "

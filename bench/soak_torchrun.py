@@ -26,7 +26,7 @@ import psutil
 import soak_run
 from soak_figures import after_failures
 from soak_run import Fired, Outcome
-from soak_trace import DISRUPTIVE, SLOW_DELAY_S, SLOW_DURATION_S, TORCHRUN_GIVEN, Fault
+from soak_trace import DISRUPTIVE, SLOW_DELAY_S, SLOW_DURATION_S, TORCHRUN_GIVEN, Fault, Shape
 from vs_torchrun import env, notice_times, rank_pids, records
 
 from supervisor.settings import config as config_mod
@@ -36,8 +36,10 @@ RESUMED = re.compile(r"RESUMED from step=(\d+) \((memory|partner)?")
 MAX_RESTARTS = 1000
 
 
-def run(trace: list[Fault], *, world: int, flags: dict, duration_s: float, tmp: Path) -> Outcome:
-    """One window of torchrun; `trace` empty for the clean run."""
+def run(trace: list[Fault], *, shape: Shape, flags: dict, duration_s: float, tmp: Path) -> Outcome:
+    """One window of torchrun on one host, `shape.world` ranks; `trace` empty for the clean
+    run."""
+    world = shape.world
     out, mem = tmp / "out", soak_run.mem_root("tr")
     flags = {**flags, "ckpt_dir": str(tmp / "ckpt"), "outdir": str(out)}
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
@@ -58,7 +60,7 @@ def run(trace: list[Fault], *, world: int, flags: dict, duration_s: float, tmp: 
             first = soak_run.wait_first_step(lambda: records(metrics), proc)
             result.t0, result.startup_s = first["t"], first["t"] - started
             end = result.t0 + duration_s
-            giver = Giver(proc, metrics, mem, world, result.t0, end)
+            giver = Giver(proc, metrics, mem, shape, result.t0, end)
             result.fired = [giver.give(f) for f in trace]
             result.ended = soak_run.sleep_until(end + 1.0, proc)
             giver.done.set()
@@ -76,8 +78,8 @@ class Giver:
     """Gives the trace's failures to torchrun's ranks, one at a time, each once the job
     trains again after the last one that ended an attempt."""
 
-    def __init__(self, proc, metrics: Path, mem: Path, world: int, t0: float, end: float):
-        self.proc, self.metrics, self.mem, self.world = proc, metrics, mem, world
+    def __init__(self, proc, metrics: Path, mem: Path, shape: Shape, t0: float, end: float):
+        self.proc, self.metrics, self.mem, self.shape = proc, metrics, mem, shape
         self.t0, self.end = t0, end
         self.since = t0 - 1.0  # the last failure that ended an attempt (the first step trains)
         self.done = threading.Event()  # ends a slow-down in progress
@@ -89,7 +91,7 @@ class Giver:
         while time.time() < self.end and self.proc.poll() is None:
             if time.time() >= due and self.trains():
                 pids = rank_pids(self.proc.pid)
-                if len(pids) == self.world:
+                if len(pids) == self.shape.world:
                     return self.act(f, pids)
             time.sleep(soak_run.POLL_S)
         return Fired(f, None, "not given: the window ended first")
@@ -102,10 +104,13 @@ class Giver:
         if f.kind == "kill":
             for pid in pids.values():
                 _signal(pid, signal.SIGKILL)
-        elif f.kind in ("kill_rank", "node_loss"):
+        elif f.kind == "kill_rank":
             _signal(pids[f.target], signal.SIGKILL)
-            if f.kind == "node_loss":
-                for held in self.mem.glob(f"es-mem-*/rank-{f.target}"):
+        elif f.kind == "node_loss":  # the node's ranks and their memory
+            per = self.shape.ranks_per_node
+            for rank in range(f.target * per, (f.target + 1) * per):
+                _signal(pids[rank], signal.SIGKILL)
+                for held in self.mem.glob(f"es-mem-*/rank-{rank}"):
                     shutil.rmtree(held, ignore_errors=True)
         elif f.kind in ("hang", "stall"):
             _signal(pids[f.target], signal.SIGSTOP)
