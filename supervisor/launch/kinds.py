@@ -244,6 +244,10 @@ class Mpiexec(LauncherKind):
             *launch.args,
             *worker,
         ]
+        if master_port:  # the rendezvous given, not agreed over MPI (ranks forked: `template`)
+            here = launch.emulate_nodes or all(map(hosts.is_this_host, nodes))
+            env = {**env, "MASTER_ADDR": "127.0.0.1" if here else nodes[0],
+                   "MASTER_PORT": str(master_port)}  # fmt: skip
         return LaunchPlan("hydra", [ProcSpec(argv, env)], world, nodes, self.STOP_SIGNALS["hydra"])
 
 

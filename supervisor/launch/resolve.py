@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.launch import hosts
 from supervisor.launch.kinds import LauncherKind
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.registry import launcher_for
@@ -76,6 +77,11 @@ class Resolved:
         self.hostfile().write_text("".join(f"{n}\n" for n in self.pool.active))
 
     def plan(self, env: dict[str, str], master_port: int = 0) -> LaunchPlan:
+        """An attempt's launch. Ranks forked from templates are given their rendezvous (a port
+        free here): they never start MPI, so Hydra, which ends a job's other processes the
+        moment one that started MPI exits, leaves each client the time to mirror its rank's
+        end."""
+        template = self.template_off is None
         return self.kind.plan(
             self.cfg,
             self.active,
@@ -83,9 +89,9 @@ class Resolved:
             self.flavor,
             env,
             self.hostfile(),
-            master_port,
+            master_port or (hosts.free_port() if template else 0),
             self.worker_overrides,
-            template=self.template_off is None,
+            template=template,
         )
 
     def prepared_plan(self, env: dict[str, str], node: str) -> LaunchPlan:
