@@ -8,6 +8,7 @@ import hmac
 import json
 from typing import Any
 
+from contracts.intervals import TIERS
 from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadMessage, _exact, sign
 
 # --- supervisor -> ranks: control (fault injection, standby) -------------------------------------
@@ -18,7 +19,12 @@ from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadM
 # go / exit: a standby rank resumes and trains / ends (`fault` is 0 for both).
 # become: a prepared rank (worker.prepared, no rank number yet) takes `env` (the rank's and the
 # attempt's variables) and starts as that rank; exit ends it too. Every other action's `env` is {}.
-CONTROL_ACTIONS = frozenset({"signal", "stall", "slow", "nan", "spike", "go", "exit", "become"})
+# interval: an "auto" tier's (`tier`: contracts.intervals.TIERS) new interval, `interval` steps,
+# from step `step` on (sent to rank 0, whose word every rank adopts in the step's agreement:
+# worker.intervals). Every other action's `tier` is "" and `interval` 0.
+CONTROL_ACTIONS = frozenset(
+    {"signal", "stall", "slow", "nan", "spike", "go", "exit", "become", "interval"}
+)
 STANDBY_ACTIONS = frozenset({"go", "exit", "become"})
 CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
@@ -35,6 +41,8 @@ CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "step": int,
     "factor": NUMBER,
     "env": dict,
+    "tier": str,
+    "interval": int,
 }
 MAX_ENV_VARS = 256  # a `become`'s variables: the contract's and [launch] env's, with room
 _CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
@@ -59,6 +67,8 @@ def control_message(
     step: int = 0,
     factor: float = 1.0,
     env: dict[str, str] | None = None,
+    tier: str = "",
+    interval: int = 0,
 ) -> dict[str, Any]:
     return {
         "v": VERSION,
@@ -75,6 +85,8 @@ def control_message(
         "step": int(step),
         "factor": float(factor),
         "env": dict(env or {}),
+        "tier": tier,
+        "interval": int(interval),
     }
 
 
@@ -108,6 +120,10 @@ def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) 
         raise BadMessage(
             f"field 'env': expected at most {MAX_ENV_VARS} names and values, all strings"
         )
+    if message["action"] == "interval" and not (
+        message["tier"] in TIERS and message["interval"] >= 1 and message["step"] >= 0
+    ):
+        raise BadMessage(f"field 'tier' or 'interval': expected one of {TIERS} and steps >= 1")
     if (message["job"], message["attempt"], message["rank"]) != (job, attempt, rank):
         raise BadMessage("a control message for another rank, attempt or job", "other_job")
     return message

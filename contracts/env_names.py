@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from contracts.intervals import DURABLE, MEMORY
+
 # --- supervisor -> ranks: environment ---------------------------------------------------------
 ENV_JOB_ID = "ES_JOB_ID"
 ENV_ATTEMPT = "ES_ATTEMPT"
@@ -44,6 +46,14 @@ ENV_PREPARED_WORLD = "ES_PREPARED_WORLD"
 # declares faults or keeps a standby; a rank connects a DEALER whose routing id is
 # `control_identity(...)`.
 ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
+
+# Optional: the interval, in steps, that an "auto" tier (`--mem-ckpt-interval auto`,
+# `--save-interval auto`) starts with: the supervisor's latest, set at every launch once it has
+# one (contracts.intervals; later changes come as the control action `interval`). Unset: the rank
+# tunes the tier itself from the prior MTBF until told.
+ENV_MEM_CKPT_INTERVAL = "ES_MEM_CKPT_INTERVAL"
+ENV_SAVE_INTERVAL = "ES_SAVE_INTERVAL"
+INTERVAL_ENV = {MEMORY: ENV_MEM_CKPT_INTERVAL, DURABLE: ENV_SAVE_INTERVAL}
 
 # Tests only: the failure points to arm in the ranks and the pre-launch node check
 # (`contracts.inject`), e.g. "rank=1,raise_at_step=5".

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.intervals import TIERS
+
 # --- ranks -> supervisor: messages --------------------------------------------------------------
 VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024
@@ -72,6 +74,9 @@ MAX_TIMING_S = 1e6
 # ... and `recent`: [step, compute] of each step since the rank's previous message, oldest first
 # (at most MAX_RECENT: the newest), so the supervisor scores every step, not one a beat.
 MAX_RECENT = 64
+# Rank 0's `step` may carry `cost`: {tier: seconds} (contracts.intervals.TIERS), what the copies
+# and saves since its previous step message cost the loop (the supervisor tunes "auto" intervals
+# by them). Optional.
 # The most ranks one summary may speak for (a node's ranks; 16 KiB hold ~1,000 of them).
 MAX_RELAY_RANKS = 1024
 
@@ -156,6 +161,8 @@ def validate(message: dict[str, Any]) -> None:
         validate_summary(message)
     if kind == "beat" or kind == "step":
         validate_timing(message)
+    if kind == "step" and "cost" in message:
+        validate_cost(message["cost"])
     if kind == "numeric_fault":
         validate_numeric_fault(message)
     if kind == "resumed" and "source" in message:
@@ -267,6 +274,14 @@ def validate_timing(message: dict[str, Any]) -> None:
             raise BadMessage(f"field {name!r}: expected seconds >= 0")
     if "recent" in message:
         _recent(message["recent"])
+
+
+def validate_cost(cost: Any) -> None:
+    """A step's `cost`: seconds >= 0 by checkpoint tier."""
+    if cost.__class__ is not dict or not all(
+        tier in TIERS and _seconds(seconds) for tier, seconds in cost.items()
+    ):
+        raise BadMessage(f"field 'cost': expected seconds >= 0 by tier ({', '.join(TIERS)})")
 
 
 def _recent(recent: Any) -> None:

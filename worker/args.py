@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from contracts import inject
 from contracts.env_names import ENV_INJECT
+from contracts.intervals import AUTO
 from worker.errors import UsageError
 from worker.guard import ACTIONS, MAX_SKIP_BATCHES, GuardConfig, parse_ranges
 from worker.layout import Layout, check_model_fits, plan_layout
@@ -44,14 +45,14 @@ class TrainArgs:
     pg_timeout: float
     log_every: int
     ckpt_dir: str | None
-    save_interval: int
+    save_interval: int | str  # steps, or "auto"
     no_resume: bool
     ckpt_keep: int
     ckpt_verify: str
     save_on_exit: bool
     async_ckpt: bool
     ckpt_stage_dir: str | None
-    mem_ckpt_interval: int
+    mem_ckpt_interval: int | str  # steps, or "auto"
     mem_partner: str
     metrics_all_ranks: bool
     guard: str = "skip"
@@ -60,6 +61,7 @@ class TrainArgs:
     guard_warmup: int = 20
     guard_skip_batches: int = 1
     skip_batches: str = ""
+    mtbf_prior_s: float = 3600.0
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -81,6 +83,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def interval(text: str) -> int | str:
+    """An interval flag's value: a number of steps, or "auto" (tuned while the run goes)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f'expected a number of steps or "{AUTO}", got {text!r}'
+        ) from None
 
 
 def refusal(exc: UsageError) -> str:
@@ -165,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         "resumed (the supervisor gives RUN_DIR/ckpt)",
     )
     c.add_argument(
-        "--save-interval", type=int, default=0, help="a checkpoint every N steps (0: none)"
+        "--save-interval",
+        type=interval,
+        default=0,
+        help="a checkpoint every N steps (0: none; auto: Young/Daly from what a save costs and "
+        "how often the job fails, tuned while it runs)",
     )
     c.add_argument(
         "--no-resume", action="store_true", help="start fresh even if a checkpoint exists"
@@ -199,11 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--mem-ckpt-interval",
-        type=int,
-        default=0,
+        type=interval,
+        default=AUTO,
         help="every N steps copy this rank's state into node-local shared memory (two slots, "
         "under $ES_MEM_ROOT or /dev/shm), which outlives the ranks: a relaunch on the same "
-        "nodes resumes from it when it is newer than the newest durable checkpoint (0: off)",
+        "nodes resumes from it when it is newer than the newest durable checkpoint (0: off; "
+        "auto: Young/Daly from what a copy costs and how often the job fails, tuned while it "
+        "runs; off without --ckpt-dir)",
+    )
+    c.add_argument(
+        "--mtbf-prior-s",
+        type=float,
+        default=3600.0,
+        help="the job's mean time between failures, in seconds, that auto intervals assume "
+        "until failures are seen (a run without the supervisor sees none)",
     )
     c.add_argument(
         "--mem-partner",
@@ -327,14 +354,18 @@ def check_args(a: TrainArgs) -> None:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1, got {a.min_lr_ratio}")
     if a.warmup_iters is not None and a.warmup_iters < 0:
         raise UsageError(f"--warmup-iters must be 0 or more, got {a.warmup_iters}")
-    if a.save_interval < 0:
+    if a.save_interval != AUTO and a.save_interval < 0:
         raise UsageError(f"--save-interval must be 0 (off) or positive, got {a.save_interval}")
-    if a.mem_ckpt_interval < 0:
+    if a.mem_ckpt_interval != AUTO and a.mem_ckpt_interval < 0:
         raise UsageError(
             f"--mem-ckpt-interval must be 0 (off) or positive, got {a.mem_ckpt_interval}"
         )
+    if not (math.isfinite(a.mtbf_prior_s) and a.mtbf_prior_s > 0):
+        raise UsageError(f"--mtbf-prior-s must be seconds > 0, got {a.mtbf_prior_s}")
     check_guard(a)
-    if (a.save_interval or a.async_ckpt or a.mem_ckpt_interval) and not a.ckpt_dir:
+    # "auto" for the memory tier (its default) means off without --ckpt-dir.
+    memory = a.mem_ckpt_interval != AUTO and a.mem_ckpt_interval
+    if (a.save_interval or a.async_ckpt or memory) and not a.ckpt_dir:
         raise UsageError(
             "--save-interval, --async-ckpt and --mem-ckpt-interval need --ckpt-dir (the memory "
             "tier is lost with a node and never replaces the durable one)"

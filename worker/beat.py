@@ -10,8 +10,8 @@ are dropped and counted: training never waits for the supervisor. Without `ES_HE
 The same thread, in the same one blocking wait, serves the rank's other sockets:
 
 - the control channel (`ES_CONTROL_ADDR`, worker.control_channel): the supervisor's signed
-  commands; a signal is carried out at once, `stall` and `slow` reach `StepFaults.apply`, the
-  training loop's one per-step hook, and a standby's `go` and `exit` reach
+  commands; a signal is carried out at once, `stall`, `slow` and the rest reach the training
+  loop's one per-step hook (worker.step_commands), and a standby's `go` and `exit` reach
   `wait_standby_command` (worker.standby);
 - the node's relay (`ES_HEARTBEAT_RELAY=1` and more than one rank on the node,
   worker.beacon_relay): local rank 0 binds its node's relay socket and sends the supervisor one
@@ -93,6 +93,10 @@ class Beacon:
     def timing(self, compute: float, wait: float) -> None:
         """The coming step's compute and wait in collectives (worker.step_clock): its `step`
         message and the beats after it carry them."""
+
+    def costs(self, costs: dict[str, float]) -> None:
+        """What copies and saves cost the steps since the last step message, by tier (rank 0:
+        the supervisor tunes "auto" intervals by them); the next `step` message carries them."""
 
     def ckpt(self, step: int, state: str) -> None: ...
 
@@ -176,6 +180,7 @@ class ZmqBeacon(Beacon):
         self._phase = "init"
         self._step = 0
         self._timing: dict[str, float] = {}  # the latest step's compute and wait (stragglers)
+        self._costs: dict[str, float] = {}  # copies' and saves' costs not sent yet (intervals)
         self._recent = RecentSteps()  # each step's compute since the last message (stragglers)
         self._dropped = 0  # not queued: the queue was full
         self._push: _Push | None = None  # the thread's, once it runs
@@ -214,10 +219,17 @@ class ZmqBeacon(Beacon):
             self._last_step_sent = now
         recent = self._recent.take()
         timing = {**self._timing, "recent": recent} if recent else self._timing
+        if self._costs:
+            costs, self._costs = self._costs, {}
+            timing = {**timing, "cost": costs}
         self._put("step", step=int(step), loss=float(loss), dt=float(dt), **timing)
 
     def timing(self, compute: float, wait: float) -> None:
         self._timing = {"compute": round(compute, 6), "wait": round(wait, 6)}
+
+    def costs(self, costs: dict[str, float]) -> None:
+        for tier, seconds in costs.items():
+            self._costs[tier] = round(self._costs.get(tier, 0.0) + seconds, 6)
 
     def ckpt(self, step: int, state: str) -> None:
         if state == "memory":
@@ -403,37 +415,3 @@ class ZmqBeacon(Beacon):
             self._relay.core.own(kind, fields, time.monotonic())
         assert self._push is not None
         self._push.send(messages.encode(self._key, self._id.message(kind, t, **fields)))
-
-
-class StepFaults:
-    """The training loop's per-step hook for the supervisor's in-step faults: `stall` blocks
-    inside the step for good (the beat thread keeps beating: progress is lost, liveness is not);
-    `slow` sleeps `delay_s` at every step until `duration_s` has passed (a straggler); `nan` and
-    `spike` are handed to the numerical guard (`numeric`)."""
-
-    def __init__(self, beacon: Beacon) -> None:
-        self._beacon = beacon
-        self._delay_s = 0.0
-        self._slow_until = 0.0
-        self._numeric: list[tuple[int, str, float]] = []
-
-    def numeric(self) -> list[tuple[int, str, float]]:
-        """`nan` and `spike` commands since the last call, as (step, kind, factor) for the
-        numerical guard (worker.guard_step), which applies each at the first step it runs at or
-        after the command's step: one that comes early is held, one that comes late applies at
-        the next step."""
-        out, self._numeric = self._numeric, []
-        return out
-
-    def apply(self) -> None:
-        for cmd in self._beacon.commands():
-            if cmd["action"] == "stall":
-                while True:
-                    time.sleep(1)
-            if cmd["action"] == "slow":
-                self._delay_s = cmd["delay_s"]
-                self._slow_until = time.monotonic() + cmd["duration_s"]
-            if cmd["action"] in ("nan", "spike"):
-                self._numeric.append((cmd["step"], cmd["action"], cmd["factor"]))
-        if self._delay_s and time.monotonic() < self._slow_until:
-            time.sleep(self._delay_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from contracts.intervals import AUTO, DURABLE, MEMORY
 from worker.args import TrainArgs, guard_config
 from worker.beat import Beacon
 from worker.ckpt import owner, resume
@@ -30,6 +32,7 @@ from worker.data import SyntheticData, TokenFileData
 from worker.dist import RankInfo, init_process_group, select_device, set_threads
 from worker.guard_step import GuardRun
 from worker.hooks import Hooks
+from worker.intervals import Intervals
 from worker.layout import Layout
 from worker.metrics import MetricsLog, metrics_dir
 from worker.model import Transformer
@@ -68,9 +71,30 @@ def ckpt_settings(args: TrainArgs) -> CkptSettings:
         start_fresh=args.no_resume,
         async_save=args.async_ckpt,
         stage_dir=args.ckpt_stage_dir,
-        mem_interval=args.mem_ckpt_interval,
+        mem_interval=memory_interval(args),
         mem_partner=args.mem_partner == "on",
         timeout_s=args.pg_timeout,
+    )
+
+
+def memory_interval(args: TrainArgs) -> int:
+    """The memory tier's interval as given, 0 when there is none: "auto" is on with a
+    checkpoint dir, 1 standing for it (the loop says when a copy is due: worker.intervals)."""
+    if args.mem_ckpt_interval == AUTO:
+        return 1 if args.ckpt_dir else 0
+    return int(args.mem_ckpt_interval)
+
+
+def intervals_of(args: TrainArgs, rank: int) -> Intervals:
+    """The run's checkpoint intervals: a number, or "auto" (started by the supervisor's
+    `ES_*_INTERVAL` when set)."""
+    return Intervals(
+        {MEMORY: args.mem_ckpt_interval, DURABLE: args.save_interval},
+        rank=rank,
+        memory_on=memory_interval(args) > 0,
+        prior_mtbf_s=args.mtbf_prior_s,
+        max_steps=args.train_iters,
+        env=os.environ,
     )
 
 
@@ -119,6 +143,7 @@ class Training:
     say: Callable[..., None]  # prints on rank 0 only
     startup: Startup
     guard: GuardRun  # the numerical guard: skipped data positions, baseline (worker.guard_step)
+    intervals: Intervals  # when the memory tier copies and the durable tier saves
 
     @property
     def start_step(self) -> int:
@@ -249,6 +274,7 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
             state.hooks.numeric_faults(),
             resumed.step if resumed is not None else 0,
         ),
+        intervals=intervals_of(args, info.rank),
     )
 
 

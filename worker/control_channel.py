@@ -2,11 +2,11 @@
 
 With `ES_CONTROL_ADDR` the beacon's thread also holds a DEALER socket to the supervisor's control
 server and verifies every command on it (signed, for this job, attempt and rank). A `signal` is
-carried out at once, by that thread (the rank signals itself); `stall` and `slow` must happen
-inside a step, so they are queued for the training loop (`worker.beat.StepFaults`); a standby's
-`go` and `exit` (and a prepared rank's `become`) are queued for `wait_standby`, where the main
-thread blocks until one comes (worker.standby, worker.prepared). The socket is the thread's
-alone (sockets are not thread-safe); the queues are how the two threads meet.
+carried out at once, by that thread (the rank signals itself); `stall`, `slow` and the rest must
+happen inside a step, so they are queued for the training loop (worker.step_commands); a
+standby's `go` and `exit` (and a prepared rank's `become`) are queued for `wait_standby`, where
+the main thread blocks until one comes (worker.standby, worker.prepared). The socket is the
+thread's alone (sockets are not thread-safe); the queues are how the two threads meet.
 """
 
 from __future__ import annotations

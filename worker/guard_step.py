@@ -13,6 +13,7 @@ positions since it. Rank 0 says each as one message (`numeric_fault`, `rollback`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,13 +123,18 @@ def local_norm(params: list[torch.nn.Parameter]) -> float:
 
 
 def shared_values(
-    loss: float, local_grad: float, stop_requested: bool, device: torch.device | None = None
+    loss: float,
+    local_grad: float,
+    stop_requested: bool,
+    device: torch.device | None = None,
+    more: Sequence[float] = (),
 ) -> torch.Tensor:
     """This rank's part of the step's agreement: its loss (0 when not finite, so the sum stays
-    finite), whether it was asked to stop, whether its loss or gradients are non-finite."""
+    finite), whether it was asked to stop, whether its loss or gradients are non-finite; then
+    `more` (what else the loop agrees on in the same all-reduce: worker.intervals)."""
     nonfinite = not (math.isfinite(loss) and math.isfinite(local_grad))
     own = 0.0 if nonfinite else loss
-    values = [own, float(stop_requested), float(nonfinite)]
+    values = [own, float(stop_requested), float(nonfinite), *more]
     return torch.tensor(values, dtype=torch.float64, device=device)  # nccl: on the device
 
 

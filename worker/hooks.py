@@ -4,7 +4,7 @@
 The training loop and the checkpoint code call a `Hooks`; this base class does nothing, so a
 run that arms nothing carries no test code on its path. `from_env` reads the variable once, at
 start, and builds the one that acts. Faults the supervisor sends (faults/) take another road:
-`beat.StepFaults`.
+`step_commands.StepFaults`.
 
 No torch here.
 """

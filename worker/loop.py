@@ -7,14 +7,15 @@ imported from here, and the time that takes is `startup/imports`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from contracts.intervals import DURABLE, MEMORY
 from worker import guard_recover, guard_step
 from worker.args import TrainArgs
-from worker.beat import Beacon, StepFaults
+from worker.beat import Beacon
 from worker.build import Setup, Training, build
 from worker.data import batch
 from worker.dist import RankInfo
@@ -26,6 +27,7 @@ from worker.presets import ModelConfig
 from worker.standby import build_after_go
 from worker.startup import Startup
 from worker.step_clock import CLOCK
+from worker.step_commands import StepFaults
 
 
 def run(
@@ -54,6 +56,7 @@ def run(
     step, tokens_seen = t.start_step, t.start_tokens
     beacon.phase("train", step)
     in_step_faults = StepFaults(beacon)  # faults/: stall or slow this rank when told to
+    t.intervals.begin(step + 1)
     said_startup = False
     while step < args.train_iters:
         step += 1
@@ -62,6 +65,8 @@ def run(
         t.hooks.in_step(step)
         in_step_faults.apply()
         t.guard.pending += in_step_faults.numeric()
+        for tier, every, from_step in in_step_faults.intervals():  # the supervisor's word
+            t.intervals.told(tier, every, from_step)
         done = train_step(t, step, stop_requested())
         if done.verdict is not None:  # not applied: skipped, or rolled back to a checkpoint
             step, tokens_seen = guard_recover.recover(t, step, done, tokens_seen)
@@ -73,11 +78,13 @@ def run(
             said_startup = True
             report_startup(t)
         report_timing(t, step)
+        report_intervals(t, step, dt)
         report_step(t, step, mean_loss, dt)
         t.ckpt.poll(step)
-        if not stopping and step < args.train_iters:  # the memory tier serves a relaunch
+        # the memory tier serves a relaunch: none at the last step or a stop
+        if not stopping and step < args.train_iters and t.intervals.due(MEMORY, step):
             t.ckpt.save_memory(step, tokens_seen, t.data_position(step))
-        if save_due(args, step, stopping):
+        if save_due(args, t.intervals.due(DURABLE, step), step, stopping):
             t.ckpt.save(step, tokens_seen, t.data_position(step))
         if stopping:
             say(f"stop requested: exiting after step {step}", flush=True)
@@ -102,9 +109,10 @@ def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepp
     local = guard_step.local_norm(params) if t.guard.cfg.on else 0.0
     grad_norm = clip_grad_norm(params, t.args.grad_clip).item()
     t.ckpt.before_update()  # a save's staging copy ran beside forward and backward
-    mean_loss, stopping, nonfinite = agree(
-        loss.item(), local, stop_requested, t.info.world, t.device
+    mean_loss, stopping, nonfinite, said = agree(
+        loss.item(), local, stop_requested, t.info.world, t.device, t.intervals.offer(step)
     )
+    t.intervals.agreed(said)  # rank 0's intervals, from this step on every rank
     verdict = t.guard.judge(mean_loss, grad_norm, nonfinite)
     t.metrics.add_to_next("train/grad_norm", grad_norm)
     if verdict is None:
@@ -115,22 +123,27 @@ def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepp
 
 
 def agree(
-    loss: float, local_grad: float, stop_requested: bool, world: int, device=None
-) -> tuple[float, bool, int]:
+    loss: float,
+    local_grad: float,
+    stop_requested: bool,
+    world: int,
+    device=None,
+    intervals: Sequence[float] = (),
+) -> tuple[float, bool, int, list[float]]:
     """The stop agreement: one small all-reduce carries the mean loss, whether any rank was
-    asked to stop, so every rank stops after the same step, and how many ranks hold a
-    non-finite loss or gradient (the guard's; the mean is then NaN on every rank). On the
-    training device: nccl reduces no CPU tensor."""
-    shared = guard_step.shared_values(loss, local_grad, stop_requested, device)
+    asked to stop, so every rank stops after the same step, how many ranks hold a non-finite
+    loss or gradient (the guard's; the mean is then NaN on every rank), and the checkpoint
+    intervals (rank 0's, the others give 0: worker.intervals), so that every rank copies and
+    saves at the same steps. On the training device: nccl reduces no CPU tensor."""
+    shared = guard_step.shared_values(loss, local_grad, stop_requested, device, intervals)
     with CLOCK.waiting():
         dist.all_reduce(shared)
-    return guard_step.agreed(shared, world)
+    return (*guard_step.agreed(shared, world), shared[3:].tolist())
 
 
-def save_due(args: TrainArgs, step: int, stopping: bool) -> bool:
-    """Every `--save-interval` steps; with `--save-on-exit` also at the last step and at a
-    stop."""
-    periodic = args.save_interval > 0 and step % args.save_interval == 0
+def save_due(args: TrainArgs, periodic: bool, step: int, stopping: bool) -> bool:
+    """At the steps the durable interval says (`periodic`: worker.intervals); with
+    `--save-on-exit` also at the last step and at a stop."""
     last = step == args.train_iters
     return periodic or ((last or stopping) and args.save_on_exit)
 
@@ -146,6 +159,21 @@ def report_startup(t: Training) -> None:
     if t.resumed is not None:
         t.metrics.add_to_next("train/restart_seconds", t.startup.total)
         t.beacon.resumed(t.start_step, t.startup.total, t.resumed.source, t.resumed.why)
+
+
+def report_intervals(t: Training, step: int, dt: float) -> None:
+    """What the copies and saves since the last step cost it, for the intervals' tuning (rank 0
+    tells the supervisor too, on its step message); an interval changed goes on the metrics
+    record."""
+    costs = t.ckpt.take_costs()
+    t.intervals.after_step(step, dt, costs)
+    if costs and t.info.rank == 0:
+        t.beacon.costs(costs)
+    for tier, every in t.intervals.take_changed().items():
+        t.metrics.set_on_next(INTERVAL_METRIC[tier], every)
+
+
+INTERVAL_METRIC = {MEMORY: "train/mem_ckpt_interval", DURABLE: "train/save_interval"}
 
 
 def report_step(t: Training, step: int, mean_loss: float, dt: float) -> None:

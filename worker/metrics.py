@@ -29,6 +29,10 @@ class MetricsLog:
     def add_to_next(self, name: str, value: float) -> None:
         self._pending[name] = self._pending.get(name, 0.0) + value
 
+    def set_on_next(self, name: str, value: float) -> None:
+        """A value that is not a sum (an interval now in force)."""
+        self._pending[name] = value
+
     def record(self, step: int, loss: float, dt: float, tokens: int) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "step": step,

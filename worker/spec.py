@@ -9,6 +9,8 @@ The contract, for any worker package that wants its flags checked and planned:
 
 - `MODULES`: the `python -m` modules whose flags this spec describes.
 - `flag_kinds()`: every flag by its `[worker]` key (the argparse dest), True for a switch.
+- `flag_defaults()` (optional): every flag's default by its `[worker]` key: what a key left
+  out means (the supervisor reads the checkpoint intervals and their prior from it).
 - `flags_problem(argv)`: why the worker refuses these flags, or None.
 - `run_problem(argv, world)`: the same, and of the model's sizes and mesh on `world` ranks.
 - `plan_shrink(argv, world, new_world)`: a plan with `new_world`, `flags` (the `[worker]` keys
@@ -22,6 +24,7 @@ the supervisor needs none of the worker's types.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from worker import args as worker_args
 from worker.errors import UsageError
@@ -29,7 +32,15 @@ from worker.shrink_plan import ShrinkPlan, plan_shrink
 
 MODULES = ("worker.train",)
 
-__all__ = ["MODULES", "ShrinkPlan", "flag_kinds", "flags_problem", "plan_shrink", "run_problem"]
+__all__ = [
+    "MODULES",
+    "ShrinkPlan",
+    "flag_defaults",
+    "flag_kinds",
+    "flags_problem",
+    "plan_shrink",
+    "run_problem",
+]
 
 
 def flag_kinds() -> dict[str, bool]:
@@ -39,6 +50,16 @@ def flag_kinds() -> dict[str, bool]:
     return {
         action.dest: action.nargs == 0
         for action in parser._actions  # argparse keeps no public list of its options
+        if action.option_strings and action.dest != "help"
+    }
+
+
+def flag_defaults() -> dict[str, Any]:
+    """Every `--flag`'s default by its dest (`mem_ckpt_interval`: "auto")."""
+    parser = worker_args.build_parser()
+    return {
+        action.dest: action.default
+        for action in parser._actions
         if action.option_strings and action.dest != "help"
     }
 

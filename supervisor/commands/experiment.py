@@ -3,7 +3,8 @@
 CONFIG is a job config plus an `[experiment]` table. Its phases run one after another on the
 same nodes, each a full supervised job in its own run dir under the experiment dir:
 
-- `baseline`: no faults, no checkpoints (save_interval 0, no save on exit);
+- `baseline`: no faults, no checkpoints (save_interval and mem_ckpt_interval 0, no save on
+  exit);
 - `sync`: the config's [[faults]] and checkpoints, synchronous saves;
 - `async`: the same faults and seed, `--async-ckpt`.
 
@@ -114,6 +115,7 @@ def phase_raw(e: Experiment, phase: str) -> dict[str, Any]:
     if phase == "baseline":
         raw.pop("faults", None)
         worker["save_interval"] = 0
+        worker["mem_ckpt_interval"] = 0  # the memory tier's default is "auto": on
         worker["save_on_exit"] = False
         worker.pop("async_ckpt", None)
     elif phase == "sync":

@@ -18,18 +18,22 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from contracts import env_names, locks, scratch
+from contracts import env_names, intervals, locks, scratch
 from supervisor.host import hygiene
 from supervisor.settings.config import LaunchConfig
 
 
 # --- decisions ------------------------------------------------------------------------------------
-def wanted(worker_flags: dict[str, Any]) -> bool:
-    """Whether the job's ranks keep a memory tier (`[worker] mem_ckpt_interval` > 0)."""
+def wanted(worker_flags: Mapping[str, Any]) -> bool:
+    """Whether the job's ranks keep a memory tier (`[worker] mem_ckpt_interval` > 0, or "auto"
+    with a checkpoint dir, as resolved)."""
     interval = worker_flags.get("mem_ckpt_interval")
+    if interval == intervals.AUTO:
+        return bool(worker_flags.get("ckpt_dir"))
     return isinstance(interval, int) and not isinstance(interval, bool) and interval > 0
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts import scratch
-from supervisor.host import hygiene, node_probe
+from supervisor.host import hygiene, memdir, node_probe
 from supervisor.host.node_probe import MARK
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.processes import child_setup, helper_process
@@ -62,7 +62,7 @@ def dirs_to_check(flags: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
     dirs = [str(flags["ckpt_dir"])] if flags.get("ckpt_dir") else []
     if flags.get("async_ckpt"):
         dirs.append(str(flags.get("ckpt_stage_dir") or hygiene.temp_dir(env)))
-    if flags.get("mem_ckpt_interval"):
+    if memdir.wanted(flags):
         dirs.append(scratch.base_root(dict(env)))  # each emulated node's own root lies under it
     return dirs
 

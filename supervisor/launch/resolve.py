@@ -20,7 +20,7 @@ from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.registry import launcher_for
 from supervisor.policy.nodes import NodePool
 from supervisor.policy.prepared_rules import template_unavailable
-from supervisor.settings import checks, toml_dump
+from supervisor.settings import checks, toml_dump, worker_flags
 from supervisor.settings import config as config_mod
 from supervisor.settings.config import Config
 
@@ -149,6 +149,10 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
     run_dir = config_mod.expand_run_dir(cfg)
     flags = cfg.worker.flags
     flags.setdefault("ckpt_dir", str(run_dir / "ckpt"))
+    # the memory tier's default ("auto": on, with the ckpt_dir above) said, for what reads it
+    memory = worker_flags.with_defaults(cfg).get("mem_ckpt_interval")
+    if memory is not None:
+        flags.setdefault("mem_ckpt_interval", memory)
     for key, value in flags.items():
         if isinstance(value, str):
             flags[key] = value.replace("{run_dir}", str(run_dir)).replace("{name}", cfg.job.name)

@@ -16,6 +16,7 @@ import statistics
 from typing import Any
 
 from supervisor.reporting.guard_md import guard_rows
+from supervisor.reporting.intervals_md import interval_rows
 from supervisor.reporting.load import RunData, StepRecord
 from supervisor.reporting.model import Analysis, Failure, NodeEvent, Totals
 from supervisor.reporting.saving import checkpoints_of, memory_tier, young_daly
@@ -104,6 +105,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         memory=memory_tier(records),
         guard=guard_rows(ev, t0),
         stragglers=straggler_rows(ev),
+        intervals=interval_rows(ev, t0),
     )
 
 

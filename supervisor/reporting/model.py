@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.reporting.guard_md import GuardRow
+from supervisor.reporting.intervals_md import IntervalRow
 from supervisor.reporting.stragglers_md import StragglerRow
 
 
@@ -189,6 +190,7 @@ class Analysis:
     memory: MemoryTier | None = None  # None: no memory tier ran
     guard: list[GuardRow] = field(default_factory=list)  # the numerical guard's events
     stragglers: list[StragglerRow] = field(default_factory=list)  # `straggler` events
+    intervals: list[IntervalRow] = field(default_factory=list)  # "auto" interval decisions
 
     @property
     def shows_nodes(self) -> bool:

@@ -1,4 +1,5 @@
-"""report.png: steps against wall-clock minutes with each failure marked, and the stall per save.
+"""report.png: steps against wall-clock minutes with each failure marked, the stall per save, and
+the "auto" checkpoint intervals over time when the run had any.
 
 matplotlib (Agg) is imported here only, so `run` and `report --no-plot` never pay for it.
 """
@@ -31,9 +32,17 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(
-        2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [2.2, 1]}, constrained_layout=True
+    tuned = bool(a.intervals)
+    fig, axes = plt.subplots(
+        3 if tuned else 2,
+        1,
+        figsize=(11, 10 if tuned else 7.5),
+        gridspec_kw={"height_ratios": [2.2, 1, 1] if tuned else [2.2, 1]},
+        constrained_layout=True,
     )
+    ax, bx = axes[0], axes[1]
+    if tuned:
+        _plot_intervals(axes[2], a)
     if a.baseline is not None:
         for i, (xs, ys) in enumerate(_segments(a.baseline.curve)):
             label = f"{labels[1]} ({a.baseline.totals.wall_s / 60:.2f} min)" if i == 0 else None
@@ -109,6 +118,32 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+TIER_COLORS = {"memory": "tab:cyan", "durable": "tab:orange"}
+
+
+def _plot_intervals(cx, a: Analysis) -> None:
+    """Each "auto" tier's interval (steps) as decided over the run, failures marked."""
+    end = a.totals.wall_s / 60
+    for tier in dict.fromkeys(r.tier for r in a.intervals):
+        rows = [r for r in a.intervals if r.tier == tier and r.t_s is not None]
+        if not rows:
+            continue
+        xs = [r.t_s / 60 for r in rows] + [max(end, rows[-1].t_s / 60)]
+        ys = [r.new for r in rows] + [rows[-1].new]
+        cx.step(xs, ys, where="post", lw=2, color=TIER_COLORS.get(tier), label=f"{tier} tier")
+    for n, f in enumerate(a.failures):
+        cx.axvline(f.at_s / 60, color=FAIL_COLOR, ls=":", lw=1.2,
+                   label="failure" if n == 0 else None)  # fmt: skip
+    values = [r.new for r in a.intervals]
+    if values and max(values) >= 20 * max(1, min(values)):
+        cx.set_yscale("log")
+    cx.set_xlabel("wall-clock (minutes since start)")
+    cx.set_ylabel('"auto" interval (steps)')
+    cx.set_xlim(left=0)
+    cx.grid(alpha=0.3)
+    cx.legend(loc="upper right", fontsize=8.5)
 
 
 def node_marks(a: Analysis) -> list[tuple[float, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from supervisor.reporting.guard_md import guard_md
+from supervisor.reporting.intervals_md import intervals_md
 from supervisor.reporting.model import Analysis, Failure, NodeEvent
 from supervisor.reporting.stragglers_md import stragglers_md
 
@@ -283,6 +284,9 @@ def render(a: Analysis) -> str:
     if memory:
         lines += ["## Memory tier", "", *memory, ""]
     lines += ["## Checkpoint interval (Young/Daly)", "", *interval_md(a), ""]
+    tuned = intervals_md(a.intervals)
+    if tuned:
+        lines += ['## Checkpoint intervals ("auto"), over time', "", *tuned, ""]
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.processes import Exit, TeardownResult
 from supervisor.launch.resolve import Resolved
 from supervisor.run.fault_hooks import FaultHooks
+from supervisor.run.intervals import IntervalKeeper
 from supervisor.watch import relays
 from supervisor.watch.control import ControlServer
 
@@ -84,6 +85,7 @@ class JobContext:
     console: IO[str] | None
     control: ControlServer | None = None  # signed commands to ranks (faults, standby go/exit)
     restarts_left: Callable[[], int] = lambda: 1  # the job's (a straggler's relaunch is one)
+    intervals: IntervalKeeper | None = None  # "auto" checkpoint intervals, when there are any
 
     def rank_env(self, attempt: int, attempt_dir: Path, standby: bool) -> dict[str, str]:
         """The environment of one attempt's ranks: [launch] env, then the contract's names."""
@@ -102,6 +104,8 @@ class JobContext:
             env[env_names.ENV_CONTROL_ADDR] = self.control.address
         if standby:
             env[env_names.ENV_STANDBY] = "1"
+        if self.intervals is not None:  # the latest "auto" intervals
+            env.update(self.intervals.rank_env(attempt, standby))
         env.update(memdir.rank_env(cfg.launch))
         env.update(malloc_env.huge_pages_env(cfg.launch.huge_pages, cfg.launch.env, os.environ))
         world, ranks_per_node = self.resolved.world, cfg.launch.ranks_per_node

@@ -23,7 +23,7 @@ from supervisor.launch.resolve import Resolved
 from supervisor.log.events import EventLog
 from supervisor.policy import prepared_rules, restarts
 from supervisor.policy.restarts import AttemptRecord, Decision
-from supervisor.run import fault_hooks, services, stragglers
+from supervisor.run import fault_hooks, intervals, services, stragglers
 from supervisor.run.attempt import Attempt, AttemptResult
 from supervisor.run.context import JobContext, Launcher
 from supervisor.run.node_keeper import NodeKeeper
@@ -65,12 +65,13 @@ class Job:
         self.standby: StandbyKeeper | None = None
         self.prepared: PreparedRanks | None = None  # prepared ranks ([restart] warm_spare)
         self.templates: Templates | None = None  # fork templates ([restart] template)
+        self.intervals: intervals.IntervalKeeper | None = None  # "auto" checkpoint intervals
         self.events_failing: str | None = None  # why events.jsonl could not be written at the end
         self.scratch = NodeScratch(self.cfg, self.job_id, self.emit)
 
     # --- the loop ------------------------------------------------------------------------------
     async def run(self) -> ExitCode:
-        first_attempt = self._prepare()
+        first_attempt = prepare_run_dir(self.resolved)
         services = self._open()
         code, reason = ExitCode.ERROR, "internal error"
         try:
@@ -92,8 +93,11 @@ class Job:
         self.log = EventLog(self.resolved.run_dir / "events.jsonl", self.console)
         self.launcher.prepare()
         self.server = server = services.bind_heartbeat(self.resolved, self.key, self.job_id)
-        if self.cfg.restart.standby or self.cfg.faults:
+        auto = intervals.auto_tiers(self.cfg)  # checkpoint intervals that tune themselves
+        if self.cfg.restart.standby or self.cfg.faults or auto:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
+        if auto is not None and self.control is not None:
+            self.intervals = intervals.IntervalKeeper(auto, self.job_id, self.control, self.emit)
         self.faults = fault_hooks.for_job(
             self.cfg, self.resolved.world, self.key, self.job_id, server.address, self.emit,
             self.control, others=self._standby_tables,
@@ -103,6 +107,7 @@ class Job:
             self.resolved, self.job_id, self.key, server.address, self.launcher, self.faults,
             self.emit, lambda: server.drain(self._on_message), self.console, self.control,
             lambda: restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts),
+            self.intervals,
         )  # fmt: skip
         if self.cfg.restart.standby:
             self.standby = StandbyKeeper(
@@ -186,6 +191,8 @@ class Job:
             number = attempt.number
             result = await self._attempt(attempt)
             self.history.append(result.record)
+            if self.intervals is not None:  # a failure: the rate the intervals are tuned for
+                self.intervals.attempt_ended(result.record)
             if result.replace is not None and not self.stop.count:  # its node out, relaunched
                 attempt = await stragglers.replace(result, self)
                 if isinstance(attempt, Attempt):
@@ -305,22 +312,7 @@ class Job:
             **facts,
         )
 
-    # --- setup and services -------------------------------------------------------------------
-    def _prepare(self) -> int:
-        """The run dir, its resolved config and host file; the first attempt's number."""
-        run_dir = self.resolved.run_dir
-        try:
-            (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(toml_dump.dumps(self.resolved.resolved_dict()))
-            self.resolved.write_hostfile()
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-            raise config_mod.ConfigError(
-                str(run_dir), "", f"run dir cannot be written ({why}); free it or choose another"
-            ) from None
-        existing = [int(p.name) for p in (run_dir / "attempts").iterdir() if p.name.isdigit()]
-        return max(existing) + 1 if existing else 0
-
+    # --- services --------------------------------------------------------------------------------
     def emit(self, event: str, **facts: Any) -> None:
         self.log.emit(event, **facts)
 
@@ -333,7 +325,25 @@ class Job:
         to = self.attempts.get(msg["attempt"]) or self.active
         if to is not None:
             to.on_message(msg, now)
+        if self.intervals is not None:  # rank 0's step times and costs
+            self.intervals.on_message(msg)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop.request()
         self.emit("signal", signal=signal.Signals(sig).name, count=self.stop.count)
+
+
+def prepare_run_dir(resolved: Resolved) -> int:
+    """The run dir, its resolved config and host file; the first attempt's number."""
+    run_dir = resolved.run_dir
+    try:
+        (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(toml_dump.dumps(resolved.resolved_dict()))
+        resolved.write_hostfile()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise config_mod.ConfigError(
+            str(run_dir), "", f"run dir cannot be written ({why}); free it or choose another"
+        ) from None
+    existing = [int(p.name) for p in (run_dir / "attempts").iterdir() if p.name.isdigit()]
+    return max(existing) + 1 if existing else 0

@@ -7,6 +7,9 @@ so this costs the supervisor milliseconds.
 
 from __future__ import annotations
 
+from typing import Any
+
+from supervisor.settings import worker_spec
 from supervisor.settings.checks import check_worker_keys, spec_of, worker_error
 from supervisor.settings.config import DEFAULT_MODULE, Config
 
@@ -25,3 +28,9 @@ def check(cfg: Config, world: int) -> str | None:
     if refusal is not None:
         raise worker_error(cfg, refusal)
     return None
+
+
+def with_defaults(cfg: Config) -> dict[str, Any]:
+    """`[worker]` with every key left out at the worker's own default (its spec's; a worker
+    without a spec: the keys given)."""
+    return {**worker_spec.flag_defaults(spec_of(cfg)), **cfg.worker.flags}

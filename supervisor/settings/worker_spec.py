@@ -47,6 +47,13 @@ class WorkerSpec(Protocol):
 CALLS = ("flag_kinds", "flags_problem", "run_problem", "plan_shrink")  # WorkerSpec's functions
 
 
+def flag_defaults(spec: WorkerSpec | None) -> dict[str, Any]:
+    """The spec's flag defaults by `[worker]` key (its optional `flag_defaults()`); {} for a
+    worker without a spec or a spec without them."""
+    defaults = getattr(spec, "flag_defaults", None)
+    return dict(defaults()) if callable(defaults) else {}
+
+
 class SpecError(ValueError):
     """A worker package's `spec` that cannot be imported, or names the module but lacks one of
     the contract's functions (one line)."""

@@ -19,7 +19,8 @@ from supervisor.commands import cli
 from supervisor.settings import config as C
 from supervisor.watch.control import ControlServer
 from tests.support import fake_checkpoints
-from worker.beat import StepFaults, ZmqBeacon
+from worker.beat import ZmqBeacon
+from worker.step_commands import StepFaults
 
 SHAPE = JobShape(train_iters=100, save_interval=10, world=4, nodes=2, ranks_per_node=2)
 ALL = frozenset(range(4))

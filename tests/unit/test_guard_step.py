@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from contracts.intervals import DURABLE, MEMORY
 from worker.ckpt.manager import CheckpointManager
 from worker.data import SyntheticData
 from worker.guard import Baseline, GuardConfig
 from worker.guard_step import GuardRun
+from worker.intervals import Intervals
 from worker.loop import train_step
 from worker.metrics import MetricsLog
 from worker.model import Transformer
@@ -21,6 +23,11 @@ from worker.presets import resolve_config
 
 SIZES = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
          "vocab_size": 64, "seq_len": 16}  # fmt: skip
+
+
+NO_CHECKPOINTS = Intervals(
+    {MEMORY: 0, DURABLE: 0}, rank=0, memory_on=False, prior_mtbf_s=1.0, max_steps=10, env={}
+)
 
 
 def training(warmup: int = 2) -> SimpleNamespace:
@@ -41,6 +48,7 @@ def training(warmup: int = 2) -> SimpleNamespace:
         dp_rank=0,
         ckpt=CheckpointManager(),
         metrics=MetricsLog(None),
+        intervals=NO_CHECKPOINTS,
     )
 
 

@@ -16,7 +16,8 @@ from supervisor.settings.loading import from_dict
 from supervisor.watch.rank_table import AttemptTable
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
-from worker.beat import Beacon, StepFaults
+from worker.beat import Beacon
+from worker.step_commands import StepFaults
 
 SHAPE = JobShape(train_iters=100, save_interval=10, world=2, nodes=1, ranks_per_node=2)
 

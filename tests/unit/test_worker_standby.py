@@ -18,7 +18,7 @@ from contracts import control_msgs, env_names, messages
 from worker import startup as S
 from worker.args import parse_args, plan_run
 from worker.beat import Beacon, ZmqBeacon
-from worker.build import Setup, build_state, join_group
+from worker.build import Setup, build_state, intervals_of, join_group
 from worker.ckpt import rng
 from worker.dist import RankInfo
 from worker.errors import UsageError
@@ -93,6 +93,7 @@ def test_warm_up_changes_nothing_the_run_computes(one_rank):
             self.dp_rank, self.info = 0, SimpleNamespace(rank=0, world=1)
             self.ckpt = type("NoCkpt", (), {"before_update": lambda self: None})()
             self.guard, self.metrics = GuardRun(GuardConfig("skip")), MetricsLog(None)
+            self.intervals = intervals_of(setup.args, 0)
 
     for step in (1, 2, 3):
         lc, lw = train_step(T(cold), step, False), train_step(T(warm), step, False)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from contracts import ckpt_files
+from contracts.intervals import DURABLE
 from worker.args import parse_args
+from worker.build import intervals_of
 from worker.data import SyntheticData, batch
 from worker.dist import detect_rank
 from worker.errors import UsageError
@@ -210,4 +212,5 @@ def test_a_bad_inject_is_a_usage_error():
 )
 def test_save_decision(flags, step, stopping, due):
     args = parse_args(["--train-iters", "20", "--ckpt-dir", "c", *flags])
-    assert save_due(args, step, stopping) is due
+    periodic = intervals_of(args, rank=0).due(DURABLE, step)
+    assert save_due(args, periodic, step, stopping) is due

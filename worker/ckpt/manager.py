@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 
 from contracts import ckpt_files
 from contracts.env_names import ENV_JOB_ID, node_name
+from contracts.intervals import DURABLE, MEMORY
 from worker import guard
 from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume
@@ -52,7 +54,12 @@ class CheckpointManager:
         """Checkpoint the state as of the end of `step`."""
 
     def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
-        """After every step: the memory tier's copy when one is due."""
+        """After a step the memory tier copies (the loop says which: worker.intervals)."""
+
+    def take_costs(self) -> dict[str, float]:
+        """What the copies and saves cost the loop since the last call, by tier (`memory`,
+        `durable`: seconds it was blocked), for the intervals' tuning."""
+        return {}
 
     def before_update(self) -> None:
         """Before the optimizer step, which changes the state a save may still be copying."""
@@ -159,6 +166,11 @@ class SyncManager(CheckpointManager):
         self.memory_handover = 0.0  # what the memory tier's save call blocked, after the step
         self.memory_said = -1  # the newest sealed memory copy said to the supervisor
         self.partner_seen: PartnerStats | None = None  # the partner counts said so far
+        self.costs: Counter[str] = Counter()  # seconds by tier, since the last take_costs
+
+    def take_costs(self) -> dict[str, float]:
+        out, self.costs = dict(self.costs), Counter()
+        return out
 
     def load(self, chosen: Chosen) -> Resumed | None:
         """Collective with the memory tier: a slot that a rank refuses at load (a chunk that
@@ -257,7 +269,7 @@ class SyncManager(CheckpointManager):
         """Sync saves leave nothing in flight."""
 
     def save_memory(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
-        if self.memory is not None and self.memory.due(step):
+        if self.memory is not None and self.memory.enabled:
             started = time.perf_counter()
             self.memory.save(step, tokens_seen, data)
             self.memory_handover = time.perf_counter() - started
@@ -270,6 +282,7 @@ class SyncManager(CheckpointManager):
         if copied is not None:  # the stall: the hand-over after the step, then this wait
             stall = self.memory_handover + copied.wait_seconds
             self.metrics.add_to_next("train/mem_ckpt_stall_seconds", stall)
+            self.costs[MEMORY] += stall
             self.metrics.add_to_next("train/mem_ckpt_copy_seconds", copied.copy_seconds)
             if copied.sealed is not None and copied.sealed > self.memory_said:
                 # Sealed (checksummed, on the copy thread after the copy): a relaunch may
@@ -335,6 +348,7 @@ class SyncManager(CheckpointManager):
     def _save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         seconds = self.base.save(step, tokens_seen, data)
         self.metrics.add_to_next("train/ckpt_save_seconds", seconds)
+        self.costs[DURABLE] += seconds
         self._say_complete(step)
         self.say(f"checkpoint step={step} saved in {seconds:.2f}s", flush=True)
 
@@ -390,6 +404,7 @@ class AsyncManager(SyncManager):
             return
         stall = self.handover_seconds + staged.wait_seconds
         self.metrics.add_to_next("train/ckpt_stage_seconds", stall)
+        self.costs[DURABLE] += stall
         self.metrics.add_to_next("train/ckpt_stage_copy_seconds", staged.copy_seconds)
         self.beacon.ckpt(staged.step, "staged")
         self.say(
