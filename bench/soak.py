@@ -221,23 +221,27 @@ def figures(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict:
 
 
 def check(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict | None:
-    """Every record's loss against the reference: the clean run's, or after a stayed `nan`
-    the worker alone with the skipped positions."""
+    """Every record's loss against its reference: the clean run's; after a `nan` the worker
+    run alone with the skipped positions, for the records that trained with them."""
     found: list[Numeric] = numerics(traced.skipped, traced.resumes)
+    refs: dict[str, dict] = {}
+    if clean is not None:
+        refs["clean"] = {r["step"]: r["loss"] for r in clean.records}
     skip = skip_positions(found)
-    if skip:
-        if args.no_verify:
-            return {"note": "not checked: a nan's skip and --no-verify"}
+    if skip and not args.no_verify:
         upto = max(r["step"] for r in traced.records)
-        ref = soak_reference.losses(traced.run_dir, traced.world, skip, upto, tmp / "reference")
-        if not ref:
+        refs["skipped"] = soak_reference.losses(
+            traced.run_dir, traced.world, skip, upto, tmp / "reference"
+        )
+        if not refs["skipped"]:
             return {"note": f"not checked: the reference run made no step ({tmp / 'reference'})"}
-    elif clean is not None:
-        ref = {r["step"]: r["loss"] for r in clean.records}
-    else:
+    if not refs:
         return None
-    got = exactness(traced.records, ref, found, traced.resumes).as_dict()
-    return {**got, "against": "worker with --skip-batches" if skip else "clean run"}
+    got = exactness(traced.records, refs, found, traced.resumes).as_dict()
+    against = "the clean run" + (" and the worker with --skip-batches" if skip else "")
+    if skip and args.no_verify:
+        against += " (after a nan: --no-verify, not checked)"
+    return {**got, "against": against}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -305,7 +309,7 @@ def show_run(system: str, i: int, f: dict) -> None:
     e = f["exact"]
     if e:
         if "wrong" in e:
-            print(f"  bit-exact against the {e['against']}: {e['wrong']} of {e['checked']} steps "
+            print(f"  bit-exact against {e['against']}: {e['wrong']} of {e['checked']} steps "
                   f"wrong{'' if not e['first_wrong'] else ' ' + str(e['first_wrong'])}, "
                   f"{e['not_checked']} not checked")  # fmt: skip
         else:

@@ -73,18 +73,29 @@ def pace(clean_steps: int | None, duration_s: float) -> float | None:
 
 @dataclass(frozen=True)
 class Numeric:
-    """A bad step the guard skipped: its step, the attempt, and whether its skip stayed (no
-    later attempt resumed from before it, which would train that step again without it)."""
+    """A bad step the guard skipped: its step, the attempt, and whether its skip stayed (the
+    last attempt's line of checkpoints holds it)."""
 
     step: int
     attempt: int
     stayed: bool
 
 
+def inherits(step: int, attempt: int, later: int, resumes: Sequence[tuple[int, int]]) -> bool:
+    """Whether attempt `later` trains with a skip made at `step` by `attempt`: it is that
+    attempt or a later one, and no attempt between resumed from before the step (a resume from
+    a checkpoint past it carries the skip in its data record; an earlier checkpoint's line has
+    none)."""
+    if later < attempt:
+        return False
+    return not any(attempt < b <= later and r < step for b, r in resumes)
+
+
 def numerics(bad: Sequence[tuple[int, int]], resumes: Sequence[tuple[int, int]]) -> list[Numeric]:
     """`bad`: (attempt, step) of each skipped step; `resumes`: (attempt, resumed step) of each
-    relaunched attempt. A skip is undone by a later attempt that resumed from before it."""
-    return [Numeric(step, a, not any(b > a and r < step for b, r in resumes)) for a, step in bad]
+    relaunched attempt. A skip stays unless a later attempt resumed from before it."""
+    last = max([a for a, _ in bad] + [b for b, _ in resumes], default=0)
+    return [Numeric(step, a, inherits(step, a, last, resumes)) for a, step in bad]
 
 
 def skip_positions(found: Sequence[Numeric]) -> list[int]:
@@ -94,15 +105,19 @@ def skip_positions(found: Sequence[Numeric]) -> list[int]:
     return [s + k for k, s in enumerate(stayed)]
 
 
-def unchecked(record: dict, found: Sequence[Numeric], resumes: Sequence[tuple[int, int]]) -> bool:
-    """A record trained with a skip that a later resume undid: it follows no reference."""
-    for n in found:
-        if n.stayed or record["step"] < n.step or record["attempt"] < n.attempt:
-            continue
-        undone_by = min((b for b, r in resumes if b > n.attempt and r < n.step), default=None)
-        if undone_by is not None and record["attempt"] < undone_by:
-            return True
-    return False
+def reference_for(
+    record: dict, found: Sequence[Numeric], resumes: Sequence[tuple[int, int]]
+) -> str | None:
+    """Which reference a record must equal: `clean` (no skip reached it), `skipped` (the worker
+    run with every stayed skip: the record trained with those of them up to its step, and no
+    other), else None (it trained with a skip a later resume undid: no reference has it)."""
+    s, a = record["step"], record["attempt"]
+    applied = {n for n in found if n.step <= s and inherits(n.step, n.attempt, a, resumes)}
+    if not applied:
+        return "clean"
+    if applied == {n for n in found if n.stayed and n.step <= s}:
+        return "skipped"
+    return None
 
 
 @dataclass
@@ -121,18 +136,29 @@ class Exactness:
 
 def exactness(
     records: Sequence[dict],
-    reference: dict[int, object],
+    references: dict[str, dict[int, object]],
     found: Sequence[Numeric] = (),
     resumes: Sequence[tuple[int, int]] = (),
 ) -> Exactness:
-    """Every record's loss against the reference's loss at its step, bit for bit."""
+    """Every record's loss against its reference's loss at its step, bit for bit.
+    `references`: step -> loss of `clean` (the clean run) and, after a stayed skip, `skipped`;
+    a record with no skip reached is checked against `skipped` when there is no clean run
+    (the two agree up to the first skip)."""
     wrong, checked, skipped = set(), set(), set()
     for r in records:
-        if r["step"] not in reference or unchecked(r, found, resumes):
+        which = reference_for(r, found, resumes)
+        ref = references.get(which) if which else None
+        if (
+            which == "clean"
+            and ref is None
+            and not any(n.stayed and n.step <= r["step"] for n in found)
+        ):
+            ref = references.get("skipped")
+        if ref is None or r["step"] not in ref:
             skipped.add(r["step"])
             continue
         checked.add(r["step"])
-        if r["loss"] != reference[r["step"]]:
+        if r["loss"] != ref[r["step"]]:
             wrong.add(r["step"])
     return Exactness(sorted(wrong), len(checked), len(skipped - checked))
 

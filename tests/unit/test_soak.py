@@ -100,17 +100,35 @@ def test_a_nan_s_skip_stays_unless_a_later_resume_goes_back_before_it():
     assert fig.skip_positions(two) == [20, 26]  # the second skip's step trains on position 26
 
 
-def test_exactness_counts_wrong_steps_and_leaves_an_undone_skip_s_records_out():
-    ref = {s: float(s) for s in range(1, 60)}
-    found = fig.numerics(bad=[(2, 50)], resumes=[(1, 30), (2, 40), (3, 45)])
-    records = [rec(s, s, 0, float(s)) for s in range(1, 35)]
-    records += [rec(s, s, 2, 999.0 if s >= 50 else float(s)) for s in range(41, 53)]
-    records += [rec(s, s, 3, float(s)) for s in range(46, 56)]
-    records += [rec(58, 58, 3, 0.5), rec(70, 70, 3, 70.0)]
-    got = fig.exactness(records, ref, found, [(1, 30), (2, 40), (3, 45)])
-    assert got.wrong == [58]  # 50-52 of attempt 2 trained with the skip attempt 3 undid
-    assert got.not_checked == 1  # step 70: past the reference
-    assert got.checked == len(set(range(1, 35)) | set(range(41, 56)) | {58})
+def test_each_record_is_held_to_the_reference_of_the_skips_it_trained_with():
+    # Attempt 0 reached step 6 without a skip; attempt 3 resumed from 1 and skipped at 6;
+    # attempt 4 resumed from its checkpoint of 10, the skip with it.
+    resumes = [(3, 1), (4, 10)]
+    found = fig.numerics(bad=[(3, 6)], resumes=resumes)
+    clean = {s: float(s) for s in range(1, 30)}
+    skipped = {s: float(s) + (0.5 if s >= 6 else 0.0) for s in range(1, 20)}
+    records = [rec(s, s, 0, clean[s]) for s in range(1, 7)]
+    records += [rec(s, 10 + s, 3, skipped[s]) for s in range(2, 11)]
+    records += [rec(s, 20 + s, 4, skipped[s]) for s in range(11, 13)] + [rec(13, 40, 4, 0.0)]
+    assert fig.reference_for(records[5], found, resumes) == "clean"  # attempt 0's step 6
+    assert fig.reference_for(records[-1], found, resumes) == "skipped"
+    got = fig.exactness(records, {"clean": clean, "skipped": skipped}, found, resumes)
+    assert (got.wrong, got.checked, got.not_checked) == ([13], 13, 0)
+    # Without the clean run, steps before the first skip are held to the skipped run's.
+    alone = fig.exactness(records, {"skipped": skipped}, found, resumes)
+    assert (alone.wrong, alone.checked) == ([13], 13)
+    assert fig.exactness(records, {"clean": clean}, found, resumes).checked == 6
+
+
+def test_a_record_that_trained_with_an_undone_skip_is_not_checked():
+    resumes = [(1, 30), (2, 40), (3, 45)]
+    found = fig.numerics(bad=[(2, 50)], resumes=resumes)
+    clean = {s: float(s) for s in range(1, 60)}
+    records = [rec(s, s, 2, 999.0 if s >= 50 else float(s)) for s in range(41, 53)]
+    records += [rec(s, 100 + s, 3, float(s)) for s in range(46, 56)] + [rec(70, 200, 3, 70.0)]
+    assert fig.reference_for(records[10], found, resumes) is None  # attempt 2's step 51
+    got = fig.exactness(records, {"clean": clean}, found, resumes)
+    assert (got.wrong, got.checked, got.not_checked) == ([], 15, 1)  # step 70: past the clean
 
 
 def test_after_failures_reads_each_restart_from_the_records_alone():
