@@ -101,7 +101,8 @@ def test_a_hang_and_a_stall_leave_every_ranks_stacks(tmp_path):
     # The stall: rank 0 blocked in the worker's in-step fault hook, rank 1 waiting for it.
     d = run / "attempts" / f"{stall['attempt']:03d}" / "stacks"
     line0 = next(x for x in stall["stacks"] if x.startswith("rank 0 "))
-    assert line0.startswith("rank 0 running in worker/beat.py:") and line0.endswith(" apply")
+    assert line0.startswith("rank 0 running in worker/step_commands.py:")
+    assert line0.endswith(" apply")
     assert next(x for x in stall["stacks"] if x.startswith("rank 1 ")).startswith("rank 1 running")
     for r in (0, 1):
         assert "its own dump (faulthandler" in (d / f"rank-{r}.txt").read_text()
