@@ -99,8 +99,9 @@ class IntervalKeeper:
         self.running, self.newest, self.ended = attempt, msg["step"], False
         if self.started is None:
             self.started = self.clock()
-        for tier in self.meter.on_step(msg):
-            if tier in self.auto.tiers:
+        costs = self.meter.on_step(msg)
+        for tier in self.auto.tiers:  # a new cost; or the first step time after one
+            if tier in costs or (tier not in self.current and self.meter.cost_s(tier) is not None):
                 self._decide(tier, "cost")
         self._resend(attempt, 0 if first else self._from_step())
 

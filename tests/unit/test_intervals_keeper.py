@@ -158,3 +158,26 @@ def test_the_report_shows_the_interval_over_time(tmp_path):
     assert "| 0.60 | memory | 38 → 9 | failure | 0.0400 | 0.500 | 200.0 | 1 |" in text
     png = plot(a, tmp_path / "report.png")
     assert png.stat().st_size > 0
+
+
+def test_a_cost_before_any_step_time_is_decided_on_once_the_step_times_come():
+    """The first copy's cost comes with the run's second step, before there are step times to
+    go by: the decision waits for them, not for the next cost."""
+    server = ControlServer(KEY, "job", "127.0.0.1", "127.0.0.1")
+    events: list[tuple[str, dict]] = []
+    keeper = IntervalKeeper(AutoTiers((intervals.DURABLE,), PRIOR, 1000), "job", server,
+                            lambda event, **f: events.append((event, f)))  # fmt: skip
+    try:
+        keeper.on_message(step(0, 1))
+        keeper.on_message(step(0, 2, durable=0.3))
+        keeper.on_message(step(0, 3))
+        assert events == []  # 2 step times: not yet
+        keeper.on_message(step(0, 4))
+        ((name, fields),) = events
+        assert (name, fields["why"], fields["old"], fields["to"]) == ("interval_changed", "cost",
+                                                                       None, {})  # fmt: skip
+        assert fields["new"] == intervals.interval_steps(0.3, 0.1, PRIOR, 1000)
+        keeper.on_message(step(0, 5))
+        assert len(events) == 1
+    finally:
+        server.close()
