@@ -217,6 +217,9 @@ def memory_md(a: Analysis) -> list[str]:
 
 def interval_md(a: Analysis) -> list[str]:
     iv = a.interval
+    if iv is None and any(r.tier == "durable" for r in a.intervals):
+        return ['Young/Daly interval: the durable interval was "auto", tuned as the job ran '
+                "(below)."]  # fmt: skip
     if iv is None:
         why = "no failures" if not a.failures else "no checkpoint cost or interval measured"
         return [f"Young/Daly interval: not computed ({why})."]
