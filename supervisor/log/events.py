@@ -265,6 +265,7 @@ FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "hang": {"detected_mono": _NUM + _NONE},
     "no_progress": {"detected_mono": _NUM + _NONE},
     "auto_limit": {"seconds": _NUM + _NONE},
+    "interval_changed": {"new": _INT, "old": _INT + _NONE, "mtbf_s": _NUM + _NONE},
     "numeric_fault": {"kind": (str,), "value": _NUM + (str,), "ranks": (list,)},
     "rollback": {"from_step": _INT, "to_step": _INT, "skip": (str,)},
 }  # fmt: skip
