@@ -17,7 +17,8 @@ TIERS = (MEMORY, DURABLE)
 # The worker flag of each tier (its `[worker]` key), and the env name a launch sets it by.
 FLAG_OF = {MEMORY: "mem_ckpt_interval", DURABLE: "save_interval"}
 MAX_STEPS = 10**9  # no interval is longer, whatever the formula says
-MIN_BAND_STEPS = 0.75  # a short interval moves only when the optimum is this far from it
+HYSTERESIS = 0.2  # an interval moves only when the optimum is a fifth or more away from it...
+MIN_BAND_STEPS = 0.75  # ...and at least this many steps
 
 
 def daly_seconds(cost_s: float, mtbf_s: float) -> float:

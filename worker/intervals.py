@@ -31,7 +31,6 @@ from worker.errors import UsageError
 
 RECENT = 20  # the costs and step times a rank's own tuning takes the median of
 MIN_STEP_SAMPLES = 3  # step times before a rank tunes itself (the first step of a run is not one)
-HYSTERESIS = 0.2  # as the supervisor's (supervisor.policy.intervals)
 
 
 @dataclass
@@ -146,7 +145,7 @@ class Intervals:
                     statistics.median(self.steps),
                     self.prior_mtbf_s,
                     self.max_steps,
-                    HYSTERESIS,
+                    intervals.HYSTERESIS,
                 )
                 tier.proposed = every or tier.proposed
 

@@ -19,12 +19,12 @@ from contracts import intervals
 
 WINDOW = 5  # the failures the rate is taken over (about +-45 % noise: 1/sqrt(5))
 PRIOR_WEIGHT = 2  # pseudo-failures at the prior MTBF before the first real one
-HYSTERESIS = 0.2  # a new interval is sent only when it differs from the last by 20 % or more
+HYSTERESIS = intervals.HYSTERESIS  # the dead band around the interval in force, as the ranks'
 
 
 @dataclass(frozen=True)
 class IntervalInputs:
-    """What one tier's decision is made from (seconds; times since the job started)."""
+    """What one tier's decision is made from (seconds; times since the job's first step)."""
 
     cost_s: float  # what one copy or save costs the steps (the stall, the hand-over)
     step_s: float  # a step's seconds (rank 0's recent median)
@@ -45,7 +45,7 @@ class IntervalDecision:
 
 def mtbf_estimate(failures_s: Sequence[float], elapsed_s: float, prior_mtbf_s: float) -> float:
     """Seconds between failures, as this job has seen them lately: the time since the failure
-    before the last `WINDOW` (or since the start) over their count, with the prior's
+    before the last `WINDOW` (or since the job's first step) over their count, with the prior's
     pseudo-failures added until real ones replace them. A gamma-Poisson mean over a sliding
     window: it drops at once when failures come closer together and rises through a quiet
     spell."""
