@@ -1,5 +1,6 @@
 """The in-process part of bench/memtier.py, one process in a gloo world of 1: the memcpy floor,
-the tier's copy with nothing beside it, the hand-over, the checksum, and the load of a slot
+the tier's copy with nothing beside it (and its page sums' share), the hand-over, the seal, and
+the load of a slot
 (checked, unchecked and the whole `MemoryTier.load`), printed as one RESULT line.
 `bench/memtier.py --role inproc` runs it; the model sizes live here, the one place both parts
 read them."""
@@ -124,7 +125,7 @@ def inproc_main(size: str, workdir: Path, ranks: int) -> None:
 
     # The tier's copies, nothing beside them: the first into each slot maps and faults it.
     data = {"kind": "bench"}
-    copies, handovers, first, checks = [], [], [], []
+    copies, handovers, first, checks, sums = [], [], [], [], []
     for step in range(1, 6):
         t0 = time.perf_counter()
         tier.save(step, 0, data)
@@ -132,12 +133,14 @@ def inproc_main(size: str, workdir: Path, ranks: int) -> None:
         report = tier.wait_copied()
         if report is None:
             raise RuntimeError(f"the tier made no copy: {tier.off_reason or 'off'}")
-        while tier.sealed != step:  # the checksum and the seal, on the copy thread
+        copied = tier.stagers[(tier.target - 1) % len(tier.stagers)]
+        while tier.sealed != step:  # the digests and the seal, on the copy thread
             if tier.off_reason:
                 raise RuntimeError(f"the tier's seal failed: {tier.off_reason}")
             time.sleep(0.001)
         if step > 2:
             checks.append(tier.check_seconds)
+            sums.append(copied.sum_seconds)
         if step <= 2:
             first.append(report.copy_seconds)
         else:
@@ -150,6 +153,7 @@ def inproc_main(size: str, workdir: Path, ranks: int) -> None:
     out["copy_alone_s"] = min(copies)
     out["handover_s"] = statistics.median(handovers)
     out["check_s"] = min(checks)
+    out["sum_s"] = min(sums)
 
     # The load of the newest slot: the read path alone, then the whole MemoryTier.load.
     held, refused = find(directory, expect)

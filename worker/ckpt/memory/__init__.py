@@ -15,8 +15,9 @@ equal the record's: a rank killed mid-copy leaves a torn slot that never passes,
 slot, the previous copy, stays whole. The two slots alternate.
 
 Checked: each tensor's entry holds its bytes' `digest`, one per 4 MiB (`page_sums_crc`: the
-CRC-32 of its 4 KiB page sums, each page's 64-bit words added mod 2**64), computed on the copy
-thread once the copy is done (the loop does not wait for it), and the record its own CRC-32
+CRC-32 of its 4 KiB page sums, each page's 64-bit words added mod 2**64), its page sums taken
+as the copy goes (each piece right after its copy, while in the cache), its CRC-32s on the copy
+thread after the copy (the loop does not wait for them), and the record its own CRC-32
 (`check`), all written before the closing generation. A load checks each piece of a tensor as
 it reads it (its sums taken while it is in the cache); a slot that fails is refused, and the
 ranks choose again (`resume.choose_tiers`). Against damage, not an adversary who can write the
@@ -25,8 +26,10 @@ two changes that cancel in a page's sum, are not.
 
 Its parts, each imported only by those after it: `checksum` (the digests and the record's CRC),
 `slot_file` (a slot's two files: writing, reading and checking them), `held` (which slots a rank
-holds and which step the ranks agree on), `tier` (the copies while training, and the load). The
-names below are the tier's interface to the rest of the checkpoint code.
+holds and which step the ranks agree on), `state_view` (the state dict, taken once and handed
+again while it holds the live tensors), `slot_copy` (the copy into a slot with its page sums),
+`tier` (the copies while training, and the load). The names below are the tier's interface to
+the rest of the checkpoint code.
 """
 
 from worker.ckpt.memory.checksum import CHECK_CHUNK, PAGE_BYTES, checked, digest, page_sums_crc

@@ -1,7 +1,7 @@
 """The memory tier's checksums: each tensor's bytes as a digest of CRC-32s of page sums, and the
 record's own CRC-32 (what each catches and misses: the package docstring).
 
-Pure functions of bytes and records; the slot file and its readers call them.
+Pure functions of bytes and records; the slot file, the copy and the readers call them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def digest(data: torch.Tensor) -> str:
     return "".join(
         f"{page_sums_crc(data[o : o + CHECK_CHUNK]):08x}" for o in range(0, n, CHECK_CHUNK)
     )
+
+
+def digest_of_sums(sums) -> str:
+    """`digest` of a tensor's bytes from their page sums, taken as they were copied
+    (`slot_copy`): `sums` holds one int64 per 4 KiB page of the tensor, its last page's sum
+    that of its zero-padded bytes; each CHECK_CHUNK's CRC-32 of its pages' sums."""
+    per = CHECK_CHUNK // PAGE_BYTES
+    return "".join(f"{zlib.crc32(sums[i : i + per]):08x}" for i in range(0, len(sums), per))
 
 
 def digest_problem(value: Any, nbytes: int) -> str | None:

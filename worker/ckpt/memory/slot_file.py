@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from worker.ckpt.memory.checksum import CHECK_CHUNK, digest, digest_problem, page_sums_crc
+from worker.ckpt.memory.checksum import CHECK_CHUNK, digest_problem, page_sums_crc
 
 FORMAT = "es-mem-2"  # es-mem-1: no checksums
 MAGIC = b"ESMEMSL1"
@@ -134,32 +133,6 @@ class MappedSlot:
             f.write(json.dumps(record, separators=(",", ":")).encode())
         os.replace(tmp, self.json_path)
         self.header[2] = gen
-
-
-def describe_tensors(
-    snapshot: dict[str, Any], block: torch.Tensor, digests: bool = False
-) -> dict[str, Any]:
-    """Where each of the staged state's entries lies in the slot: tensors by offset (with
-    `digests`, and their bytes' checksum: `digest`), scalars and everything else by value
-    (JSON)."""
-    flat, _ = flatten_state_dict(snapshot)
-    base = block.data_ptr()
-    table: dict[str, Any] = {}
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            local = value._local_tensor if isinstance(value, DTensor) else value
-            entry = {"dtype": str(local.dtype), "shape": list(local.shape)}
-            if local.dim() == 0:
-                entry["value"] = local.item()
-            else:
-                entry["offset"] = local.data_ptr() - base
-                entry["nbytes"] = local.numel() * local.element_size()
-                if digests:
-                    entry["digest"] = digest(block[entry["offset"] :][: entry["nbytes"]])
-            table[key] = entry
-        else:
-            table[key] = {"value": list(value) if isinstance(value, tuple) else value}
-    return table
 
 
 def read_into(path: Path, flat: dict[str, Any], table: dict[str, Any]) -> None:

@@ -32,19 +32,20 @@ from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.memory.checksum import checked
 from worker.ckpt.memory.held import Held, find, forget, hold, release
 from worker.ckpt.memory.partner_link import PartnerLink, connect_partners
+from worker.ckpt.memory.slot_copy import SlotStager
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
     SLOTS,
     Expect,
     MappedSlot,
     SlotRefused,
-    describe_tensors,
     rank_dir,
     read_header,
     read_into,
     slot_paths,
 )
-from worker.ckpt.staging import Loan, ReusedStager, bytes_needed
+from worker.ckpt.memory.state_view import StateView
+from worker.ckpt.staging import Loan, bytes_needed
 
 # Free shared memory left after both slots of every rank on the node: a tmpfs filled to the
 # brim takes the node's memory with it.
@@ -99,7 +100,8 @@ class MemoryTier:
         except OSError as exc:  # every rank still joins the check, which turns the tier off
             self.broken = f"{directory} cannot be used ({exc.strerror or exc})"
         self.slots = [MappedSlot(*slot_paths(directory, expect.rank, s)) for s in range(SLOTS)]
-        self.stagers = [ReusedStager(allocate=slot.map) for slot in self.slots]
+        self.stagers = [SlotStager(allocate=slot.map) for slot in self.slots]
+        self.view = StateView(model, optimizer)  # taken once, handed again while it is live
         held, _ = find(directory, expect) if self.broken is None else ([], [])
         self.gen = 1 + max((h.gen for h in held), default=0)
         self.target = (held[0].slot + 1) % SLOTS if held else 0  # never the newest complete
@@ -156,8 +158,7 @@ class MemoryTier:
     def save(self, step: int, tokens_seen: int, data: dict[str, Any]) -> None:
         """Hand the state as of the end of `step` to the copy thread; it must not change before
         `wait_copied` returns."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self.view.get()
         if not self.fit_checked:
             self.fit_checked = True
             if self.check_fit(state):
@@ -209,7 +210,7 @@ class MemoryTier:
                 "step": meta["step"],
                 "nbytes": stager.nbytes,
                 "meta": meta,
-                "table": describe_tensors(copy.result(), target.block, digests=True),
+                "table": stager.table(copy.result()),  # digests from the copy's page sums
                 "saved_at": time.time(),
             }
             record = checked(record)
