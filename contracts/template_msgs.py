@@ -67,22 +67,57 @@ def receive(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str, Any]
                 raise TemplateError("the stream ended inside a message")
             return None, fds
         head += chunk
-    (length,) = _LENGTH.unpack(head)
-    if length > MAX_REQUEST_BYTES:
-        raise TemplateError(f"a message of {length} bytes")
+    length = _length(head)
     body = bytearray()
     while len(body) < length:
         chunk = sock.recv(length - len(body))
         if not chunk:
             raise TemplateError("the stream ended inside a message")
         body += chunk
+    return _decode(body), fds
+
+
+class Assembler:
+    """One message read from a non-blocking socket in whatever pieces arrive: the template reads
+    its requests so, and a client that sends slowly or never holds up no other."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.fds: list[int] = []
+
+    def read(self, sock: socket.socket) -> dict[str, Any] | None:
+        """The message once whole, None until then (BlockingIOError: nothing to read now); the
+        descriptors that came with it are in `fds`. TemplateError: a broken message."""
+        chunk, fds = _recv_fds(sock, 1 << 16)
+        self.fds += fds
+        if not chunk:
+            raise TemplateError("the stream ended inside a message")
+        self.data += chunk
+        if len(self.data) < _LENGTH.size:
+            return None
+        length = _length(bytes(self.data[: _LENGTH.size]))
+        if len(self.data) < _LENGTH.size + length:
+            return None
+        if len(self.data) > _LENGTH.size + length:
+            raise TemplateError("more than one message")
+        return _decode(self.data[_LENGTH.size :])
+
+
+def _length(head: bytes) -> int:
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_REQUEST_BYTES:
+        raise TemplateError(f"a message of {length} bytes")
+    return length
+
+
+def _decode(body: bytes | bytearray) -> dict[str, Any]:
     try:
         message = json.loads(body.decode())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise TemplateError(f"not JSON: {exc}") from None
     if not isinstance(message, dict):
         raise TemplateError("not a JSON object")
-    return message, fds
+    return message
 
 
 def _ints(fds) -> bytes:

@@ -17,13 +17,15 @@ objects are frozen before the first fork so that a collection in a rank does not
 Its ranks die with it (PR_SET_PDEATHSIG), and a rank whose client ends is killed at once: the
 client is what the launcher owns, so a launcher's SIGKILL reaches the rank too. It serves only
 its own user (SO_PEERCRED) and clients that carry the job's key, and forks only the modules
-it was started for.
+it was started for. It reads requests without blocking: a local process that connects and
+sends slowly or nothing holds up no rank's start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import hmac
 import os
@@ -40,6 +42,7 @@ from contracts import env_names, template_msgs
 MODULES = ("worker.train", "worker.prepared")
 PR_SET_PDEATHSIG = 1
 REQUEST_TIMEOUT_S = 10.0  # a client that connected says what it wants within this
+MAX_PENDING = 256  # connections that have not said what they want yet; more are closed at once
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -61,7 +64,7 @@ def main() -> int:
     except OSError as exc:
         print(f"error: fork template socket {name[1:]!r}: {exc.strerror}", file=sys.stderr)
         return 1
-    listener.listen(256)
+    listener.listen(MAX_PENDING)
     key = env[env_names.ENV_HEARTBEAT_KEY]
     imports()
     return Template(listener, key).serve()
@@ -81,11 +84,15 @@ def imports() -> None:
 
 
 class Template:
-    """Forks ranks for clients; tells each client its rank's pid and, later, how it ended."""
+    """Forks ranks for clients; tells each client its rank's pid and, later, how it ended.
+
+    One thread, one selector: a request is read in whatever pieces arrive (a client that sends
+    slowly or never holds up no other, and is dropped after REQUEST_TIMEOUT_S)."""
 
     def __init__(self, listener: socket.socket, key: str) -> None:
         self.listener, self.key = listener, key
         self.ranks: dict[int, socket.socket] = {}  # rank pid -> its client's connection
+        self.pending: dict[socket.socket, Pending] = {}  # connections still sending a request
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.ending = False
@@ -97,24 +104,31 @@ class Template:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         for sig in ENDING:
             signal.signal(sig, self._end)
+        self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, "listen")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         print(f"template: ready, pid {os.getpid()}", flush=True)
         while not self.ending:
-            for key, _ in self.selector.select():
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    with contextlib.suppress(OSError):
-                        os.read(self.wake_r, 4096)
-                    self._reap()
-                else:
-                    self._client_readable(key.data, key.fileobj)
+            for key, _ in self.selector.select(self._next_deadline()):
+                self._ready(key)
+            self._expire()
         print(f"template: {self.why}: ending, with {len(self.ranks)} rank(s)", flush=True)
         for pid in list(self.ranks):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         return 0
+
+    def _ready(self, key: selectors.SelectorKey) -> None:
+        if key.data == "listen":
+            self._accept()
+        elif key.data == "wake":
+            with contextlib.suppress(OSError):
+                os.read(self.wake_r, 4096)
+            self._reap()
+        elif key.data == "request":
+            self._read_request(key.fileobj)
+        else:
+            self._client_readable(key.data, key.fileobj)
 
     def _end(self, signum, frame) -> None:
         self.ending = True
@@ -125,39 +139,85 @@ class Template:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        try:
-            self._serve_one(conn)
-        except Exception as exc:  # one bad client never ends the template
-            print(f"template: a client refused: {exc}", file=sys.stderr, flush=True)
-            conn.close()
-
-    def _serve_one(self, conn: socket.socket) -> None:
         uid = _peer_uid(conn)
         if uid != os.getuid():
-            raise PermissionError(f"a client of uid {uid}")
-        conn.settimeout(REQUEST_TIMEOUT_S)
-        fds: list[int] = []
+            self._say(f"a client refused: a client of uid {uid}")
+            conn.close()
+            return
+        if len(self.pending) >= MAX_PENDING:  # a flood: the client starts its rank cold
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.pending[conn] = Pending(time.monotonic() + REQUEST_TIMEOUT_S)
+        self.selector.register(conn, selectors.EVENT_READ, "request")
+
+    def _read_request(self, conn: socket.socket) -> None:
+        waiting = self.pending[conn]
         try:
-            request, fds = template_msgs.receive(conn, with_fds=True)
-            why = self._refusal(request, fds)
-            if why is not None:
-                template_msgs.send(conn, {"refused": why})
-                conn.close()
-                return
-            pid = self._fork(request, fds, conn)
+            request = waiting.assembler.read(conn)
+        except BlockingIOError:
+            return
+        except (OSError, template_msgs.TemplateError) as exc:
+            self._drop(conn, str(exc))
+            return
+        if request is None:
+            return
+        self.selector.unregister(conn)
+        del self.pending[conn]
+        fds = waiting.assembler.fds
+        try:
+            self._serve_one(conn, request, fds)
+        except Exception as exc:  # one bad client never ends the template
+            self._say(f"a client refused: {exc}")
+            conn.close()
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        conn.settimeout(None)
+
+    def _serve_one(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        conn.setblocking(True)
+        why = self._refusal(request, fds)
+        if why is None and _gone(conn):  # it gave up waiting and starts its rank cold
+            why = "the client is gone"
+        if why is not None:
+            self._say(f"a client refused: {why}")
+            with contextlib.suppress(OSError):
+                template_msgs.send(conn, {"refused": why})
+            conn.close()
+            return
+        pid = self._fork(request, fds, conn)
         self.ranks[pid] = conn
-        template_msgs.send(conn, {"pid": pid})
         self.selector.register(conn, selectors.EVENT_READ, pid)
+        with contextlib.suppress(OSError):  # a client gone meanwhile: its end kills the rank
+            template_msgs.send(conn, {"pid": pid})
+
+    def _next_deadline(self) -> float | None:
+        if not self.pending:
+            return None
+        soonest = min(p.deadline for p in self.pending.values())
+        return max(0.0, soonest - time.monotonic())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c, p in self.pending.items() if p.deadline <= now]:
+            self._drop(conn, f"no request within {REQUEST_TIMEOUT_S:.0f} s")
+
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        """A connection that sent no usable request: closed, with what it handed over."""
+        waiting = self.pending.pop(conn)
+        self.selector.unregister(conn)
+        for fd in waiting.assembler.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        conn.close()
+        self._say(f"a client refused: {why}")
+
+    def _say(self, line: str) -> None:
+        print(f"template: {line}", file=sys.stderr, flush=True)
 
     def _refusal(self, request, fds: list[int]) -> str | None:
         """Why this request is not served (the client then starts its rank cold), or None."""
-        if request is None:
-            return "no request"
         env = request.get("env")
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
@@ -172,7 +232,7 @@ class Template:
         argv, wanted = request.get("argv"), request.get("fds")
         if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
             return "no command"
-        if not isinstance(wanted, list) or len(wanted) != len(fds):
+        if not _fd_numbers(wanted) or len(wanted) != len(fds):
             return "descriptors missing"
         if not isinstance(request.get("cwd"), str):
             return "no working directory"
@@ -216,7 +276,7 @@ class Template:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
         self.selector.close()
         self.listener.close()
-        for other in self.ranks.values():
+        for other in [*self.ranks.values(), *self.pending]:
             other.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
@@ -271,6 +331,30 @@ class Template:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(conn)
             conn.close()
+
+
+@dataclasses.dataclass
+class Pending:
+    """A connection whose request is still arriving, and when it is dropped."""
+
+    deadline: float
+    assembler: template_msgs.Assembler = dataclasses.field(default_factory=template_msgs.Assembler)
+
+
+def _gone(conn: socket.socket) -> bool:
+    """Whether the client hung up (after its request: it gave up and started cold)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _fd_numbers(wanted) -> bool:
+    return isinstance(wanted, list) and all(
+        type(fd) is int and 0 <= fd < 1000 for fd in wanted
+    ) and len(set(wanted)) == len(wanted)  # fmt: skip
 
 
 def _take_fds(fds: list[int], numbers: list[int]) -> None:

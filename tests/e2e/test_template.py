@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import time
 import psutil
 import pytest
 
+from contracts import template_msgs
 from tests.support import TINY, losses, mpiexec, rank_env, run_worker, wait_for_step
 
 FLAGS = [*TINY, "--device", "cpu", "--batch-size", "2"]
@@ -91,3 +93,39 @@ def test_a_rank_dies_with_its_client_and_a_refused_client_starts_cold(tmp_path, 
     )  # fmt: skip
     assert cold.returncode == 0, cold.stderr
     assert psutil.Process(proc.pid).children() == []  # it was never forked
+
+
+def request(env, **fields) -> bytes:
+    """A client's request, framed; `fields` replace those of a request the template serves."""
+    ask = {"module": "worker.train", "argv": ["--train-iters", "-1"], "env": env, "cwd": "/",
+           "fds": [], **fields}  # fmt: skip
+    return template_msgs.frame(ask)
+
+
+def connected(env) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(template_msgs.socket_name(env, socket.gethostname()))
+    return sock
+
+
+def test_a_client_that_sends_slowly_or_never_holds_up_no_other(tmp_path, template):
+    proc, env = template
+    silent = [connected(env) for _ in range(3)]
+    slow = connected(env)
+    slow.sendall(request(env)[:3])  # a message begun, never ended
+    gone = connected(env)
+    gone.sendall(request(env))  # served only while its client waits for the answer
+    gone.close()
+    with connected(env) as sock:
+        t0 = time.monotonic()
+        sock.sendall(request(env, module="os"))
+        sock.settimeout(30)
+        answer, _ = template_msgs.receive(sock)
+    assert time.monotonic() - t0 < 2.0  # not after the others' 10 s each
+    assert "not one this template runs" in answer["refused"]
+    time.sleep(0.5)
+    log = (tmp_path / "template.log").read_text()
+    assert "its client is gone" not in log  # none forked for the client that hung up
+    assert "a client refused: the client is gone" in log
+    for sock in [*silent, slow]:
+        sock.close()

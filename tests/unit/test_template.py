@@ -3,7 +3,9 @@ and the ranks forked from them, and the socket contract's framing (no process)."
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 
 import pytest
 
@@ -80,3 +82,31 @@ def test_messages_round_trip_with_descriptors_and_bad_ones_are_refused():
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(template_msgs.TemplateError, match="ended inside"):
             template_msgs.receive(b)
+
+
+def test_a_request_read_in_pieces_is_whole_only_at_its_end():
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        r, w = os.pipe()
+        data = template_msgs.frame({"module": "worker.train", "fds": [w]})
+        reader = template_msgs.Assembler()
+        with pytest.raises(BlockingIOError):  # nothing yet: the template serves others meanwhile
+            reader.read(b)
+        a.sendmsg([data[:2]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", w))])
+        assert reader.read(b) is None and len(reader.fds) == 1
+        a.sendall(data[2:-1])
+        assert reader.read(b) is None
+        a.sendall(data[-1:])
+        assert reader.read(b) == {"module": "worker.train", "fds": [w]}
+        for fd in (r, w, *reader.fds):
+            os.close(fd)
+        a.sendall(data + b"x")
+        with pytest.raises(template_msgs.TemplateError, match="more than one message"):
+            template_msgs.Assembler().read(b)
+        a.sendall(data[:5])
+        a.shutdown(socket.SHUT_WR)
+        reader = template_msgs.Assembler()
+        with pytest.raises(template_msgs.TemplateError, match="ended inside"):
+            while reader.read(b) is None:
+                pass
