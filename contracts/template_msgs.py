@@ -38,6 +38,14 @@ def socket_name(env: Mapping[str, str], hostname: str) -> str:
     return f"\0es-template-{os.getuid()}-{job}-{node}"
 
 
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """The pid and user of the process at the other end of a connected Unix socket (for a
+    client: the template that listens), from SO_PEERCRED."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
 def frame(message: dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_REQUEST_BYTES:

@@ -139,7 +139,7 @@ class Template:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        uid = _peer_uid(conn)
+        _, uid = template_msgs.peer(conn)
         if uid != os.getuid():
             self._say(f"a client refused: a client of uid {uid}")
             conn.close()
@@ -388,13 +388,6 @@ def _fresh_stdio() -> None:
         )  # fmt: skip
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    import struct
-
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 def _die_with_parent() -> None:

@@ -97,14 +97,23 @@ def main(argv: list[str]) -> int:
 
 
 def connect(env) -> socket.socket | None:
-    """A connection to the node's template; None when none listens within CONNECT_WAIT_S."""
+    """A connection to the node's template; None when none listens within CONNECT_WAIT_S, or
+    what listens is not our own user's (an abstract name is anyone's to take: our environment,
+    the job's key in it, and our descriptors go to no one else)."""
     name = template_msgs.socket_name(env, socket.gethostname())
     deadline = time.monotonic() + CONNECT_WAIT_S
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(name)
-            return sock
+            if template_msgs.peer(sock)[1] == os.getuid():
+                return sock
+            print(
+                f"template_client: {name[1:]!r} is another user's; starting the rank cold",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            sock.close()
+            return None
         except OSError:
             sock.close()
         if time.monotonic() >= deadline:

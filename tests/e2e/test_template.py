@@ -129,3 +129,48 @@ def test_a_client_that_sends_slowly_or_never_holds_up_no_other(tmp_path, templat
     assert "a client refused: the client is gone" in log
     for sock in [*silent, slow]:
         sock.close()
+
+
+def job_env() -> dict[str, str]:
+    return rank_env(ES_JOB_ID=f"t-{secrets.token_hex(4)}", ES_HEARTBEAT_KEY=secrets.token_hex(8))
+
+
+def squat(name: str, uid: int) -> tuple[int, int]:
+    """Another user's listener on `name` (a forked child, so no interpreter of its own): it
+    writes `ready`, then how many bytes its one client sent; (its pid, the pipe to read)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(name)
+            listener.listen(8)
+            os.write(w, b"ready\n")
+            conn, _ = listener.accept()
+            conn.settimeout(20)
+            got = 0
+            while chunk := conn.recv(1 << 16):
+                got += len(chunk)
+            os.write(w, f"{got}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="listening as another user needs root")
+def test_a_client_hands_nothing_to_another_users_socket():
+    env = job_env()
+    pid, said = squat(template_msgs.socket_name(env, socket.gethostname()), 65534)
+    with os.fdopen(said) as lines:
+        assert lines.readline() == "ready\n"
+        client = [sys.executable, "-m", "worker.template_client", "worker.train"]
+        cold = subprocess.run(
+            [*client, "--train-iters", "-1"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert cold.returncode == 2 and "--train-iters" in cold.stderr  # started cold
+        assert "another user's" in cold.stderr
+        assert lines.readline() == "0\n"  # not its environment (the job's key), nor its fds
+    os.waitpid(pid, 0)
