@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import socket
 import sys
@@ -40,6 +41,10 @@ PR_SET_PDEATHSIG = 1
 
 
 CONNECT_WAIT_S = 3.0  # a template launched beside the first attempt may not listen yet
+# A template that listens answers once it has imported (the first attempt's clients wait that
+# long); one stopped (SIGSTOP) or not answering in this is of no use: the rank starts cold.
+REPLY_WAIT_S = 60.0
+STOPPED_LOOK_S = 0.5  # how often a client that waits for its answer looks whether it may come
 # Signals whose default ends the process: one that comes before the rank exists ends us so.
 ENDS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM,
                   signal.SIGUSR1, signal.SIGUSR2})  # fmt: skip
@@ -135,7 +140,7 @@ def ask(sock: socket.socket, module: str, flags: list[str], started: float) -> i
     }
     try:
         template_msgs.send(sock, request, fds)
-        reply, _ = template_msgs.receive(sock)
+        reply = template_msgs.receive(sock)[0] if answering(sock) else None
     except (OSError, template_msgs.TemplateError):
         reply = None
     pid = reply.get("pid") if reply else None
@@ -143,6 +148,31 @@ def ask(sock: socket.socket, module: str, flags: list[str], started: float) -> i
         sock.close()
         return None
     return pid
+
+
+def answering(sock: socket.socket) -> bool:
+    """Whether the template's answer has come (or its end) before REPLY_WAIT_S, while the
+    template is neither stopped nor gone. Given up on, the request is left unserved: the
+    template forks for no client that hung up."""
+    template, _ = template_msgs.peer(sock)
+    deadline = time.monotonic() + REPLY_WAIT_S
+    while not select.select([sock], [], [], STOPPED_LOOK_S)[0]:
+        if time.monotonic() >= deadline or stopped(template):
+            print(
+                f"template_client: the fork template (pid {template}) is stopped or does not "
+                "answer; starting the rank cold", file=sys.stderr, flush=True,
+            )  # fmt: skip
+            return False
+    return True
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger) or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def open_fds(own: int) -> list[int]:

@@ -174,3 +174,24 @@ def test_a_client_hands_nothing_to_another_users_socket():
         assert "another user's" in cold.stderr
         assert lines.readline() == "0\n"  # not its environment (the job's key), nor its fds
     os.waitpid(pid, 0)
+
+
+def test_a_stopped_template_has_its_clients_start_cold_and_forks_for_none_of_them(
+    tmp_path, template
+):
+    proc, env = template
+    proc.send_signal(signal.SIGSTOP)
+    said = tmp_path / "client.err"
+    try:  # its descriptors wait in the stopped template's queue: no pipe of ours ends meanwhile
+        with open(said, "w") as err:
+            client = [sys.executable, "-m", "worker.template_client", "worker.train"]
+            cold = subprocess.run([*client, "--train-iters", "-1"], env=env, stderr=err, timeout=30)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert cold.returncode == 2 and "--train-iters" in said.read_text()  # started cold, at once
+    assert "is stopped or does not answer" in said.read_text()
+    deadline = time.monotonic() + 10
+    while "the client is gone" not in (tmp_path / "template.log").read_text():
+        assert time.monotonic() < deadline  # continued, it reads the request and forks none
+        time.sleep(0.05)
+    assert psutil.Process(proc.pid).children() == []
