@@ -129,6 +129,9 @@ def connect(env) -> socket.socket | None:
 def ask(sock: socket.socket, module: str, flags: list[str], started: float) -> int | None:
     """The forked rank's pid; None when the template cannot serve (then the rank starts cold)."""
     fds = open_fds(sock.fileno())
+    if len(fds) > template_msgs.MAX_FDS:  # the rank would miss some: start it cold
+        sock.close()
+        return None
     request = {
         "module": module,
         "argv": flags,
@@ -188,7 +191,7 @@ def open_fds(own: int) -> list[int]:
         except OSError:  # listdir's own descriptor, closed by now
             continue
         fds.append(fd)
-    return sorted(fds)[: template_msgs.MAX_FDS]
+    return sorted(fds)
 
 
 def cold(module: str, flags: list[str]) -> None:

@@ -195,3 +195,25 @@ def test_a_stopped_template_has_its_clients_start_cold_and_forks_for_none_of_the
         assert time.monotonic() < deadline  # continued, it reads the request and forks none
         time.sleep(0.05)
     assert psutil.Process(proc.pid).children() == []
+
+
+def test_a_client_with_more_descriptors_than_it_can_hand_over_starts_its_rank_cold(
+    tmp_path, template
+):
+    proc, env = template
+    pipes = [os.pipe() for _ in range(template_msgs.MAX_FDS // 2 + 1)]
+    extra = [fd for pair in pipes for fd in pair]
+    client = [sys.executable, "-m", "worker.template_client", "worker.train", *FLAGS]
+    job = subprocess.Popen(
+        [*client, "--train-iters", "100000", "--outdir", str(tmp_path)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, pass_fds=extra,
+    )  # fmt: skip
+    try:
+        wait_for_step(tmp_path / "metrics-0.jsonl", 1, job)
+        assert psutil.Process(proc.pid).children() == []  # not one missing some of them
+        assert psutil.Process(job.pid).cmdline()[1:3] == ["-m", "worker.train"]
+    finally:
+        job.kill()
+        job.wait(30)
+        for fd in extra:
+            os.close(fd)
