@@ -43,6 +43,7 @@ MODULES = ("worker.train", "worker.prepared")
 PR_SET_PDEATHSIG = 1
 REQUEST_TIMEOUT_S = 10.0  # a client that connected says what it wants within this
 MAX_PENDING = 256  # connections that have not said what they want yet; more are closed at once
+PR_SET_NAME = 15
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -66,8 +67,9 @@ def main() -> int:
         return 1
     listener.listen(MAX_PENDING)
     key = env[env_names.ENV_HEARTBEAT_KEY]
+    inherited = _open_fds() - {listener.fileno()}
     imports()
-    return Template(listener, key).serve()
+    return Template(listener, key, inherited).serve()
 
 
 def imports() -> None:
@@ -89,8 +91,9 @@ class Template:
     One thread, one selector: a request is read in whatever pieces arrive (a client that sends
     slowly or never holds up no other, and is dropped after REQUEST_TIMEOUT_S)."""
 
-    def __init__(self, listener: socket.socket, key: str) -> None:
+    def __init__(self, listener: socket.socket, key: str, inherited: set[int]) -> None:
         self.listener, self.key = listener, key
+        self.inherited = inherited  # descriptors from our launcher: never a rank's
         self.ranks: dict[int, socket.socket] = {}  # rank pid -> its client's connection
         self.pending: dict[socket.socket, Pending] = {}  # connections still sending a request
         self.selector = selectors.DefaultSelector()
@@ -253,7 +256,7 @@ class Template:
         if pid == 0:
             code = 1
             try:
-                code = self._become_rank(request, fds, parent)
+                code = self._become_rank(request, fds, parent, conn)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             except BaseException:
@@ -265,8 +268,9 @@ class Template:
                 os._exit(code)
         return pid
 
-    def _become_rank(self, request: dict, fds: list[int], parent: int) -> int:
-        """In the forked child: the client's process in all but its pid, then the module."""
+    def _become_rank(self, request: dict, fds: list[int], parent: int, conn) -> int:
+        """In the forked child: the client's process in all but its pid (its descriptors and
+        only those, a session of its own as the launcher gives each rank), then the module."""
         _die_with_parent()
         if os.getppid() != parent:  # the template died between the fork and the line above
             return 1
@@ -274,13 +278,14 @@ class Template:
         for sig in (signal.SIGCHLD, *ENDING):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has it
-        self.selector.close()
-        self.listener.close()
-        for other in [*self.ranks.values(), *self.pending]:
-            other.close()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        self._close_own(conn)
         _take_fds(fds, request["fds"])
+        for fd in self.inherited - set(request["fds"]):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.setsid()
+        _name_process(request["module"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -297,6 +302,15 @@ class Template:
             warnings.filterwarnings("ignore", "'worker.", RuntimeWarning)
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         return 0
+
+    def _close_own(self, conn: socket.socket) -> None:
+        """The template's own descriptors, in the child: none is the rank's."""
+        self.selector.close()
+        self.listener.close()
+        for other in [conn, *self.ranks.values(), *self.pending]:
+            other.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
 
     def _client_readable(self, pid: int, conn) -> None:
         """A client's connection only ever ends: the client is gone, so is its rank."""
@@ -355,6 +369,22 @@ def _fd_numbers(wanted) -> bool:
     return isinstance(wanted, list) and all(
         type(fd) is int and 0 <= fd < 1000 for fd in wanted
     ) and len(set(wanted)) == len(wanted)  # fmt: skip
+
+
+def _open_fds() -> set[int]:
+    """This process's open descriptors (not the one that listed them, closed by then)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            os.fstat(int(name))
+            fds.add(int(name))
+    return fds
+
+
+def _name_process(module: str) -> None:
+    """`ps -o comm` and top tell a rank from its template (both run `-m worker.template`)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, module.encode()[:15], 0, 0, 0)
 
 
 def _take_fds(fds: list[int], numbers: list[int]) -> None:

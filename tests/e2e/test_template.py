@@ -4,6 +4,7 @@ client the template refuses starts its rank cold."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -217,3 +218,39 @@ def test_a_client_with_more_descriptors_than_it_can_hand_over_starts_its_rank_co
         job.wait(30)
         for fd in extra:
             os.close(fd)
+
+
+def links(pid: int) -> set[str]:
+    """The sockets and pipes a process holds (`socket:[inode]`)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(("socket:", "pipe:")):
+                found.add(target)
+    return found
+
+
+def start_forked(tmp_path, env, name: str) -> subprocess.Popen:
+    """One rank's client, by hand (no launcher: a world of one), once its rank has stepped."""
+    client = [sys.executable, "-m", "worker.template_client", "worker.train", *FLAGS]
+    job = subprocess.Popen(
+        [*client, "--train-iters", "100000", "--outdir", str(tmp_path / name)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    wait_for_step(tmp_path / name / "metrics-0.jsonl", 2, job)
+    return job
+
+
+def test_a_forked_rank_is_a_process_of_its_own(tmp_path, template):
+    proc, env = template
+    job = start_forked(tmp_path, env, "a")
+    try:
+        (rank,) = psutil.Process(proc.pid).children()
+        assert os.getsid(rank.pid) == rank.pid  # a session of its own, as a launcher's rank has
+        with open(f"/proc/{rank.pid}/comm") as comm:
+            assert comm.read().strip() == "worker.train"  # ps and top tell it from the template
+        assert not links(rank.pid) & links(proc.pid)  # none of the template's descriptors
+    finally:
+        job.kill()
+        job.wait(30)
