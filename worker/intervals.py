@@ -43,6 +43,7 @@ class Tier:
     steered: bool = False  # the supervisor's word counts now; no tuning of its own
     pending: list[tuple[int, int]] = field(default_factory=list)  # (from step, every), told
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    last: int = 0  # "auto": the step of the last copy or save (or the step resumed from)
 
 
 class Intervals:
@@ -74,16 +75,30 @@ class Intervals:
         self.changed: dict[str, int] = {}  # agreed changes not yet put on a metrics record
 
     def begin(self, first_step: int) -> None:
-        """The run's (or the resumed run's) first step."""
+        """The run's (or the resumed run's) first step: an "auto" tier counts from the step
+        before it (the state it resumed, a checkpoint's)."""
         self.first_step = first_step
+        for tier in self.tiers.values():
+            tier.last = first_step - 1
 
     # --- when a copy or a save is due -------------------------------------------------------
     def due(self, tier: str, step: int) -> bool:
-        """Whether `tier` copies or saves at the end of `step` (the same on every rank)."""
-        every = self.tiers[tier].every
-        if every is None:  # "auto", nothing measured yet: once, at the run's first step
-            return step == self.first_step
-        return every > 0 and step % every == 0
+        """Whether `tier` copies or saves at the end of `step`, asked once a step (the same on
+        every rank). A number: at its multiples. "auto": `every` steps after the last copy or
+        save, so that a change never leaves a gap longer than the new interval (at multiples,
+        a change from 27 to 41 at step 498 left 486 to 533)."""
+        t = self.tiers[tier]
+        if not t.auto:
+            return bool(t.every) and step % t.every == 0
+        if step <= t.last:  # rolled back (the numerical guard) to before it
+            t.last = step - 1
+        if t.every is None:  # nothing measured yet: once, at the run's first step
+            due = step == self.first_step
+        else:
+            due = step - t.last >= t.every
+        if due:
+            t.last = step
+        return due
 
     def every(self, tier: str) -> int | None:
         return self.tiers[tier].every

@@ -16,7 +16,7 @@ from typing import Any
 from contracts.intervals import TIERS
 
 RECENT_COSTS = 20
-RECENT_STEPS = 50
+RECENT_STEPS = 200  # steps slowed for a while by a busy host move the interval, not each one
 MIN_STEPS = 3  # step times before there is a step time to go by
 
 

@@ -107,14 +107,14 @@ def simulate(
 ) -> float:
     """Seconds wasted reaching step `work` under failures at the given times: every save's
     cost, and the work a failure throws away (the steps since the last save, the save or step
-    it hit). A save lands at each multiple of the interval, as in the worker; `choose(now,
+    it hit). A save lands `every` steps after the last one, as in the worker; `choose(now,
     failures seen, interval in force)` gives the interval after each save and each failure,
     as the supervisor decides it as costs and failures reach it."""
     t, done, saved, waste = 0.0, 0, 0, 0.0
     seen: list[float] = []
     every = choose(t, seen, None)
     while done < work:
-        stop = min(work, (done // every + 1) * every)
+        stop = min(work, done + every)  # `every` steps after the last save (worker.intervals)
         saving = stop < work
         end = t + (stop - done) * step_s + (cost_s if saving else 0.0)
         i = bisect.bisect_right(failures, t)

@@ -55,6 +55,29 @@ def test_auto_copies_once_at_the_first_step_to_measure_then_waits_for_a_tuned_in
     assert not any(off.due(MEMORY, s) for s in range(1, 30))
 
 
+def test_auto_counts_from_the_last_copy_so_a_change_leaves_no_longer_gap():
+    world = ranks()
+    for r in world:
+        r.begin(1)
+    due = []
+    for step in range(1, 31):
+        if step == 6:
+            world[0].told(MEMORY, 5, from_step=6)
+        if step == 18:
+            world[0].told(MEMORY, 7, from_step=18)
+        agree(world, step)
+        said = [r.due(MEMORY, step) for r in world]
+        assert said[0] == said[1], step
+        due += [step] if said[0] else []
+    assert due == [1, 6, 11, 16, 23, 30]  # 16 + 7, not 21 (the next multiple of 7)
+    for r in world:  # the guard rolled back to the copy of step 11: counted from there
+        assert not r.due(MEMORY, 12) and [s for s in range(13, 21) if r.due(MEMORY, s)] == [18]
+    resumed = ranks(env={ENV_MEM_CKPT_INTERVAL: "7"})
+    for r in resumed:
+        r.begin(41)  # resumed from step 40
+    assert [s for s in range(41, 60) if resumed[0].due(MEMORY, s)] == [47, 54]
+
+
 def test_rank_0_tunes_itself_from_the_prior_and_every_rank_adopts_it_at_the_same_step():
     world = ranks(prior=100.0)
     for r in world:
