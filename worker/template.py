@@ -258,7 +258,7 @@ class Template:
             try:
                 code = self._become_rank(request, fds, parent, conn)
             except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                code = _exit_code(exc)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -369,6 +369,14 @@ def _fd_numbers(wanted) -> bool:
     return isinstance(wanted, list) and all(
         type(fd) is int and 0 <= fd < 1000 for fd in wanted
     ) and len(set(wanted)) == len(wanted)  # fmt: skip
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the interpreter would exit with (and say) for this SystemExit."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 def _open_fds() -> set[int]:

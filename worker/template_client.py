@@ -206,13 +206,18 @@ def stand_for(sock: socket.socket, pid: int) -> int:
     except (OSError, template_msgs.TemplateError):
         message = None
     if not message:  # the template is gone, and the rank with it (its parent-death signal)
-        return 1
+        print(
+            f"template_client: the node's fork template ended; rank process {pid} was killed "
+            "with it (SIGKILL)", file=sys.stderr, flush=True,
+        )  # fmt: skip
+        message = {"signal": signal.SIGKILL}
     killed = message.get("signal")
     if isinstance(killed, int) and killed > 0:
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
             signal.signal(killed, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
             os.kill(os.getpid(), killed)
         time.sleep(1)  # a signal whose default is to stop or to be ignored: fall through
     code = message.get("exit")

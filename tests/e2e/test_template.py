@@ -254,3 +254,15 @@ def test_a_forked_rank_is_a_process_of_its_own(tmp_path, template):
     finally:
         job.kill()
         job.wait(30)
+
+
+def test_a_client_ends_as_its_rank_did_sigkill_included(tmp_path, template):
+    proc, env = template
+    job = start_forked(tmp_path, env, "a")
+    (rank,) = psutil.Process(proc.pid).children()
+    rank.kill()
+    assert job.wait(30) == -signal.SIGKILL  # the launcher sees what killed the rank
+    job = start_forked(tmp_path, env, "b")
+    proc.kill()
+    assert job.wait(30) == -signal.SIGKILL  # the rank died with its template
+    assert "fork template ended" in job.stdout.read()
