@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 from collections.abc import Mapping
@@ -24,6 +25,10 @@ from contracts import env_names
 MAX_REQUEST_BYTES = 1 << 20  # a command and an environment: far below this
 MAX_FDS = 64  # descriptors one client hands over (stdio, the PMI socket, a few more)
 _LENGTH = struct.Struct(">I")
+# A rank's stop signals (worker.train's StopRequest). A forked rank, and a client that starts its
+# rank cold, keep them blocked until the rank has its handlers: one that came early (a stop while
+# the template imports) waits for them instead of ending the rank or being lost.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class TemplateError(Exception):

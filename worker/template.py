@@ -19,6 +19,9 @@ client is what the launcher owns, so a launcher's SIGKILL reaches the rank too. 
 its own user (SO_PEERCRED) and clients that carry the job's key, and forks only the modules
 it was started for. It reads requests without blocking: a local process that connects and
 sends slowly or nothing holds up no rank's start.
+
+A forked rank is its client's process in all but its pid: the client's descriptors and no other,
+a session of its own, and its stop signals blocked until its StopRequest takes them.
 """
 
 from __future__ import annotations
@@ -252,6 +255,8 @@ class Template:
             gc.freeze()  # the imports' objects: never scanned (so never copied) in a rank
             self.frozen = True
         parent = os.getpid()
+        # The rank's stop signals stay blocked in the child until its StopRequest handles them.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, template_msgs.STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -266,6 +271,7 @@ class Template:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return pid
 
     def _become_rank(self, request: dict, fds: list[int], parent: int, conn) -> int:

@@ -9,8 +9,9 @@ the launcher's proxy as if the launcher had started it. It then stands for the r
 it gets (a stop, a teardown's SIGTERM) go to the rank, and it ends as the rank ended (the exit
 code, or the same signal), so the launcher's view, exit codes and kill order are those of a rank
 it started itself. Killed with SIGKILL, it takes the rank along: the template kills a rank
-whose client is gone. With no template to answer (none on the node, or it died), it becomes the
-rank itself, cold: `exec` of `python -m MODULE`.
+whose client is gone. With no template to answer (none on the node, it died, it is stopped or
+silent, or what listens is another user's), it becomes the rank itself, cold: `exec` of
+`python -m MODULE`, a stop signal that came meanwhile kept pending for the rank's handler.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ class Forwarder:
 
     def restore(self) -> None:
         """Before this process becomes the rank itself: each signal as the rank expects it, and
-        one that came meanwhile and would have ended the rank ends us now."""
+        one that came meanwhile and would have ended the rank ends us now; a stop signal is
+        kept blocked and pending across the exec, for the rank's StopRequest to take."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, template_msgs.STOP_SIGNALS)
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
         for signum in self.pending:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from contracts import env_names
+from contracts.template_msgs import STOP_SIGNALS
 from worker import hooks as test_hooks
 from worker import stack_dump
 from worker.args import TrainArgs, parse_args, plan_run
@@ -40,8 +41,11 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        # Held blocked by whoever started us (a fork template, its client going cold): a stop
+        # that came before these handlers is taken now, not lost nor the end of the rank.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _handle(self, signum, frame):
         self.requested = True

@@ -17,7 +17,16 @@ import psutil
 import pytest
 
 from contracts import template_msgs
-from tests.support import TINY, losses, mpiexec, rank_env, run_worker, wait_for_step
+from supervisor.launch import hosts
+from tests.support import (
+    TINY,
+    losses,
+    mpiexec,
+    rank_env,
+    read_metrics,
+    run_worker,
+    wait_for_step,
+)
 
 FLAGS = [*TINY, "--device", "cpu", "--batch-size", "2"]
 
@@ -266,3 +275,51 @@ def test_a_client_ends_as_its_rank_did_sigkill_included(tmp_path, template):
     proc.kill()
     assert job.wait(30) == -signal.SIGKILL  # the rank died with its template
     assert "fork template ended" in job.stdout.read()
+
+
+def listening(env) -> bool:
+    """Whether the job's template has bound its socket (it imports after that)."""
+    name = "@" + template_msgs.socket_name(env, socket.gethostname())[1:]
+    with open("/proc/net/unix") as table:
+        return any(line.split()[-1] == name for line in table if len(line.split()) > 7)
+
+
+def clients_of(job: subprocess.Popen) -> list[psutil.Process]:
+    return [
+        p for p in psutil.Process(job.pid).children(recursive=True)
+        if "worker.template_client" in " ".join(p.cmdline())
+    ]  # fmt: skip
+
+
+def test_a_stop_that_comes_while_the_template_imports_is_a_graceful_stop(tmp_path):
+    # The rendezvous given, as the supervisor gives it to forked ranks: no MPI, whose finalize
+    # has Hydra end the other ranks' clients while they still stand for their ranks.
+    env = {**job_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(hosts.free_port())}
+    outdir = tmp_path / "run"
+    job = subprocess.Popen(
+        client_cmd(2, "--train-iters", "300", "--outdir", str(outdir)), env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    log = open(tmp_path / "template.log", "w")  # noqa: SIM115
+    template = subprocess.Popen(
+        [sys.executable, "-m", "worker.template"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (listening(env) and len(clients_of(job)) == 2):
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.02)
+        time.sleep(0.3)  # the clients connect and wait for the template's imports
+        for client in clients_of(job):
+            client.send_signal(signal.SIGUSR1)  # the launcher's stop, held until the fork
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+        template.kill()
+        template.wait(30)
+        log.close()
+    assert job.returncode == 0, out
+    assert "stop requested: exiting after step" in out
+    assert read_metrics(outdir / "metrics-0.jsonl")[-1]["step"] < 300
