@@ -22,6 +22,16 @@ from supervisor.run.context import JobContext
 
 RESTART_AFTER_S = 1.0  # a template that ended is started again after this (its node still up)
 MAX_LOST_IN_A_ROW = 5  # then the node's ranks start cold for the rest of the job
+STEADY_S = 60.0  # a template that ran this long before it ended starts the count anew
+# At the job's end a template's SIGTERM ends it at once, its launcher with it (a SIGKILL would
+# leave Hydra's "BAD TERMINATION" in templates/output-NODE.log at every job's end).
+END_GRACE_S = 2.0
+
+
+def lost_in_a_row(before: int, ran_s: float) -> int:
+    """Pure: the node's templates lost in a row once one more ended after `ran_s` seconds (one
+    that ran a while is not part of a row: a few losses over a long job never end its forks)."""
+    return 1 if ran_s >= STEADY_S else before + 1
 
 
 class Templates:
@@ -93,7 +103,8 @@ class Templates:
         if self.launches.get(node) is not run or self.over:
             return
         del self.launches[node]
-        self.lost[node] = self.lost.get(node, 0) + 1
+        ran = ended.mono - run.started
+        self.lost[node] = lost_in_a_row(self.lost.get(node, 0), ran)
         self.job.emit(
             "template_lost", node=node, lost=self.lost[node],
             reason=f"its launch ended ({exits.describe_returncode(ended.returncode)})",
@@ -119,6 +130,6 @@ class Templates:
             watch.cancel()
         launches, self.launches = self.launches, {}
         for node, run in launches.items():
-            result = await run.teardown(0.0)
+            result = await run.teardown(END_GRACE_S)
             self.job.emit("template_exit", node=node, reason="job over",
                           survivors=len(result.survivors))  # fmt: skip

@@ -20,10 +20,14 @@ from contracts import template_msgs
 from supervisor.launch import hosts
 from tests.support import (
     TINY,
+    TINY_JOB_WORKER,
+    events,
+    job_toml,
     losses,
     mpiexec,
     rank_env,
     read_metrics,
+    run_supervisor,
     run_worker,
     wait_for_step,
 )
@@ -323,3 +327,19 @@ def test_a_stop_that_comes_while_the_template_imports_is_a_graceful_stop(tmp_pat
     assert job.returncode == 0, out
     assert "stop requested: exiting after step" in out
     assert read_metrics(outdir / "metrics-0.jsonl")[-1]["step"] < 300
+
+
+def test_a_job_ends_its_templates_cleanly(tmp_path):
+    tables = {
+        "job": {"name": "tpl", "run_dir": str(tmp_path / "run")},
+        "launch": {"launcher": "mpiexec", "ranks_per_node": 2},
+        "launch.env": {"OMP_NUM_THREADS": "1"},
+        "worker": {**TINY_JOB_WORKER, "train_iters": 4},
+        "restart": {"standby": False},
+    }
+    rc, out = run_supervisor(job_toml(tmp_path, tables), 180)
+    assert rc == 0, out
+    (ended,) = [e for e in events(tmp_path / "run") if e["event"] == "template_exit"]
+    assert (ended["reason"], ended["survivors"]) == ("job over", 0)
+    log = next((tmp_path / "run" / "templates").glob("output-*.log")).read_text()
+    assert "SIGTERM: ending" in log and "BAD TERMINATION" not in log  # no SIGKILL at the end

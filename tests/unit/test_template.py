@@ -12,6 +12,7 @@ import pytest
 from contracts import template_msgs
 from supervisor.launch.resolve import Resolved
 from supervisor.policy.prepared_rules import template_unavailable
+from supervisor.run.templates import MAX_LOST_IN_A_ROW, STEADY_S, lost_in_a_row
 from supervisor.settings import loading
 
 
@@ -110,3 +111,11 @@ def test_a_request_read_in_pieces_is_whole_only_at_its_end():
         with pytest.raises(template_msgs.TemplateError, match="ended inside"):
             while reader.read(b) is None:
                 pass
+
+
+def test_only_templates_lost_one_soon_after_another_make_a_row():
+    lost = 0
+    for _ in range(MAX_LOST_IN_A_ROW):
+        lost = lost_in_a_row(lost, ran_s=2.0)  # each ended while it started: a row
+    assert lost == MAX_LOST_IN_A_ROW  # the node's ranks start cold from now on
+    assert lost_in_a_row(MAX_LOST_IN_A_ROW - 1, ran_s=STEADY_S) == 1  # it ran: a new count
