@@ -238,9 +238,10 @@ def check(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict | Non
     if not refs:
         return None
     got = exactness(traced.records, refs, found, traced.resumes).as_dict()
-    against = "the clean run" + (" and the worker with --skip-batches" if skip else "")
+    names = {"clean": "the clean run", "skipped": "the worker run with --skip-batches"}
+    against = " and ".join(names[k] for k in refs)
     if skip and args.no_verify:
-        against += " (after a nan: --no-verify, not checked)"
+        against += " (--no-verify: the steps trained with a skip are not checked)"
     return {**got, "against": against}
 
 

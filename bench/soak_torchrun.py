@@ -165,8 +165,8 @@ def failure_rows(result: Outcome, log: str) -> list[dict]:
     given = [x for x in result.fired if x.wall is not None]
     ends = [x for x in given if x.fault.kind in DISRUPTIVE]
     noticed = notice_times(log, datetime.fromtimestamp(ends[0].wall)) if ends else []
-    got = after_failures(result.records, [x.wall for x in ends])
-    after = dict(zip([x.fault.index for x in ends], got, strict=True))
+    starts = after_failures(result.records, [x.wall for x in ends])
+    after = dict(zip([x.fault.index for x in ends], starts, strict=True))
     resumes = [(int(m.group(1)), m.group(2) or "durable") for m in RESUMED.finditer(log)]
     rows = []
     for x in given:
@@ -176,7 +176,8 @@ def failure_rows(result: Outcome, log: str) -> list[dict]:
             got = after[x.fault.index]
             row.update(
                 detection_s=next((t - x.wall for t in noticed if t >= x.wall), None),
-                downtime_s=got.get("downtime_s"), lost=got.get("lost"), relaunch="cold",
+                downtime_s=got.get("downtime_s"), lost=got.get("lost"),
+                relaunch="cold" if got else None,
                 source=_source(resumes, got.get("resumed")),
             )  # fmt: skip
         rows.append(row)
