@@ -34,6 +34,10 @@ from supervisor.run.teardown import WatchEnd
 from supervisor.watch.rank_table import AttemptTable
 
 EXIT_FOLLOW_S = 0.1  # after a rank's process ended, how long to wait for the launcher's exit
+# ... when that rank said why before any step: the launcher's exit status tells bad input (2) from
+# a failure. Ranks forked from templates start no MPI, so no MPI_Abort ends the job at once: its
+# launcher exits once every rank has said the usage error and ended (the others wait 5 s first).
+EXIT_FOLLOW_SAID_S = 8.0
 ABORT_GRACE_S = 0.5  # teardown grace when the supervisor itself fails mid-attempt
 OUTPUT_READ_S = 1.0  # after teardown, how long to wait for the ranks' last output lines
 
@@ -318,8 +322,10 @@ class Attempt:
         """A finding ended the watch; for a rank gone, the launcher usually follows at once, and
         its exit status says more: prefer it."""
         if finding.kind == "rank_exit":
+            said = not self.table.stepped and any(r in self.watch.error_at for r in finding.ranks)
             with contextlib.suppress(TimeoutError):
-                info = await asyncio.wait_for(asyncio.shield(exit_task), EXIT_FOLLOW_S)
+                follow = EXIT_FOLLOW_SAID_S if said else EXIT_FOLLOW_S
+                info = await asyncio.wait_for(asyncio.shield(exit_task), follow)
                 return WatchEnd("exit", exit_task, exit=info)
         return WatchEnd(finding.kind, exit_task, finding=finding)
 

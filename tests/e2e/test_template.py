@@ -343,3 +343,21 @@ def test_a_job_ends_its_templates_cleanly(tmp_path):
     assert (ended["reason"], ended["survivors"]) == ("job over", 0)
     log = next((tmp_path / "run" / "templates").glob("output-*.log")).read_text()
     assert "SIGTERM: ending" in log and "BAD TERMINATION" not in log  # no SIGKILL at the end
+
+
+def test_a_forked_rank_that_rejects_its_input_ends_the_job_with_exit_2(tmp_path):
+    ckpt = tmp_path / "ckpt"  # another model's checkpoint: found only once the ranks said hello
+    made = run_worker(1, *FLAGS, "--train-iters", "2", "--save-interval", "2",
+                      "--ckpt-dir", str(ckpt), "--outdir", str(tmp_path / "made"))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    tables = {
+        "job": {"name": "tpl", "run_dir": str(tmp_path / "run")},
+        "launch": {"launcher": "mpiexec", "ranks_per_node": 2},
+        "launch.env": {"OMP_NUM_THREADS": "1"},
+        "worker": {**TINY_JOB_WORKER, "dim": 64, "train_iters": 4, "ckpt_dir": str(ckpt)},
+        "restart": {"standby": False},
+    }
+    rc, out = run_supervisor(job_toml(tmp_path, tables), 180)
+    assert rc == 2, out  # bad input, as with cold ranks: not a failure relaunched in vain
+    assert "is of another model" in out
+    assert sum(e["event"] == "launch" for e in events(tmp_path / "run")) == 1
