@@ -29,7 +29,9 @@ from tests.support import (
 JOB_TIMEOUT = 420
 
 TRAIN_ITERS = 40
-WORKER = {**TINY_JOB_WORKER, "train_iters": TRAIN_ITERS}
+# The durable tier's faults and fallbacks: no memory tier (its default, "auto", would serve some
+# resumes from a newer memory copy).
+WORKER = {**TINY_JOB_WORKER, "train_iters": TRAIN_ITERS, "mem_ckpt_interval": 0}
 EXPECTED_PATH = {"kill": "exit", "term": "exit", "corrupt": "exit", "unmark": "exit",
                  "hang": "hang", "stall": "no_progress"}  # fmt: skip
 

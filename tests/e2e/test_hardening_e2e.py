@@ -248,7 +248,7 @@ def test_an_attempt_that_completed_a_newer_checkpoint_made_progress(tmp_path):
     step 10, so the job goes on and the third resumes there."""
     run = tmp_path / "run"
     kill = {"name": "kill", "at_step": [4, 14], "action": "kill", "target": "all"}
-    worker = {**TINY_JOB_WORKER, "train_iters": 16, "save_interval": 10}
+    worker = {**TINY_JOB_WORKER, "train_iters": 16, "save_interval": 10, "mem_ckpt_interval": 0}
     proc = start(write_config(tmp_path, worker, restart={"max_same_resume": 2}, faults=(kill,)))
     rc, out = finish(proc)
     evs = events(run)

@@ -106,7 +106,7 @@ def test_costs_and_failures_become_events_and_commands_to_rank_0():
         now[0] = 10.0
         keeper.attempt_ended(AttemptRecord(0, 0, 7, "failure"))
         name, fields = events[-1]
-        mtbf = (PRIOR + 10.0) / 2  # the prior's weight halves with the first failure
+        mtbf = 10.0  # the prior is gone with the first failure: 10 s since the first step
         assert (name, fields["why"], fields["failures"], fields["mtbf_s"]) == (
             "interval_changed",
             "failure",

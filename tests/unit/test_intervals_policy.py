@@ -64,13 +64,12 @@ def test_a_dead_band_around_the_interval_in_force():
     assert intervals.retune(100, cost_for(500), step_s, mtbf, 100, 0.2) is None  # capped
 
 
-def test_the_prior_stands_until_failures_come_and_fades_with_them():
+def test_the_prior_stands_until_the_first_failure():
     prior = 1000.0
     assert policy.mtbf_estimate([], 0.0, prior) == prior
-    assert policy.mtbf_estimate([], 600.0, prior) == prior + 300  # quiet time counts
-    one = policy.mtbf_estimate([50.0], 100.0, prior)
-    assert one == (prior + 100) / 2  # half the prior's weight is left
-    assert policy.mtbf_estimate([50.0, 90.0], 100.0, prior) == 50.0  # the prior is gone
+    assert policy.mtbf_estimate([], 600.0, prior) == prior + 600  # quiet time counts
+    assert policy.mtbf_estimate([50.0], 100.0, prior) == 100.0  # the prior is gone
+    assert policy.mtbf_estimate([50.0, 90.0], 100.0, prior) == 50.0
 
 
 def test_the_estimate_follows_a_change_of_rate_both_ways():
