@@ -58,13 +58,19 @@ def client_cmd(ranks: int, *flags: str) -> list[str]:
     return [mpiexec(), "-n", str(ranks), *client, *FLAGS, *flags]
 
 
+def rendezvous() -> dict[str, str]:
+    """What the supervisor gives forked ranks, a port new for each launch: they start no MPI,
+    whose finalize has Hydra end the other clients while they still stand for their ranks."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(hosts.free_port())}
+
+
 def test_forked_ranks_train_as_cold_ones_and_end_as_they_end(tmp_path, template):
     proc, env = template
     cold = run_worker(2, *FLAGS, "--train-iters", "6", "--outdir", str(tmp_path / "cold"))
     assert cold.returncode == 0, cold.stderr
     forked = subprocess.run(
         client_cmd(2, "--train-iters", "6", "--outdir", str(tmp_path / "forked")),
-        env=env, capture_output=True, text=True, timeout=120,
+        env={**env, **rendezvous()}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert forked.returncode == 0, forked.stderr
     assert "step 6/6" in forked.stdout  # the rank writes where the launcher reads
@@ -135,7 +141,7 @@ def test_a_client_that_sends_slowly_or_never_holds_up_no_other(tmp_path, templat
         sock.sendall(request(env, module="os"))
         sock.settimeout(30)
         answer, _ = template_msgs.receive(sock)
-    assert time.monotonic() - t0 < 2.0  # not after the others' 10 s each
+    assert time.monotonic() - t0 < 5.0  # not after the others' 10 s each
     assert "not one this template runs" in answer["refused"]
     time.sleep(0.5)
     log = (tmp_path / "template.log").read_text()
@@ -296,9 +302,7 @@ def clients_of(job: subprocess.Popen) -> list[psutil.Process]:
 
 
 def test_a_stop_that_comes_while_the_template_imports_is_a_graceful_stop(tmp_path):
-    # The rendezvous given, as the supervisor gives it to forked ranks: no MPI, whose finalize
-    # has Hydra end the other ranks' clients while they still stand for their ranks.
-    env = {**job_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(hosts.free_port())}
+    env = {**job_env(), **rendezvous()}
     outdir = tmp_path / "run"
     job = subprocess.Popen(
         client_cmd(2, "--train-iters", "300", "--outdir", str(outdir)), env=env,
