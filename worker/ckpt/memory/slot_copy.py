@@ -1,5 +1,5 @@
-"""The memory tier's copy into its slot, with the checksum's pass folded in: the state's bytes
-are copied into the mapped block about 1 MiB at a time, and each piece's 4 KiB page sums are
+"""The memory tier's copy into its slot, with the checksum's pass folded in: the state's host
+bytes are copied into the mapped block about 1 MiB at a time, and each piece's 4 KiB page sums are
 taken right after its copy, while it is still in the cache. The data is read once, not copied
 and then read again from memory for the checksum; the seal makes each tensor's digest from the
 sums (`checksum.digest_of_sums`).
@@ -55,9 +55,9 @@ class _Plan:
 
 
 class SlotStager(ReusedStager):
-    """`ReusedStager` (same mirror, same loans) whose `stage` also leaves the page sums of the
-    copy (`sums`, one int64 per 4 KiB page of the block), and which says the slot's table
-    (`table`: each tensor's place and digest, every other value) from them."""
+    """`ReusedStager` (same mirror, same loans) whose `stage` also takes the page sums of the
+    copy (one int64 per 4 KiB page of the block), and which says the slot's table (`table`:
+    each tensor's place and digest, every other value) from them."""
 
     def __init__(self, allocate: Callable[[int], torch.Tensor]):
         super().__init__(allocate=allocate)
@@ -160,7 +160,8 @@ class SlotStager(ReusedStager):
 
 def _pieces(runs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> list[_Piece]:
     """Whole small tensors gathered up to SUM_PIECE bytes a piece; a larger one split into
-    pieces of SUM_PIECE (page-aligned). Each piece ends at the end of its last tensor's
+    pieces of SUM_PIECE (page-aligned), unless it is strided or on an accelerator (one piece:
+    its transfer is not cut into many). Each piece ends at the end of its last tensor's
     padding, so the pieces cover every page of the block that holds a tensor's bytes."""
     out: list[_Piece] = []
     current: _Piece | None = None
@@ -179,7 +180,8 @@ def _pieces(runs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> list[_Pi
         if current is not None:
             out.append(current)
             current = None
-        if not src.is_contiguous():  # copied whole (strided), summed after
+        if not src.is_contiguous() or src.device.type != "cpu":
+            # copied whole, then summed: strided, or from an accelerator (one transfer)
             out.append(_Piece(offset, end, [dst], [src]))
             continue
         d, s = _bytes_of(dst), _bytes_of(src)
