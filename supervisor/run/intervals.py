@@ -70,7 +70,7 @@ class IntervalKeeper:
         self.clock = clock
         self.started: float | None = None  # the job's first step: failures are counted from it
         self.meter = CostMeter()
-        self.failures: list[float] = []  # seconds since the start, when each was seen
+        self.failures: list[float] = []  # when each was seen, seconds since the first step
         self.current: dict[str, int] = {}  # the interval decided last, by tier
         self.told: dict[int, dict[str, int]] = {}  # attempt -> what its rank 0 was told
         self.standbys: set[int] = set()  # attempts launched as a standby
