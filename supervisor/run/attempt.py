@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,9 +322,8 @@ class Attempt:
         """A finding ended the watch; for a rank gone, the launcher usually follows at once, and
         its exit status says more: prefer it."""
         if finding.kind == "rank_exit":
-            said = not self.table.stepped and any(r in self.watch.error_at for r in finding.ranks)
+            follow = exit_follow_s(finding, self.table.stepped, self.watch.error_at)
             with contextlib.suppress(TimeoutError):
-                follow = EXIT_FOLLOW_SAID_S if said else EXIT_FOLLOW_S
                 info = await asyncio.wait_for(asyncio.shield(exit_task), follow)
                 return WatchEnd("exit", exit_task, exit=info)
         return WatchEnd(finding.kind, exit_task, finding=finding)
@@ -366,3 +365,10 @@ class Attempt:
             self.stragglers.on_message(msg)
         if self.faults_see:
             self.job.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
+
+
+def exit_follow_s(finding: Finding, stepped: bool, said: Mapping[int, object]) -> float:
+    """How long to wait for the launcher's exit after a rank's process ended: longer when that
+    rank said why before any step (EXIT_FOLLOW_SAID_S)."""
+    early = not stepped and any(r in said for r in finding.ranks)
+    return EXIT_FOLLOW_SAID_S if early else EXIT_FOLLOW_S
