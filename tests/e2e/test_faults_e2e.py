@@ -115,7 +115,11 @@ def test_time_triggers_kill_hang_slow(tmp_path, baseline):
         {"name": "slow", **slow},
         {"name": "kill", "at_s": [22], "action": "kill"},
         {"name": "hang", **hang},
-    ]
+        # A warm relaunch after the kill would finish the job before the hang comes due: the
+        # next attempt is paced too.
+        {"name": "pace", "at_s": [22], "action": "slow", "delay_s": 0.5, "duration_s": 30,
+         "target": "all"},
+    ]  # fmt: skip
     # A stopped rank's peers wait in a collective from their last step, which can be up to a
     # beat interval before the stopped rank's last beat: with the progress limit equal to the
     # liveness timeout, their no-progress deadline sometimes came first. The hang is judged
@@ -126,7 +130,7 @@ def test_time_triggers_kill_hang_slow(tmp_path, baseline):
     run = tmp_path / "run"
     evs = events(run)
     fired = {f["name"]: f for f in check_each_fault(evs)}
-    assert set(fired) == {"kill", "hang", "slow"}
+    assert set(fired) == {"kill", "hang", "slow", "pace"}
     kill, hang, slow = fired["kill"], fired["hang"], fired["slow"]
     assert kill["ranks"] == [0, 1] and kill["signal"] == "SIGKILL" and kill["via"] == ["signal"] * 2
     assert hang["ranks"] == [1] and hang["signal"] == "SIGSTOP"
