@@ -35,7 +35,7 @@ LAYOUTS = {
     "fsdp2_async": (2, ["--async-ckpt"], 10),
     # FSDP+TP and HSDP: the supervisor's real kill and warm relaunch (tests/e2e/test_standby.py).
 }
-STEPS = ["--train-iters", str(ITERS), "--save-interval", "4"]
+STEPS = ["--train-iters", str(ITERS), "--save-interval", "4", "--mem-ckpt-interval", "0"]
 READY_TIMEOUT = 90
 
 
