@@ -10,7 +10,8 @@ Per size, in one run, everything on this host:
   one with `--mem-ckpt-interval 1` (a copy after every step) and a baseline without the tier.
   From rank 0's metrics: `train/mem_ckpt_stall_seconds` (what the loop blocked before the
   optimizer step), `train/mem_ckpt_copy_seconds` (the copy with its page sums, beside the
-  forward and backward), `train/mem_ckpt_check_seconds` (the seal after the copy: the digests
+  forward and backward at the lowest priority: from its start to its last piece, its waits for
+  idle CPU included), `train/mem_ckpt_check_seconds` (the seal after the copy: the digests
   from those sums and the record, not waited for) and `train/dt`;
   and the gap between two steps' records not inside either step (where the loop hands the state
   to the copy thread: `MemoryTier.save`), against the baseline's. The first copy

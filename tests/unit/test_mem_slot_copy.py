@@ -4,16 +4,21 @@ the state dict handed again is the one DCP would give, until something replaces 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from worker.ckpt import memory
+from worker.ckpt import memory, rng
 from worker.ckpt.memory import slot_copy
 from worker.ckpt.memory.slot_copy import SlotStager
 from worker.ckpt.memory.state_view import StateView
 from worker.ckpt.storage import aligned_zeros
+from worker.hooks import Hooks
 
 
 def state(seed: int = 0) -> dict:
@@ -25,7 +30,7 @@ def state(seed: int = 0) -> dict:
         "model": {
             "big": big,
             "small": torch.randint(0, 1000, (77,), generator=g, dtype=torch.int64),
-            "strided": torch.randn(600, 700, generator=g).t(),  # more than a piece, strided
+            "strided": torch.randn(1100, 1000, generator=g).t(),  # more than a piece, strided
             "empty": torch.empty(0),
         },
         "optim": {
@@ -178,3 +183,87 @@ def test_a_load_or_a_replaced_tensor_takes_the_state_dict_afresh():
     same(got, {"model": model_sd, "optim": optim_sd})
     view.get()
     assert view.taken == 4
+
+
+# ---- the copy's pieces, shared --------------------------------------------------------------
+def test_pieces_taken_by_two_threads_make_the_same_copy():
+    s, live = stager(), state(0)
+    job = s.start(live)
+    helper = threading.Thread(target=job.work)
+    helper.start()
+    job.work()
+    helper.join()
+    staged = s.finish(live, job)
+    check_table(live, s.table(staged), s._block)
+    assert job.done.is_set() and job.error is None
+
+
+def test_a_piece_that_fails_fails_the_copy():
+    s, live = stager(), state(0)
+    job = s.start(live)
+    job._pieces[1] = ([torch.empty(3)], [torch.empty(4)], *job._pieces[1][2:])  # cannot copy
+    job.work()
+    assert job.done.is_set() and job.error is not None
+    with pytest.raises(RuntimeError):
+        s.finish(live, job)
+
+
+def test_the_copy_worker_runs_at_the_lowest_priority():
+    seen = {}
+
+    def look():
+        slot_copy.lowest_priority()
+        tid = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    assert seen["nice"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # that thread only
+
+
+def test_the_loop_finishes_a_copy_its_worker_has_not_started(tmp_path):
+    """The copy worker busy (or starved): `wait_copied` does every piece itself, and the slot
+    is sealed and loads as it should."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 700)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    optimizer.step()
+    expect = memory.Expect("j", 0, 1, "m", "f", "node0")
+
+    def describe(step, tokens, data, gather=False):
+        return {"step": step, "tokens_seen": tokens, "data": data, "scheduler": {},
+                "rng": rng.capture("cpu")}  # fmt: skip
+
+    t = memory.MemoryTier(tmp_path, expect, interval=1, local_world=1, model=model,
+                          optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
+    t.fit_checked = True  # the collective fit check needs a process group
+    release = threading.Event()
+    t._worker.submit(release.wait)  # the worker stuck behind something else
+    t.save(3, 6, {})
+    copied = t.wait_copied()
+    assert copied is not None and copied.step == 3
+    release.set()
+    deadline = time.monotonic() + 30
+    while t.sealed != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t.close(remove=False)
+    (held,), refused = memory.find(tmp_path, expect)
+    assert held.step == 3 and refused == ["slot 1: missing"], refused  # one copy made
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    loader = memory.MemoryTier(tmp_path, expect, interval=1, local_world=1, model=model,
+                               optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
+    loader.load(held, Scheduler())
+    loader.close(remove=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+class Scheduler:
+    def load_state_dict(self, state):
+        self.state = state

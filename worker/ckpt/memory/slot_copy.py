@@ -1,8 +1,12 @@
 """The memory tier's copy into its slot, with the checksum's pass folded in: the state's host
-bytes are copied into the mapped block about 1 MiB at a time, and each piece's 4 KiB page sums are
-taken right after its copy, while it is still in the cache. The data is read once, not copied
-and then read again from memory for the checksum; the seal makes each tensor's digest from the
-sums (`checksum.digest_of_sums`).
+bytes are copied into the mapped block about 4 MiB at a time, and each piece's 4 KiB page sums
+are taken right after its copy, while it is still in the cache. The data is read once, not
+copied and then read again from memory for the checksum; the seal makes each tensor's digest
+from the sums (`checksum.digest_of_sums`).
+
+The pieces are a `CopyJob`: the tier's copy worker does them at the lowest priority (nice 19,
+`lowest_priority`), and the loop does those still left when it must wait for the copy. Each
+piece's copy and sums run without the GIL; a thread holds it only between two pieces.
 
 The plan (which bytes go where, in pieces) is made once for a state dict's containers and
 reused while the same ones come back (`StateView` hands the same while they hold the live
@@ -11,6 +15,8 @@ tensors): a step's copy is two torch calls a piece, no walk of the state dict.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from worker.ckpt.memory.checksum import PAGE_BYTES, digest_of_sums
 from worker.ckpt.staging import ReusedStager
 
-SUM_PIECE = 1 << 20  # bytes copied, then summed while in the cache (a core's L2, about)
+SUM_PIECE = 4 << 20  # bytes copied, then summed while in the cache (the last level)
 _WORDS = PAGE_BYTES // 8
 
 
@@ -54,6 +60,64 @@ class _Plan:
         return self.model is _part(state, "model") and self.optim_state is _optim_state(state)
 
 
+def lowest_priority() -> None:
+    """For the copy worker's thread: nice 19 (Linux sets it per thread), so that it runs on CPU
+    time the training leaves idle and yields when a training thread, this rank's or another's,
+    wants the core; a copy still unfinished when the optimizer step needs it is finished by the
+    loop (`CopyJob`). Not SCHED_IDLE: on a host that other work keeps busy, a thread starved
+    while it holds the GIL would hold the training thread for as long (nice 19 still gets its
+    share, a small one)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the process's priority
+        pass
+
+
+class CopyJob:
+    """One copy's pieces, each done by whichever thread takes it first: the tier's copy worker,
+    at the lowest priority, and the loop when it must wait for the copy (at its own priority:
+    what is left then costs the loop no more than copying it itself). Done once every piece
+    is, or one failed (`error`)."""
+
+    def __init__(self, pieces: list[tuple]):
+        self._pieces = pieces
+        self._lock = threading.Lock()
+        self._next = 0
+        self._left = len(pieces)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.sum_seconds = 0.0  # the page sums' share, every thread's together
+        if not pieces:
+            self.done.set()
+
+    @torch.no_grad()  # grad mode is per thread
+    def work(self) -> None:
+        """Take pieces until none is left."""
+        while True:
+            with self._lock:
+                if self._next >= len(self._pieces) or self.error is not None:
+                    return
+                dst, src, pages, sums = self._pieces[self._next]
+                self._next += 1
+            try:
+                torch._foreach_copy_(dst, src)
+                started = time.perf_counter()
+                torch.sum(pages, dim=1, out=sums)
+                took = time.perf_counter() - started
+            except BaseException as exc:  # said by `finish` (the tier goes off)
+                with self._lock:
+                    self.error = self.error or exc
+                self.done.set()
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            with self._lock:
+                self.sum_seconds += took
+                self._left -= 1
+                if self._left == 0:
+                    self.done.set()
+
+
 class SlotStager(ReusedStager):
     """`ReusedStager` (same mirror, same loans) whose `stage` also takes the page sums of the
     copy (one int64 per 4 KiB page of the block), and which says the slot's table (`table`:
@@ -63,23 +127,34 @@ class SlotStager(ReusedStager):
         super().__init__(allocate=allocate)
         self._plan: _Plan | None = None
         self._sums: torch.Tensor | None = None
+        self._started = 0.0
         self.sum_seconds = 0.0  # the page sums' share of copy_seconds
 
-    @torch.no_grad()
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        started = time.perf_counter()
-        plan = self._plan_for(state_dict)
-        summing = 0.0
-        for dst, src, pages, sums in plan.pieces:
-            torch._foreach_copy_(dst, src)
-            t0 = time.perf_counter()
-            torch.sum(pages, dim=1, out=sums)
-            summing += time.perf_counter() - t0
+        """The whole copy on this thread (`start`, the pieces, `finish`)."""
+        job = self.start(state_dict)
+        job.work()
+        return self.finish(state_dict, job)
+
+    def start(self, state_dict: dict[str, Any]) -> CopyJob:
+        """The copy of `state_dict` as pieces for any thread to do (`CopyJob.work`); then
+        `finish`. Maps the slot on its first use."""
+        self._started = time.perf_counter()
+        return CopyJob(self._plan_for(state_dict).pieces)
+
+    @torch.no_grad()
+    def finish(self, state_dict: dict[str, Any], job: CopyJob) -> dict[str, Any]:
+        """Once every piece is done: the 0-dim tensors, and the snapshot (the block's tensors,
+        what is not a tensor taken from `state_dict`)."""
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        plan = self._plan
         if plan.scalars[0]:
             torch._foreach_copy_(*plan.scalars)
         staged = _graft(self._cache, state_dict, plan.values_at)
-        self.copy_seconds = time.perf_counter() - started
-        self.sum_seconds = summing
+        self.copy_seconds = time.perf_counter() - self._started
+        self.sum_seconds = job.sum_seconds
         self._latest = staged
         self._on_staged()
         return staged

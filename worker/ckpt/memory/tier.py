@@ -32,7 +32,7 @@ from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.memory.checksum import checked
 from worker.ckpt.memory.held import Held, find, forget, hold, release
 from worker.ckpt.memory.partner_link import PartnerLink, connect_partners
-from worker.ckpt.memory.slot_copy import SlotStager
+from worker.ckpt.memory.slot_copy import CopyJob, SlotStager, lowest_priority
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
     SLOTS,
@@ -106,6 +106,12 @@ class MemoryTier:
         self.gen = 1 + max((h.gen for h in held), default=0)
         self.target = (held[0].slot + 1) % SLOTS if held else 0  # never the newest complete
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem-ckpt")
+        # The copy's pieces, on CPU time nothing else wants; the loop finishes what is left.
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mem-copy", initializer=lowest_priority
+        )
+        self._job: CopyJob | None = None  # the copy in flight's pieces, once it has started
+        self._published = threading.Event()  # set once they are (or the copy is over)
         self._copy: Future | None = None
         self._copy_step = -1
         self._copied = threading.Event()
@@ -165,6 +171,8 @@ class MemoryTier:
                 return
         meta = self.describe(step, tokens_seen, data, gather=False)
         self._copied.clear()
+        self._published.clear()
+        self._job = None
         self._copy_step = step
         slot, gen = self.target, self.gen
         self._copy = self._thread.submit(self._copy_into, slot, gen, state, meta, self._free[slot])
@@ -181,17 +189,22 @@ class MemoryTier:
         meta: dict[str, Any],
         free: threading.Event,
     ) -> dict[str, Any]:
-        """The copy: once it is done the loop may change the live state again."""
+        """The copy: its pieces to the copy worker (and the loop, if it must wait), then the
+        rest; once it is done the loop may change the live state again."""
         try:
             target, stager = self.slots[slot], self.stagers[slot]
             free.wait()  # an async durable save still writing this slot's older copy out
-            if target.header is not None:
-                target.begin(gen)  # from here the slot is torn until sealed
-            snapshot = stager.stage(state)  # maps the slot on its first use
-            target.begin(gen)
+            job = stager.start(state)  # maps the slot on its first use
+            target.begin(gen)  # from here the slot is torn until sealed
+            self._job = job
+            self._published.set()
+            self._worker.submit(job.work)
+            snapshot = stager.finish(state, job)
             self.hooks.in_memory_copy(meta["step"])
             return snapshot
         finally:
+            self._job = None
+            self._published.set()
             self._copied.set()
 
     @torch.no_grad()
@@ -248,7 +261,7 @@ class MemoryTier:
         if job is None:
             return None
         started = time.perf_counter()
-        self._copied.wait()
+        self._finish_copy()
         waited = time.perf_counter() - started
         self._copy = None
         error = job.exception()
@@ -268,6 +281,14 @@ class MemoryTier:
             self.check_seconds,
         )
 
+    def _finish_copy(self) -> None:
+        """Block until the copy in flight is done, doing what is left of it on this thread."""
+        self._published.wait()  # behind the seal before it, at the copy thread's priority
+        job = self._job
+        if job is not None:
+            job.work()
+        self._copied.wait()
+
     def resumed_from(self, held: Held) -> None:
         """A load of `held` succeeded: the next copy goes into the other slot (the one resumed
         from stays whole meanwhile), with a generation newer than every slot's."""
@@ -278,9 +299,10 @@ class MemoryTier:
         """Wait for a copy in flight; with `remove`, delete this rank's slots (and the job's
         directory when no one else holds it)."""
         if self._copy is not None:
-            self._copied.wait()
+            self._finish_copy()
             self._copy = None
         self._thread.shutdown(wait=True)
+        self._worker.shutdown(wait=True)
         if self.link is not None:
             self.link.close()
         for stager in self.stagers:
