@@ -135,6 +135,7 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
     ranks, par = LAYOUTS[layout]
     memory = ranks == 4
     worker = {**par, "train_iters": ITERS, "save_interval": 1000 if before_ckpt else 5}
+    worker["mem_ckpt_interval"] = 0  # the 2-rank cases resume from disk (or from nothing)
     env = {}
     if memory:
         worker["mem_ckpt_interval"] = 1
@@ -253,7 +254,10 @@ def test_a_kill_before_the_standby_is_ready_relaunches_cold_at_once(tmp_path, re
     try:
         launch = wait_for(run, lambda e: e["event"] == "standby_launch", proc)
         mpiexec = psutil.Process(launch["pids"][0])
+        # Its ranks started (forked from the template, they say hello at once), not ready.
+        wait_for(run, lambda e: len(standby_pids(run, launch["attempt"])) == 2, proc)
         standby = [mpiexec, *mpiexec.children(recursive=True)]
+        standby += [psutil.Process(pid) for pid in standby_pids(run, launch["attempt"])]
         kill_ranks(run, 0, 2)
         assert not any(e["event"] == "standby_ready" for e in events(run)), "a fast host?"
         rc, out = finish(proc)
