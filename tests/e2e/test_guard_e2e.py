@@ -49,9 +49,10 @@ def test_bad_steps_never_reach_the_weights_and_later_losses_match_a_run_given_th
     checkpoint of step 6 (positions 8-10: step 6 trained position 7)."""
     ckpt = tmp_path / "ckpt"
     faults = rank_env(**inject_env(rank=0, spike_at_step=3, nan_at_step=9))
+    # the memory tier off: its copy of step 1 or 2 would serve the rollback at step 3
     guarded = worker(
         tmp_path, "guarded", "--guard", "rollback", "--guard-warmup", "1", "--ckpt-dir",
-        str(ckpt), "--save-interval", "6", env=faults,
+        str(ckpt), "--save-interval", "6", "--mem-ckpt-interval", "0", env=faults,
     )  # fmt: skip
     said = (guarded / "stdout.txt").read_text()
     assert "GUARD: step 3 not applied: spike" in said

@@ -89,8 +89,9 @@ def test_the_intervals_follow_a_failure_rate_that_changes(tmp_path, reference):
     shortest = min(e["new"] for e in dense)
     assert shortest < first["new"] / 2, durable  # the dense failures shortened it
     # the quiet spell: the estimate rises without a failure, and the interval with it
-    at_last_dense = next(e for e in dense if e["failures"] == len(DENSE))
-    assert quiet[-1]["mtbf_s"] > 2 * at_last_dense["mtbf_s"], durable
+    # (by how much is the host's pace: the spell is some 350 steps, 9-30 s of wall time)
+    assert len(quiet) >= 2, durable
+    assert quiet[-1]["mtbf_s"] > quiet[0]["mtbf_s"] and quiet[-1]["new"] > quiet[0]["new"], durable
     assert quiet[-1]["new"] > shortest, durable
     # every decision reached the running attempt's rank 0 (or a standby waiting)
     assert all(e["to"] for e in changed if e["why"] == "cost"), changed
