@@ -245,6 +245,20 @@ def abort_job(info: RankInfo, code: int) -> None:
     os._exit(code)
 
 
+def abort_unformed(info: RankInfo, code: int) -> int:
+    """A rank that refused its input before the world formed, by a check whose answer may
+    differ between ranks (its host's directories, a lock another job let go of in between):
+    under MPI with no rendezvous given, its peers wait for it in MPI_Init, and Hydra ends no
+    job for a process that exits before it; so it starts MPI too and aborts, and the launcher
+    ends them all. Otherwise `code`, to return: the peers' rendezvous times out, or a
+    supervisor or torchrun ends them."""
+    given = os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    if info.under_mpi and info.world > 1 and not given:
+        mpi_world()  # MPI_Init, with the peers
+        abort_job(info, code)
+    return code
+
+
 def end_process(code: int) -> None:
     """End a rank whose run is over (trained, stopped, told to exit, or refused its input):
     flush its output, finalize MPI if it was started, and exit without the interpreter's

@@ -27,7 +27,7 @@ from worker import stack_dump
 from worker.args import TrainArgs, parse_args, plan_run
 from worker.beat import Beacon
 from worker.ckpt import owner
-from worker.dist import RankInfo, abort_job, detect_rank, end_process
+from worker.dist import RankInfo, abort_job, abort_unformed, detect_rank, end_process
 from worker.errors import UsageError
 from worker.layout import Layout
 from worker.metrics import metrics_dir
@@ -78,15 +78,19 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     # Early too: a rank stuck anywhere from here on can be asked for its stacks (SIGUSR2).
     stack_dump.install(os.environ, info.rank)
     say = print if info.rank == 0 else (lambda *a, **k: None)
-    try:
+    try:  # the same answer on every rank: each says it and ends
         args = parse_args(argv)
         hooks = test_hooks.from_env(os.environ, info.rank, args.async_ckpt)
-        check_paths(args)
         cfg, layout = plan(args, info)
         standby = standby_requested(os.environ)
     except UsageError as exc:
         say_once(info, exc)
         return exc.exit_code
+    try:  # an answer of this rank's host and moment: its peers may go on without it
+        check_paths(args)
+    except UsageError as exc:
+        say_once(info, exc)
+        return abort_unformed(info, exc.exit_code)
     beacon = Beacon.from_env(info.rank, info.world, info.local_rank, info.local_world)
     beacon.hello("init")
     try:

@@ -15,6 +15,7 @@ from tests.support import (
     TINY,
     inject_env,
     losses,
+    mpiexec,
     rank_env,
     read_metrics,
     run_worker,
@@ -122,6 +123,24 @@ def test_bad_inject_is_one_clear_line(tmp_path, points, message):
 def test_bad_input_under_mpiexec_is_said_once_for_the_job(tmp_path):
     out = run_worker(2, *TINY, "--outdir", str(tmp_path), "--tp", "3", timeout=60)
     assert_one_clear_line(out, "world size 2 is not divisible by --tp 3")
+
+
+@pytest.mark.parametrize("refusing", [0, 1])
+def test_one_rank_refusing_its_directory_under_mpiexec_ends_the_job(tmp_path, refusing):
+    """One rank's output directory cannot be written, the other's can (per-rank flags, as a
+    node-local path on one bad host would): the refusing rank ends the whole job, which would
+    otherwise wait in MPI_Init for it forever, with its line and exit 2."""
+    rank_flags = [["--outdir", str(tmp_path / f"out-{r}")] for r in (0, 1)]
+    rank_flags[refusing] = ["--outdir", "/proc/forbidden"]
+    cmd = [mpiexec()]
+    for flags in rank_flags:
+        cmd += ["-n", "1", sys.executable, "-m", "worker.train", *TINY, *flags, ":"]
+    out = subprocess.run(
+        cmd[:-1], env=rank_env(), cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "output directory /proc/forbidden is not writable" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 @pytest.mark.slow

@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 from contracts import env_names, locks
 from worker.errors import UsageError
 
 _held: list[int] = []  # the lock's descriptor, open for the process's life
+# A job that has just ended may still hold the lock for a moment: its launcher returned while a
+# killed rank was still exiting (seen: a run by hand refused right after the one before it).
+ENDING_WAIT_S = 3.0
+POLL_S = 0.1
 
 
-def refuse_if_owned(ckpt_dir: Path) -> None:
-    """Before any collective: a UsageError when another job owns `ckpt_dir`."""
-    holder = locks.lock_holder(ckpt_dir)
-    if holder is not None and holder.get("job") != os.environ.get(env_names.ENV_JOB_ID):
-        raise UsageError(_in_use(ckpt_dir, holder))
+def refuse_if_owned(ckpt_dir: Path, wait_s: float = ENDING_WAIT_S) -> None:
+    """Before any collective: a UsageError when another job owns `ckpt_dir` (still, after
+    `wait_s`: a job ending as this one starts lets go of it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = locks.lock_holder(ckpt_dir)
+        if holder is None or holder.get("job") == os.environ.get(env_names.ENV_JOB_ID):
+            return
+        if time.monotonic() >= deadline:
+            raise UsageError(_in_use(ckpt_dir, holder))
+        time.sleep(POLL_S)
 
 
 def hold_if_alone(ckpt_dir: Path, rank: int) -> None:
