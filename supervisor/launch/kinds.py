@@ -5,6 +5,7 @@ that asks its ranks to stop (the worker saves on TERM and USR1)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import signal
 import subprocess
@@ -182,9 +183,14 @@ class Mpiexec(LauncherKind):
         return None
 
     def flavor(self, cfg: Config, executable: str) -> str:
-        if cfg.launch.flavor != "auto":
-            return cfg.launch.flavor
         found = detect_flavor(executable)
+        given = cfg.launch.flavor
+        if given != "auto":  # a program that says neither is taken at its word
+            if found not in ("unknown", given):
+                raise ConfigError(
+                    cfg.source, "launch.executable", wrong_flavor(given, found, executable)
+                )
+            return given
         if found == "unknown":
             raise ConfigError(
                 cfg.source,
@@ -251,6 +257,19 @@ class Mpiexec(LauncherKind):
         return LaunchPlan("hydra", [ProcSpec(argv, env)], world, nodes, self.STOP_SIGNALS["hydra"])
 
 
+FLAVOR_NAMES = {"hydra": "MPICH Hydra's mpiexec", "pals": "Cray PALS's mpiexec"}
+
+
+def wrong_flavor(given: str, found: str, executable: str) -> str:
+    """The mpiexec found on PATH (a virtual environment's MPICH, first on PATH on a PBS
+    system) is not the flavor the config names."""
+    return (
+        f'flavor = "{given}", but {executable} is {FLAVOR_NAMES[found]}: set [launch] executable '
+        f'to the full path of {FLAVOR_NAMES[given]}, or flavor = "auto" to run this one'
+    )
+
+
+@functools.lru_cache(maxsize=16)
 def detect_flavor(executable: str) -> str:
     """MPICH Hydra or Cray PALS, from `mpiexec --version`; "unknown" when it says neither."""
     try:

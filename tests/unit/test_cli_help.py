@@ -120,9 +120,24 @@ def test_a_multi_node_config_validated_outside_a_batch_job_says_it_fell_back(cap
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     path = REPO / "configs" / "agpt2b.toml"  # 2 nodes in a PBS job; mpiexec found by name
-    rc, out = validate(capsys, str(path))
+    rc, out = validate(capsys, str(path), "--set", "launch.flavor=auto")  # PATH's: MPICH's
     assert rc == 0, out
     assert 'note: launch.nodes = "auto": no PBS_NODEFILE or SLURM_JOB_NODELIST here' in out
+
+
+def test_a_flavor_named_is_refused_when_the_mpiexec_found_is_another(tmp_path, capsys, monkeypatch):
+    """The shipped PBS configs name PALS; the mpiexec found first on PATH here is the
+    environment's MPICH Hydra: validate says so and names `executable`, never runs it as PALS."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    rc, out = validate(capsys, str(REPO / "configs" / "agpt2b.toml"))
+    assert rc == 2 and out.count("\n") == 1, out
+    assert 'launch.executable: flavor = "pals", but ' in out and "is MPICH Hydra's mpiexec" in out
+    pals = tmp_path / "pals-mpiexec"  # a program that says it is PALS, as Cray's does
+    pals.write_text("#!/bin/sh\necho 'mpiexec version 1.2.12 (Cray PALS)'\n")
+    pals.chmod(0o755)
+    rc, out = validate(capsys, str(REPO / "configs" / "agpt2b.toml"), "--set",
+                       f'launch.executable="{pals}"', "--set", "launch.flavor=hydra")  # fmt: skip
+    assert rc == 2 and f"{pals} is Cray PALS's mpiexec" in out, out
 
 
 def test_nodes_note_only_when_auto_fell_back():
