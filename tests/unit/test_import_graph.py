@@ -5,6 +5,7 @@ function counts as much as one at the top).
 - Top-level packages import one way: `supervisor` -> `faults` -> `contracts`, `worker` ->
   `contracts`. The supervisor reaches the worker only by name (its torch-free spec, loaded in
   `supervisor/settings/worker_spec.py`) and the fault engine only through `faults/__init__.py`.
+  `testbed` (real hosts on one machine, for the tests) imports none of the others.
 - Inside `supervisor/`, every module lives in a role subpackage of a layer; a module imports only
   its own subpackage and lower layers.
 - No module over 450 lines, no class over 300; launcher kinds are compared only in the launch code.
@@ -18,13 +19,14 @@ from pathlib import Path
 
 from tests.support import REPO
 
-PACKAGES = ("contracts", "supervisor", "faults", "worker")
+PACKAGES = ("contracts", "supervisor", "faults", "worker", "testbed")
 # Which top-level package may import which (besides itself).
 ALLOWED = {
     "contracts": set(),
     "worker": {"contracts"},
     "faults": {"contracts"},
     "supervisor": {"contracts", "faults"},
+    "testbed": set(),
 }
 # supervisor/'s role subpackages, lowest first: a module imports only its own and lower layers.
 LAYERS = {
