@@ -167,7 +167,8 @@ def up(n: int) -> Bed:
         try:
             _build(bed)
         except BaseException:
-            _teardown()
+            with contextlib.suppress(BedError):
+                _teardown()  # the first error is the one to see
             raise
         return Bed(bed)
 

@@ -178,10 +178,10 @@ def test_the_command_line_exec_passes_stdin_stdout_and_exit_status(bed):
 
 def test_kill_ends_every_process_of_the_host_at_once_and_empties_its_shm(bed):
     far = subprocess.Popen([str(testbed.LAUNCHER), "n1",
-                            "echo data > /dev/shm/f; echo data > $ES_SCRATCH/f;"
+                            "echo data > /dev/shm/f; echo data > $TB_SCRATCH/f;"
                             " sleep 300 & sleep 300 & echo started; wait"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "ES_SCRATCH": str(testbed.SCRATCH)})  # fmt: skip
+                           env={**os.environ, "TB_SCRATCH": str(testbed.SCRATCH)})  # fmt: skip
     assert far.stdout.readline() == "started\n"
     victims = bed.pids("n1")
     assert len(victims) >= 3
