@@ -37,7 +37,8 @@ def bed_module_fixture(request: pytest.FixtureRequest) -> Iterator[int]:
 
 @pytest.fixture(name="bed")
 def bed_fixture(bed_module: int) -> testbed.Bed:
-    """The module's bed with every host up (healed, or brought up again, as needed)."""
+    """The module's bed with every host up (healed, or brought up again, as needed; a bed of
+    another size that is up is taken down first)."""
     bed = testbed.current()
     if bed is not None and bed.plan.n != bed_module:
         testbed.down()

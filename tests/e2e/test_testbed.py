@@ -49,6 +49,7 @@ def test_hosts_have_their_own_hostname_address_shm_and_scratch(bed, tmp_path):
         assert out(bed, h, "hostname") == h
         assert f"inet {bed.address(h)}/24" in out(bed, h, "ip", "-4", "-o", "addr", "show", "eth0")
         assert out(bed, h, "pwd") == os.getcwd()  # the caller's directory: the fs is shared
+        assert "default" not in out(bed, h, "ip", "route")  # the bed's hosts and the head only
     name = f"estb-{uuid.uuid4().hex}"
     for d in ("/dev/shm", str(testbed.SCRATCH)):
         out(bed, "n0", "sh", "-c", f"echo x > {d}/{name}")
