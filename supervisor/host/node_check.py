@@ -77,16 +77,29 @@ async def run_on(
     """The probe's output lines from one process on each of `nodes`, started by the job's own
     launcher (the same command line the ranks get, one per node); what came before a timeout.
     `down`: the emulated nodes a fault took away, whose probe then answers nothing."""
-    cfg = resolved.cfg
     flags: dict[str, Any] = {"dirs": list(dirs)}
     if down:
         flags[node_probe.DOWN_FLAG.removeprefix("--")] = sorted(down)
+    return await run_program(resolved, nodes, node_probe.__name__, flags, timeout, "check")
+
+
+async def run_program(
+    resolved: Resolved,
+    nodes: Sequence[str],
+    module: str,
+    flags: dict[str, Any],
+    timeout: float,
+    name: str,
+) -> list[str]:
+    """`python -m module flags` once on each of `nodes` by the job's own launcher; its output
+    lines, what came before `timeout` (`name`: of its host file in the run dir)."""
+    cfg = resolved.cfg
     check_cfg = dataclasses.replace(
         cfg,
         launch=dataclasses.replace(cfg.launch, ranks_per_node=1),
-        worker=dataclasses.replace(cfg.worker, module=node_probe.__name__, flags=flags),
+        worker=dataclasses.replace(cfg.worker, module=module, flags=flags),
     )
-    hostfile = resolved.run_dir / "hostfile-check"
+    hostfile = resolved.run_dir / f"hostfile-{name}"
     hostfile.write_text("".join(f"{n}\n" for n in nodes))
     plan = resolved.kind.plan(
         check_cfg,

@@ -23,7 +23,7 @@ from supervisor.launch.resolve import Resolved
 from supervisor.log.events import EventLog
 from supervisor.policy import prepared_rules, restarts
 from supervisor.policy.restarts import AttemptRecord, Decision
-from supervisor.run import fault_hooks, intervals, services, stragglers
+from supervisor.run import fault_hooks, intervals, node_cleaner, services, stragglers
 from supervisor.run.attempt import Attempt, AttemptResult
 from supervisor.run.context import JobContext, Launcher
 from supervisor.run.node_keeper import NodeKeeper
@@ -76,6 +76,7 @@ class Job:
         code, reason = ExitCode.ERROR, "internal error"
         try:
             self.scratch.open()
+            await node_cleaner.clean_nodes(self.resolved, self.job_id, "start", self.emit)
             stop = await self.nodes.check()
             if stop is not None:
                 pool = self.resolved.pool.as_dict()
@@ -150,6 +151,7 @@ class Job:
         for sig in self.stop_signals:
             loop.add_signal_handler(sig, self.stop.request)
         self.scratch.close()  # first: whatever fails below, the node's memory is freed
+        await node_cleaner.clean_nodes(self.resolved, self.job_id, "end", self.emit)  # others'
         for task in services:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

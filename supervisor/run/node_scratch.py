@@ -4,6 +4,7 @@ holds any more (swept at the job's start and end)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -64,6 +65,13 @@ class NodeScratch:
                 self.emit("mem_removed", path=one.path)
             else:
                 self.emit("mem_remove_failed", path=one.path, error=error)
+        launch = self.cfg.launch
+        if launch.emulate_nodes and launch.nodes:  # each emulated node's own root, once empty
+            base = memdir.root(launch.env)
+            for root in memdir.roots(launch.env, list(launch.nodes)):
+                if root != base:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(root)
 
     def _sweep(self, when: str) -> None:
         """What killed runs left on this node and nothing holds any more (`hygiene.sweep`)."""
