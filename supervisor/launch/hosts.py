@@ -3,6 +3,7 @@ the batch job (PBS_NODEFILE, SLURM_JOB_NODELIST)."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Below Linux's ephemeral range (its default start; `ip_local_port_range`), above most services.
+LISTEN_PORTS = (20000, 32768)
+PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def listen_range(ephemeral: str | None) -> tuple[int, int]:
+    """Pure: the ports [low, high) MASTER_PORT is drawn from for a rank 0 on another host,
+    below that host's ephemeral range (`ephemeral`: the range file's text, read here, as the
+    nodes of a cluster are alike): its outgoing connections never take one of these, only a
+    listener could."""
+    low, high = LISTEN_PORTS
+    try:
+        first = int((ephemeral or "").split()[0])
+    except (IndexError, ValueError):
+        return LISTEN_PORTS
+    high = min(high, first)
+    low = min(low, max(1024, high - 4096))
+    return (low, high) if high - low >= 1024 else LISTEN_PORTS
+
+
+def rendezvous_port(master: str) -> int:
+    """MASTER_PORT for ranks whose rank 0 runs on `master`: on this host, a port free here now;
+    on another host, where nothing here can check it, a random one of `listen_range` (rank 0's
+    TCP store failing to bind it ends that attempt, and the next draws another)."""
+    if is_this_host(master):
+        return free_port()
+    try:
+        with open(PORT_RANGE_FILE) as f:
+            text = f.read()
+    except OSError:
+        text = None
+    low, high = listen_range(text)
+    return random.SystemRandom().randrange(low, high)
 
 
 def listed_nodes(launch: LaunchConfig, environ: Mapping[str, str], source: str) -> list[str]:

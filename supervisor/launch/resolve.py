@@ -78,9 +78,9 @@ class Resolved:
 
     def plan(self, env: dict[str, str], master_port: int = 0) -> LaunchPlan:
         """An attempt's launch. Ranks forked from templates are given their rendezvous (a port
-        free here): they never start MPI, so Hydra, which ends a job's other processes the
-        moment one that started MPI exits, leaves each client the time to mirror its rank's
-        end."""
+        good on rank 0's host): they never start MPI, so Hydra, which ends a job's other
+        processes the moment one that started MPI exits, leaves each client the time to mirror
+        its rank's end."""
         template = self.template_off is None
         return self.kind.plan(
             self.cfg,
@@ -89,10 +89,15 @@ class Resolved:
             self.flavor,
             env,
             self.hostfile(),
-            master_port or (hosts.free_port() if template else 0),
+            master_port or (self.rendezvous_port() if template else 0),
             self.worker_overrides,
             template=template,
         )
+
+    def rendezvous_port(self) -> int:
+        """MASTER_PORT for the active nodes' ranks, good on rank 0's host (`hosts`)."""
+        local = self.cfg.launch.emulate_nodes
+        return hosts.free_port() if local else hosts.rendezvous_port(self.active[0])
 
     def prepared_plan(self, env: dict[str, str], node: str) -> LaunchPlan:
         """Prepared ranks on one node, a launch of their own (worker.prepared, the same flags)."""

@@ -235,7 +235,7 @@ async def become(
         "WORLD_SIZE": str(len(adopted.chosen)),
         "LOCAL_WORLD_SIZE": str(adopted.ranks_per_node),
         "MASTER_ADDR": "127.0.0.1" if local else master,
-        "MASTER_PORT": str(hosts.free_port()),
+        "MASTER_PORT": str(hosts.free_port() if local else hosts.rendezvous_port(master)),
     }
     why = "no control channel" if control is None else None
     t = time.time()

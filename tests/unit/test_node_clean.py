@@ -49,3 +49,14 @@ def test_the_program_removes_the_job_s_scratch_and_leaves_what_a_live_job_holds(
     assert sorted(report["removed"]) == [str(ours), str(stage / f"es-ckpt-{JOB}")]
     assert theirs.is_dir() and (stage / "keep").is_dir() and not ours.exists()
     assert report["left"] == [] and json.loads(out.stdout.split(node_clean.MARK)[1]) == report
+
+
+def test_a_remote_rank_0_s_port_is_drawn_below_its_ephemeral_range():
+    from supervisor.launch import hosts
+
+    assert hosts.listen_range("32768\t60999\n") == (20000, 32768)
+    assert hosts.listen_range("10000 60999") == (5904, 10000)
+    assert hosts.listen_range(None) == hosts.listen_range("1500 2000") == (20000, 32768)
+    for _ in range(50):
+        assert 20000 <= hosts.rendezvous_port("n-elsewhere.invalid") < 32768
+    assert hosts.rendezvous_port("localhost") >= 1024  # free here, checked here
