@@ -9,8 +9,8 @@ runs. Here, on each node, through the job's own launcher:
   sweep_abandoned`): at the job's end its own (its ranks are gone), at any start what a job
   killed with its supervisor left;
 - async stage dirs `<tmp>/es-ckpt-<job id>` of a supervised job (`<name>-<8 hex digits>`) that
-  no live process of that job on the node names (its `ES_JOB_ID`), older than a minute (a job
-  starting beside us); `--job`'s own at once (the job is over);
+  no live process of that job on the node names (its `ES_JOB_ID`: its ranks, which make the
+  directory, and its fork template carry it); `--job`'s own (the job is over);
 - MPICH segments and Hydra topology files nothing holds (`hygiene.sweep`);
 - an emulated node's own memory root, once empty.
 
@@ -23,8 +23,8 @@ import json
 import os
 import shutil
 import socket
+import stat
 import sys
-import time
 from collections.abc import Iterable, Sequence
 
 from contracts import env_names, scratch
@@ -56,12 +56,9 @@ def live_job_tags(proc_root: str = "/proc") -> set[str]:
     return tags
 
 
-def stale_stage_dirs(
-    root: str, names: Iterable[str], live: set[str], mtimes: dict[str, float], before: float
-) -> list[str]:
+def stale_stage_dirs(root: str, names: Iterable[str], live: set[str]) -> list[str]:
     """Pure: the stage dirs under `root` a sweep removes: a supervised job's (its tag of the
-    form `<name>-<8 hex digits>`), no live process of which is on the node, last changed
-    before `before`."""
+    form `<name>-<8 hex digits>`), no live process of which is on the node."""
     out = []
     for name in names:
         if not name.startswith(hygiene.STAGE_PREFIX):
@@ -69,9 +66,8 @@ def stale_stage_dirs(
         tag = name.removeprefix(hygiene.STAGE_PREFIX)
         if not scratch.MEM_DIR_NAME.fullmatch(scratch.MEM_PREFIX + tag) or len(tag) == 12:
             continue  # a worker's own (run by hand, a 12-digit hash) or not ours at all
-        if tag in live or mtimes.get(name, before) >= before:
-            continue
-        out.append(os.path.join(root, name))
+        if tag not in live:
+            out.append(os.path.join(root, name))
     return out
 
 
@@ -82,24 +78,19 @@ def sweep_stage_dirs(root: str, own_tag: str | None, proc_root: str = "/proc") -
     except OSError:
         return []
     uid = os.getuid()
-    mtimes: dict[str, float] = {}
+    mine = []  # this user's directories (not a link)
     for name in names:
         try:
             st = os.lstat(os.path.join(root, name))
         except OSError:
             continue
-        if st.st_uid == uid and not os.path.islink(os.path.join(root, name)):
-            mtimes[name] = st.st_mtime
+        if st.st_uid == uid and stat.S_ISDIR(st.st_mode):
+            mine.append(name)
     live = live_job_tags(proc_root)
     if own_tag is not None:
-        live.discard(own_tag)
-    before = time.time() - hygiene.MIN_AGE_S
-    doomed = stale_stage_dirs(root, [n for n in names if n in mtimes], live, mtimes, before)
-    own = f"{hygiene.STAGE_PREFIX}{own_tag}" if own_tag else None
-    if own in mtimes and own_tag not in live:
-        doomed.append(os.path.join(root, own))
+        live.discard(own_tag)  # the job is over: what still names it is on its way out
     removed = []
-    for path in sorted(set(doomed)):
+    for path in stale_stage_dirs(root, mine, live):
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):
             removed.append(path)

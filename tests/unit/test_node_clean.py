@@ -19,14 +19,11 @@ OTHER = "train-89abcdef"
 
 def test_which_stage_dirs_a_sweep_takes():
     names = [f"es-ckpt-{JOB}", f"es-ckpt-{OTHER}", "es-ckpt-0123456789ab", "es-ckpt-..", "x"]
-    old = {n: 100.0 for n in names}
-    assert node_clean.stale_stage_dirs("/t", names, set(), old, 200.0) == [
+    assert node_clean.stale_stage_dirs("/t", names, set()) == [
         f"/t/es-ckpt-{JOB}",
         f"/t/es-ckpt-{OTHER}",
     ]  # fmt: skip  (a worker's own 12-digit hash and what is not of the form: never)
-    assert node_clean.stale_stage_dirs("/t", names, {JOB}, old, 200.0) == [f"/t/es-ckpt-{OTHER}"]
-    young = {**old, f"es-ckpt-{OTHER}": 250.0}  # a job starting beside us
-    assert node_clean.stale_stage_dirs("/t", names, {JOB}, young, 200.0) == []
+    assert node_clean.stale_stage_dirs("/t", names, {JOB}) == [f"/t/es-ckpt-{OTHER}"]
 
 
 def test_the_program_removes_the_job_s_scratch_and_leaves_what_a_live_job_holds(tmp_path):
