@@ -8,8 +8,10 @@ import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from testbed.layout import RUN_DIR, SCRATCH, BedPlan, host_hosts_file, plan
 from testbed.probe import available
 
 LAUNCHER = Path(__file__).with_name("ssh")
+RELAY = Path(__file__).with_name("relay.py")
+RELAY_SOCKET = RUN_DIR / "relay.sock"
 LOCK_TIMEOUT = 60.0
 
 
@@ -181,6 +185,36 @@ def _build(bed: BedPlan) -> None:
         network.add_host(h)
         run_dir.write_host(host.start(h, RUN_DIR / "etc-hosts", RUN_DIR))
     etc_hosts.add(bed)
+    _start_relay()
+
+
+def _start_relay() -> None:
+    """The bed's sshd (`relay.py`): how `testbed/ssh` inside a host reaches another host."""
+    (RUN_DIR / "python").write_text(sys.executable)
+    (RUN_DIR / "root-pidns").write_text(f"{procs.ns_inode(os.getpid(), 'pid')}")
+    proc = subprocess.Popen(
+        [sys.executable, "-I", str(RELAY), "serve", str(RELAY_SOCKET)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        start_new_session=True, cwd="/",
+    )  # fmt: skip
+    line = proc.stdout.readline().decode(errors="replace").strip()
+    proc.stdout.close()
+    if line != "ready":
+        proc.kill()
+        raise BedError("the bed's relay (testbed/relay.py) did not start")
+    (RUN_DIR / "relay.pid").write_text(str(proc.pid))
+
+
+def _stop_relay() -> None:
+    try:
+        pid = int((RUN_DIR / "relay.pid").read_text())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = str(RELAY).encode() in f.read()
+    except (OSError, ValueError):
+        return
+    if ours:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def down() -> None:
@@ -200,6 +234,7 @@ def _teardown() -> None:
     }
     if procs.ns_inode(os.getpid(), "net") in kinds["net"]:
         raise BedError("`down` runs on the machine, not in one of the bed's hosts")
+    _stop_relay()
     for r in records:  # each host at once, then what is left
         if r.pid is not None and r.pidns is not None:
             procs.kill_init(r.pid, r.pidns)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -31,6 +32,7 @@ from contracts import env_names, scratch
 from supervisor.host import hygiene, memdir
 
 MARK = "es-node-clean "
+WORKER_TAG = re.compile("[0-9a-f]{12}")  # a worker run by hand: its checkpoint dir's hash
 JOB_FLAG = "--job"
 STAGE_FLAG = "--stage-root"
 
@@ -64,7 +66,9 @@ def stale_stage_dirs(root: str, names: Iterable[str], live: set[str]) -> list[st
         if not name.startswith(hygiene.STAGE_PREFIX):
             continue
         tag = name.removeprefix(hygiene.STAGE_PREFIX)
-        if not scratch.MEM_DIR_NAME.fullmatch(scratch.MEM_PREFIX + tag) or len(tag) == 12:
+        if not scratch.MEM_DIR_NAME.fullmatch(scratch.MEM_PREFIX + tag) or WORKER_TAG.fullmatch(
+            tag
+        ):
             continue  # a worker's own (run by hand, a 12-digit hash) or not ours at all
         if tag not in live:
             out.append(os.path.join(root, name))

@@ -132,8 +132,10 @@ def test_a_two_rank_hydra_job_exchanges_data_between_hosts(bed):
 
 MPI_ALLREDUCE = """from mpi4py import MPI
 import socket
+import os
 c = MPI.COMM_WORLD
-print(c.rank, socket.gethostname(), c.allreduce(c.rank + 1), flush=True)"""
+line = f"{c.rank} {socket.gethostname()} {c.allreduce(c.rank + 1)}"
+open(os.path.join(os.environ["OUT"], f"rank-{c.rank}"), "w").write(line)"""
 
 GLOO_ALLREDUCE = """import os, socket
 import torch, torch.distributed as dist
@@ -141,21 +143,25 @@ rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
 dist.init_process_group("gloo", rank=rank, world_size=size)
 t = torch.tensor([rank + 1.0])
 dist.all_reduce(t)
-print(rank, socket.gethostname(), int(t.item()), flush=True)
+line = f"{rank} {socket.gethostname()} {int(t.item())}"
+open(os.path.join(os.environ["OUT"], f"rank-{rank}"), "w").write(line)
 dist.destroy_process_group()"""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("program", [MPI_ALLREDUCE, GLOO_ALLREDUCE], ids=["mpi", "gloo"])
-def test_a_collective_across_hosts(bed, program):
+def test_a_collective_across_hosts(bed, program, tmp_path):
     """MPICH's own transport (UCX over TCP: the hosts' IPC namespaces and boot ids keep it off
     shared memory) and torch's gloo with MASTER_ADDR=n0."""
     cmd = [mpiexec(), *bed.launcher_args(), "-hosts", "n0,n1", "-n", "2",
            sys.executable, "-c", program]  # fmt: skip
-    env = rank_env(MASTER_ADDR="n0", MASTER_PORT="29435")
+    env = rank_env(MASTER_ADDR="n0", MASTER_PORT="29435", OUT=str(tmp_path))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == ["0 n0 3", "1 n1 3"]
+    # into files (the shared file system): Hydra forwards the ranks' output in chunks, and
+    # two ranks' lines can come cut into each other ("01 n0 3\n n1 3")
+    said = [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)]
+    assert said == ["0 n0 3", "1 n1 3"]
 
 
 def test_the_launcher_exec_takes_ssh_options_and_keeps_the_directory(bed, tmp_path):
@@ -175,6 +181,19 @@ def test_the_command_line_exec_passes_stdin_stdout_and_exit_status(bed):
     status = subprocess.run([sys.executable, "-m", "testbed", "status"], capture_output=True,
                             text=True, timeout=T, cwd=REPO)  # fmt: skip
     assert status.returncode == 0 and "n1    10.233.0.11   up" in status.stdout
+
+
+def test_the_launcher_exec_inside_a_host_reaches_another_host(bed):
+    """From n0 (its own PID namespace, from which n1 cannot be entered) through the bed's sshd:
+    streams, directory and status pass; a killed host is unreachable from there too."""
+    ssh = str(testbed.LAUNCHER)
+    words = [ssh, "-x", "n1", 'read x; echo "$x on $(hostname) in $PWD"; exit 5']
+    done = bed.exec("n0", words, cwd=str(REPO), input="hi\n", capture_output=True, text=True,
+                    timeout=T)  # fmt: skip
+    assert (done.returncode, done.stdout) == (5, f"hi on n1 in {REPO}\n"), done.stderr
+    bed.kill("n1")
+    gone = bed.exec("n0", [ssh, "n1", "hostname"], capture_output=True, text=True, timeout=T)
+    assert gone.returncode == 255 and "No route to host" in gone.stderr
 
 
 def test_kill_ends_every_process_of_the_host_at_once_and_empties_its_shm(bed):

@@ -1,6 +1,8 @@
 """Supervised jobs on real hosts (the test bed, `testbed/`): each node its own hostname, address,
 /dev/shm and node-local scratch; real Hydra reaches them over its ssh launcher (`testbed/ssh`).
 
+- The supervisor on host n0, SIGKILLed: nothing of its job lives on, what it kept in the
+  hosts' /dev/shm and scratch is removed by the next job's start on every host.
 - 3 hosts x 1 rank, the supervisor on this machine (a head node): a kill of every rank at a step,
   the warm relaunch resumes from the memory tier, every loss the uninterrupted run's; the ranks
   beat from the hosts' own addresses (the heartbeat port open to those alone); after the job
@@ -10,15 +12,22 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 import testbed
 from tests.e2e.test_nodes_e2e import last_losses, of
 from tests.support import (
+    REPO,
     TINY_JOB_WORKER,
     events,
+    read_metrics,
     run_supervisor,
+    supervisor_env,
     toml_table,
     worker_flags,
 )
@@ -33,7 +42,7 @@ PLAIN = {k: v for k, v in WORKER.items() if k not in ("save_interval", "mem_ckpt
 
 
 def bed_config(tmp_path: Path, bed: testbed.Bed, nodes: list[str], faults: list[dict],
-               restart: dict | None = None) -> Path:  # fmt: skip
+               restart: dict | None = None, worker: dict | None = None) -> Path:  # fmt: skip
     """A job on the bed's hosts `nodes`, one rank each, through Hydra's ssh launcher."""
     text = toml_table("[job]", {"name": "bed", "run_dir": str(tmp_path / "run")})
     text += toml_table("[launch]", {
@@ -42,7 +51,7 @@ def bed_config(tmp_path: Path, bed: testbed.Bed, nodes: list[str], faults: list[
     })  # fmt: skip
     # the async stage dir in each host's own scratch (`<TMPDIR>/es-ckpt-<job>`: /tmp is shared)
     text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1", "TMPDIR": str(testbed.SCRATCH)})
-    text += toml_table("[worker]", WORKER)
+    text += toml_table("[worker]", {**WORKER, **(worker or {})})
     text += toml_table("[restart]", {"backoff_s": [0], **(restart or {})})
     text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 5.0})
     for fault in faults:
@@ -106,3 +115,55 @@ def test_a_job_on_three_hosts_resumes_from_memory_bit_exact_and_leaves_nothing(
         assert seen["procs"] == [], (host, seen)
         assert [n for n in seen["shm"] if job in n or n.startswith("mpich")] == [], (host, seen)
         assert seen["stage"] == [], (host, seen)
+
+
+def wait_until(what, timeout: float, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(every)
+    return what()
+
+
+@pytest.mark.slow
+def test_a_supervisor_killed_on_n0_leaves_what_the_next_job_removes_on_every_host(bed, tmp_path):
+    """The supervisor on host n0 (as on a PBS mother-superior node, which runs ranks too),
+    SIGKILLed mid-job: its ranks and templates on every host end with it, their memory and stage
+    dirs stay; the next job, from this machine, removes them at its start on every host."""
+    first = tmp_path / "first"
+    first.mkdir()
+    config = bed_config(first, bed, bed.hosts, [], worker={"train_iters": 100000})
+    proc = bed.popen("n0", [sys.executable, "-m", "supervisor", "run", str(config), "--quiet"],
+                     cwd=str(REPO), env=supervisor_env(), stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        metrics = first / "run" / "attempts" / "000" / "metrics-0.jsonl"
+        assert wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= 6, 120)
+        job = of(events(first / "run"), "start")[0]["job"]
+        before = left_on_hosts(bed, job)
+        assert all(f"es-mem-{job}" in seen["shm"] for seen in before.values()), before
+        killed = bed.exec("n0", ["pkill", "-KILL", "-f", f"supervisor run {config}"], timeout=30)
+        assert killed.returncode == 0
+        # every process of the job, on every host, ends with it
+        assert wait_until(lambda: all(not s["procs"] for s in left_on_hosts(bed, job).values()),
+                          60), left_on_hosts(bed, job)  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    kept = left_on_hosts(bed, job)
+    assert all(f"es-mem-{job}" in seen["shm"] for seen in kept.values()), kept  # left behind
+
+    second = tmp_path / "second"
+    second.mkdir()
+    rc, out = run_supervisor(bed_config(second, bed, bed.hosts, [], worker={"train_iters": 4}),
+                             JOB_TIMEOUT)  # fmt: skip
+    assert rc == 0, out[-4000:]
+    evs = events(second / "run")
+    start = next(e for e in of(evs, "node_clean") if e["when"] == "start")
+    assert f"/dev/shm/es-mem-{job}" in start["paths"] and not start["silent"], start
+    again = of(evs, "start")[0]["job"]
+    for host, seen in left_on_hosts(bed, job).items():
+        assert not [n for n in seen["shm"] if job in n or again in n], (host, seen)
+        assert seen["stage"] == [] and seen["procs"] == [], (host, seen)

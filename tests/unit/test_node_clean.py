@@ -13,7 +13,7 @@ from supervisor.host import node_clean
 from supervisor.run import node_cleaner
 from tests.support import REPO
 
-JOB = "train-0123abcd"
+JOB = "bed-0123abcd"  # 12 characters, as a worker's own tag (12 hex digits) is
 OTHER = "train-89abcdef"
 
 
