@@ -73,14 +73,34 @@ async def run_on(
     dirs: Sequence[str],
     timeout: float,
     down: Collection[str] = (),
+    each: bool = False,
 ) -> list[str]:
     """The probe's output lines from one process on each of `nodes`, started by the job's own
-    launcher (the same command line the ranks get, one per node); what came before a timeout.
-    `down`: the emulated nodes a fault took away, whose probe then answers nothing."""
+    launcher (the same command line the ranks get, one per node; `each`: a launch per node);
+    what came before a timeout. `down`: the emulated nodes a fault took away, whose probe then
+    answers nothing."""
     flags: dict[str, Any] = {"dirs": list(dirs)}
     if down:
         flags[node_probe.DOWN_FLAG.removeprefix("--")] = sorted(down)
-    return await run_program(resolved, nodes, node_probe.__name__, flags, timeout, "check")
+    run = run_each if each else run_program
+    return await run(resolved, nodes, node_probe.__name__, flags, timeout, "check")
+
+
+async def run_each(
+    resolved: Resolved,
+    nodes: Sequence[str],
+    module: str,
+    flags: dict[str, Any],
+    timeout: float,
+    name: str,
+) -> list[str]:
+    """`run_program` on each node alone, all at once: where one launch for all said nothing (a
+    host that does not answer fails a Hydra launch over ssh as a whole), each node answers for
+    itself."""
+    alone = [
+        run_program(resolved, [node], module, flags, timeout, f"{name}-{node}") for node in nodes
+    ]
+    return [line for lines in await asyncio.gather(*alone) for line in lines]
 
 
 async def run_program(

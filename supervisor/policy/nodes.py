@@ -174,10 +174,16 @@ def excluded_now(counts: Mapping[str, int], exclude_after: int, pool: NodePool) 
     return [n for n in pool.active if counts.get(n, 0) >= exclude_after]
 
 
-def recheck_before_relaunch(down: Collection[str], pool: NodePool) -> bool:
+def recheck_before_relaunch(
+    down: Collection[str], pool: NodePool, silent_node: str | None = None
+) -> bool:
     """Whether the nodes must be checked again before the next launch: a node known lost (a
-    `node_loss` took it) is still in the pool. Its check then fails and it is out at once, a
-    spare in its place, without waiting for `exclude_after`."""
+    `node_loss` took it) is still in the pool, or (`silent_node`) the failure is laid on a node
+    of another host whose ranks all went silent (a hang, no progress): a host that died looks
+    just so from here. A lost node's check then fails and it is out at once, a spare in its
+    place, without waiting for `exclude_after`."""
+    if silent_node is not None and silent_node in pool.active:
+        return True
     return any(n in pool.active or n in pool.spares for n in down)
 
 

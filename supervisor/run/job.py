@@ -215,8 +215,8 @@ class Job:
                 self.give_up(number, decision.exit_code, decision.reason, **decision.facts)
                 return decision.exit_code, decision.reason
             stop = self.nodes.count_failure(result.attribution, result.number)
-            if stop is None:  # a node known lost: checked again, out at once
-                stop = await self.nodes.recheck(result.number)
+            if stop is None:  # a node known lost, or silent: checked again, out at once
+                stop = await self.nodes.recheck(result.number, silent_node(result))
             if stop is not None:
                 self.give_up(number, ExitCode.NODES, stop, nodes=self.resolved.pool.as_dict())
                 return ExitCode.NODES, stop
@@ -333,6 +333,14 @@ class Job:
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop.request()
         self.emit("signal", signal=signal.Signals(sig).name, count=self.stop.count)
+
+
+def silent_node(result: AttemptResult) -> str | None:
+    """The node a hang or a stall is laid on (its ranks went silent), or None."""
+    finding, blame = result.finding, result.attribution
+    if finding is None or finding.kind not in ("hang", "no_progress") or blame is None:
+        return None
+    return blame.node
 
 
 def prepare_run_dir(resolved: Resolved) -> int:

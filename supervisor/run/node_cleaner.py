@@ -5,6 +5,7 @@ alone (one node, emulated nodes) `node_scratch` does it itself."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -60,6 +61,12 @@ async def clean_nodes(
              error=f"{exc.strerror or exc}")  # fmt: skip
         return
     found = reports(lines)
+    silent = [n for n in every if n not in found]
+    if silent and len(every) > 1:  # one host that does not answer fails a launch for all
+        with contextlib.suppress(OSError):
+            found.update(reports(await node_check.run_each(
+                resolved, silent, node_clean.__name__, flags, CLEAN_TIMEOUT_S, f"clean-{when}"
+            )))  # fmt: skip
     removed = [p for r in found.values() for p in r.get("removed", [])]
     left = [p for r in found.values() for p in r.get("left", [])]
     emit(

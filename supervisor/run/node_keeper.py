@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 
 from supervisor.host import node_check
+from supervisor.launch import hosts
 from supervisor.launch.resolve import Resolved
 from supervisor.policy import nodes
 from supervisor.run.fault_hooks import FaultHooks
@@ -42,12 +43,18 @@ class NodeKeeper:
         or whose directories the ranks could not write, is out before it costs an attempt."""
         return await self._check_nodes("pre-launch check", None, tries=1)
 
-    async def recheck(self, attempt: int) -> str | None:
+    async def recheck(self, attempt: int, silent_node: str | None = None) -> str | None:
         """After attempt `attempt` failed, before the relaunch: when a node is known lost (a
-        `node_loss` fault), check the nodes again; the lost one does not answer and is out at
-        once, a spare in its place, whatever its failure count. A check that no node answered
-        (the launcher failed) is tried again, RECHECK_TRIES in all."""
-        if not nodes.recheck_before_relaunch(self.faults.nodes_down(), self.resolved.pool):
+        `node_loss` fault), or the failure is laid on a host whose ranks went silent
+        (`silent_node`), check the nodes again; a lost one does not answer and is out at once,
+        a spare in its place, whatever its failure count. A check that no node answered (the
+        launcher failed) is tried again, RECHECK_TRIES in all."""
+        if silent_node is not None and (
+            self.cfg.launch.emulate_nodes or hosts.is_this_host(silent_node)
+        ):
+            silent_node = None  # this host: alive, as the supervisor is
+        down = self.faults.nodes_down()
+        if not nodes.recheck_before_relaunch(down, self.resolved.pool, silent_node):
             return None
         return await self._check_nodes("node check before relaunch", attempt, RECHECK_TRIES)
 
@@ -74,6 +81,12 @@ class NodeKeeper:
         down = self.faults.nodes_down()
         lines = await node_check.run_on(resolved, every, dirs, NODE_CHECK_TIMEOUT_S, down)
         result = node_check.judge(lines, every)
+        if not result.reported and len(every) > 1 and not self.cfg.launch.emulate_nodes:
+            # one host that does not answer fails a launch over ssh for all: each alone
+            lines = await node_check.run_on(
+                resolved, every, dirs, NODE_CHECK_TIMEOUT_S, down, each=True
+            )
+            result = node_check.judge(lines, every)
         seconds = asyncio.get_running_loop().time() - started
         self.emit(
             "node_check",

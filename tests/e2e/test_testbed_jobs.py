@@ -25,15 +25,17 @@ from tests.support import (
     REPO,
     TINY_JOB_WORKER,
     events,
+    finish_supervisor,
     read_metrics,
     run_supervisor,
+    start_supervisor,
     supervisor_env,
     toml_table,
     worker_flags,
 )
 from tests.testbed_support import bed_fixture, bed_module_fixture  # noqa: F401 (fixtures)
 
-TESTBED_HOSTS = 3
+TESTBED_HOSTS = 4
 JOB_TIMEOUT = 300
 WORKER = {**TINY_JOB_WORKER, "train_iters": 24, "save_interval": 8, "mem_ckpt_interval": 1,
           "async_ckpt": True}  # fmt: skip
@@ -42,11 +44,13 @@ PLAIN = {k: v for k, v in WORKER.items() if k not in ("save_interval", "mem_ckpt
 
 
 def bed_config(tmp_path: Path, bed: testbed.Bed, nodes: list[str], faults: list[dict],
-               restart: dict | None = None, worker: dict | None = None) -> Path:  # fmt: skip
+               restart: dict | None = None, worker: dict | None = None,
+               spares: int = 0) -> Path:  # fmt: skip
     """A job on the bed's hosts `nodes`, one rank each, through Hydra's ssh launcher."""
     text = toml_table("[job]", {"name": "bed", "run_dir": str(tmp_path / "run")})
     text += toml_table("[launch]", {
         "launcher": "mpiexec", "flavor": "hydra", "nodes": nodes, "ranks_per_node": 1,
+        "spares": spares,
         "args": bed.launcher_args(),
     })  # fmt: skip
     # the async stage dir in each host's own scratch (`<TMPDIR>/es-ckpt-<job>`: /tmp is shared)
@@ -86,14 +90,14 @@ def test_a_job_on_three_hosts_resumes_from_memory_bit_exact_and_leaves_nothing(
 ):
     want = reference(3, *worker_flags({**PLAIN, "train_iters": 24}))
     kill = {"name": "kill-all", "at_step": 13, "action": "kill"}
-    config = bed_config(tmp_path, bed, bed.hosts, [kill])
+    config = bed_config(tmp_path, bed, bed.hosts[:3], [kill])
     rc, out = run_supervisor(config, JOB_TIMEOUT)
     assert rc == 0, out[-6000:]
     run = tmp_path / "run"
     evs = events(run)
     job = of(evs, "start")[0]["job"]
     # the ranks ran on the hosts (and beat from their addresses: the job would have hung else)
-    assert of(evs, "launch")[0]["nodes"] == bed.hosts, of(evs, "launch")
+    assert of(evs, "launch")[0]["nodes"] == bed.hosts[:3], of(evs, "launch")
     ends = [e["outcome"] for e in of(evs, "attempt_end")]
     assert ends == ["failure", "success"], (ends, out[-4000:])
     (relaunch,) = of(evs, "relaunch")
@@ -134,7 +138,7 @@ def test_a_supervisor_killed_on_n0_leaves_what_the_next_job_removes_on_every_hos
     dirs stay; the next job, from this machine, removes them at its start on every host."""
     first = tmp_path / "first"
     first.mkdir()
-    config = bed_config(first, bed, bed.hosts, [], worker={"train_iters": 100000})
+    config = bed_config(first, bed, bed.hosts[:3], [], worker={"train_iters": 100000})
     proc = bed.popen("n0", [sys.executable, "-m", "supervisor", "run", str(config), "--quiet"],
                      cwd=str(REPO), env=supervisor_env(), stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)  # fmt: skip
@@ -157,7 +161,7 @@ def test_a_supervisor_killed_on_n0_leaves_what_the_next_job_removes_on_every_hos
 
     second = tmp_path / "second"
     second.mkdir()
-    rc, out = run_supervisor(bed_config(second, bed, bed.hosts, [], worker={"train_iters": 4}),
+    rc, out = run_supervisor(bed_config(second, bed, bed.hosts[:3], [], worker={"train_iters": 4}),
                              JOB_TIMEOUT)  # fmt: skip
     assert rc == 0, out[-4000:]
     evs = events(second / "run")
@@ -167,3 +171,35 @@ def test_a_supervisor_killed_on_n0_leaves_what_the_next_job_removes_on_every_hos
     for host, seen in left_on_hosts(bed, job).items():
         assert not [n for n in seen["shm"] if job in n or again in n], (host, seen)
         assert seen["stage"] == [] and seen["procs"] == [], (host, seen)
+
+
+@pytest.mark.slow
+def test_a_host_killed_is_resumed_on_the_spare_from_its_partner(bed, tmp_path, reference):
+    """4 hosts (3 + 1 spare), 1 rank each, standby on, a memory copy every step, durable every
+    20: n1 killed (`testbed kill`: every process at once, its /dev/shm gone, unreachable). The
+    spare takes its place, its rank resumes from its partner's copy: at most a step lost, no
+    durable read, bit-exact."""
+    want = reference(3, *worker_flags({**PLAIN, "train_iters": 60}))
+    hosts = bed.hosts  # n0..n3: n3 the spare
+    worker = {"train_iters": 60, "save_interval": 20, "async_ckpt": False}
+    config = bed_config(tmp_path, bed, hosts, [], restart={"exclude_after": 2},
+                        worker=worker, spares=1)  # fmt: skip
+    proc = start_supervisor(config)
+    run = tmp_path / "run"
+    metrics = run / "attempts" / "000" / "metrics-0.jsonl"
+    ready = lambda: any(e["event"] == "prepared_ready" for e in events(run))  # noqa: E731
+    assert wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= 25 and ready(),
+                      120), events(run)[-5:]  # fmt: skip
+    bed.kill("n1")
+    rc, out = finish_supervisor(proc, JOB_TIMEOUT)
+    bed.heal("n1")
+    assert rc == 0, out[-6000:]
+    evs = events(run)
+    (relaunch,) = of(evs, "relaunch")
+    launches = of(evs, "launch")
+    assert launches[-1]["nodes"] == ["n0", "n3", "n2"], (launches, relaunch)
+    resumed = [e for e in of(evs, "resumed") if e["attempt"] == relaunch["attempt"]]
+    assert resumed and resumed[0]["source"] == "partner", (resumed, out[-4000:])
+    lost = max(r["step"] for r in read_metrics(metrics)) - resumed[0]["step"]
+    assert lost <= 1, (lost, resumed)
+    assert last_losses(run) == want  # bit for bit, every step

@@ -145,9 +145,9 @@ class _Faults:
         raise AssertionError("no shrink with a spare left")
 
 
-def _keeper(tmp_path, down: set[str]):
+def _keeper(tmp_path, down: set[str], emulated: bool = True):
     cfg = SimpleNamespace(
-        launch=SimpleNamespace(env={}, ranks_per_node=1, spares=1),
+        launch=SimpleNamespace(env={}, ranks_per_node=1, spares=1, emulate_nodes=emulated),
         worker=SimpleNamespace(flags={}),
         restart=SimpleNamespace(exclude_after=5, shrink=False, min_nodes=1),
     )
@@ -167,7 +167,7 @@ def _keeper(tmp_path, down: set[str]):
 def test_a_lost_node_is_swapped_for_the_spare_at_once(tmp_path, monkeypatch):
     asked: list = []
 
-    async def run_on(resolved, every, dirs, timeout, down=()):
+    async def run_on(resolved, every, dirs, timeout, down=(), each=False):
         asked.append(sorted(down))
         report = node_probe.MARK + '{{"node": "{}", "problems": []}}'
         return [report.format(n) for n in every if n not in down]
@@ -190,7 +190,7 @@ def test_a_lost_node_is_swapped_for_the_spare_at_once(tmp_path, monkeypatch):
 def test_a_check_no_node_answered_is_tried_again(tmp_path, monkeypatch):
     answers = [[], None]  # the launcher failed, then every node but the lost one answers
 
-    async def run_on(resolved, every, dirs, timeout, down=()):
+    async def run_on(resolved, every, dirs, timeout, down=(), each=False):
         if answers.pop(0) is not None:
             return []
         report = node_probe.MARK + '{{"node": "{}", "problems": []}}'
@@ -201,6 +201,26 @@ def test_a_check_no_node_answered_is_tried_again(tmp_path, monkeypatch):
     assert asyncio.run(keeper.recheck(0)) is None and answers == []
     assert [e["reported"] for e in events if e["event"] == "node_check"] == [0, 3]
     assert resolved.pool.active == ("n0", "n3", "n2")
+
+
+def test_a_host_whose_ranks_went_silent_is_checked_alone_and_swapped(tmp_path, monkeypatch):
+    """Real hosts: a hang laid on n1 (its host died) has the nodes checked; one launch for all
+    says nothing (Hydra over ssh fails as a whole for a host that does not answer), each node
+    alone then answers but n1."""
+    asked: list = []
+
+    async def run_on(resolved, every, dirs, timeout, down=(), each=False):
+        asked.append(each)
+        report = node_probe.MARK + '{{"node": "{}", "problems": []}}'
+        return [report.format(n) for n in every if n != "n1"] if each else []
+
+    monkeypatch.setattr(node_check, "run_on", run_on)
+    keeper, resolved, _, events = _keeper(tmp_path, set(), emulated=False)
+    assert asyncio.run(keeper.recheck(0)) is None and asked == []  # nothing silent: no check
+    assert asyncio.run(keeper.recheck(0, silent_node="n1")) is None
+    assert asked == [False, True]
+    assert resolved.pool.active == ("n0", "n3", "n2") and resolved.pool.excluded == ("n1",)
+    assert [e["reported"] for e in events if e["event"] == "node_check"] == [3]
 
 
 def test_no_node_lost_no_check_before_a_relaunch(tmp_path, monkeypatch):
