@@ -206,15 +206,18 @@ def _start_relay() -> None:
 
 
 def _stop_relay() -> None:
-    try:
-        pid = int((RUN_DIR / "relay.pid").read_text())
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            ours = str(RELAY).encode() in f.read()
-    except (OSError, ValueError):
-        return
-    if ours:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """Every relay of this bed's socket (found by its command line: one whose pid file is gone
+    with a run dir removed by hand, or a crash, is found too)."""
+    mark = f"{RELAY}\0serve\0{RELAY_SOCKET}".encode()
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                ours = mark in f.read()
+        except OSError:
+            continue
+        if ours:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def down() -> None:

@@ -253,6 +253,8 @@ def leftovers(net_inodes: set[int], hosts_before: str) -> list[str]:
     found += [f"mount at {p}" for p in (testbed.RUN_DIR, testbed.SCRATCH) if f" {p}" in mounts]
     found += [f"process {p}" for p in procs.members("net", net_inodes)]
     found += [f"path {p}" for p in (testbed.RUN_DIR, testbed.SCRATCH) if p.exists()]
+    relays = subprocess.run(["pgrep", "-f", "testbed/relay.py serve"], capture_output=True)
+    found += [f"relay {p}" for p in relays.stdout.decode().split()]
     if HOSTS_FILE.read_text() != hosts_before:
         found.append("/etc/hosts changed")
     return found
@@ -285,8 +287,13 @@ def test_down_after_whoever_ran_up_is_gone(bed_module):
     deadline = time.monotonic() + T
     while not procs.members("net", inodes) and time.monotonic() < deadline:
         time.sleep(0.02)
+    relay = int((testbed.RUN_DIR / "relay.pid").read_text())
     shutil.rmtree(testbed.RUN_DIR)  # even its state lost: down finds the bed by what exists
     done = subprocess.run([*cli, "down"], capture_output=True, text=True, timeout=T, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert leftovers(inodes, hosts_before) == []
     assert orphan.wait(timeout=T) != 0
+    deadline = time.monotonic() + T  # the bed's sshd ends once its socket is gone
+    while alive(relay) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(relay)
