@@ -3,6 +3,10 @@
 
 - The supervisor on host n0, SIGKILLed: nothing of its job lives on, what it kept in the
   hosts' /dev/shm and scratch is removed by the next job's start on every host.
+- A host killed mid-job (every process at once, its /dev/shm gone): found by its silence,
+  checked out, its rank resumed on the spare from its partner's copy through prepared ranks.
+- A host that keeps failing swapped for the spare; with no spare, the job shrinks onto the hosts
+  left; a host whose scratch cannot be written refused by the pre-launch check, on the host.
 - 3 hosts x 1 rank, the supervisor on this machine (a head node): a kill of every rank at a step,
   the warm relaunch resumes from the memory tier, every loss the uninterrupted run's; the ranks
   beat from the hosts' own addresses (the heartbeat port open to those alone); after the job
@@ -203,3 +207,65 @@ def test_a_host_killed_is_resumed_on_the_spare_from_its_partner(bed, tmp_path, r
     lost = max(r["step"] for r in read_metrics(metrics)) - resumed[0]["step"]
     assert lost <= 1, (lost, resumed)
     assert last_losses(run) == want  # bit for bit, every step
+
+
+KILL_NODE_1 = {"name": "kill-node1", "at_step": [6, 14], "after_checkpoint": True,
+               "action": "kill", "target": "node:1"}  # fmt: skip
+NODES_WORKER = {"train_iters": 24, "save_interval": 4, "mem_ckpt_interval": 0, "async_ckpt": False}
+
+
+@pytest.mark.slow
+def test_a_host_that_keeps_failing_is_swapped_for_the_spare(bed, tmp_path, reference):
+    want = reference(3, *worker_flags({**PLAIN, "train_iters": 24}))
+    config = bed_config(tmp_path, bed, bed.hosts, [KILL_NODE_1], restart={"standby": False},
+                        worker=NODES_WORKER, spares=1)  # fmt: skip
+    rc, out = run_supervisor(config, JOB_TIMEOUT)
+    assert rc == 0, out[-4000:]
+    run = tmp_path / "run"
+    evs = events(run)
+    ends = [e for e in of(evs, "attempt_end") if e["outcome"] == "failure"]
+    assert [e["node"] for e in ends] == ["n1", "n1"], ends
+    (swapped,) = of(evs, "node_swapped")
+    assert (swapped["out"], swapped["into"]) == ("n1", "n3")
+    launches = [e["nodes"] for e in of(evs, "launch")]
+    assert launches == [["n0", "n1", "n2"]] * 2 + [["n0", "n3", "n2"]], launches
+    assert last_losses(run) == want  # bit for bit, every step
+
+
+@pytest.mark.slow
+def test_without_a_spare_the_job_shrinks_onto_the_hosts_left(bed, tmp_path):
+    restart = {"shrink": True, "min_nodes": 2, "exclude_after": 1, "standby": False}
+    once = {**KILL_NODE_1, "at_step": [6]}
+    config = bed_config(tmp_path, bed, bed.hosts[:3], [once], restart=restart,
+                        worker=NODES_WORKER)  # fmt: skip
+    rc, out = run_supervisor(config, JOB_TIMEOUT)
+    assert rc == 0, out[-4000:]
+    run = tmp_path / "run"
+    evs = events(run)
+    (shrink,) = of(evs, "shrink")
+    assert shrink["nodes"] == ["n0", "n2"] and shrink["world"] == [3, 2]
+    last = of(evs, "launch")[-1]
+    assert (last["nodes"], last["world"]) == (["n0", "n2"], 2)
+    resumed = [e for e in of(evs, "resumed") if e["attempt"] == last["attempt"]]
+    assert resumed and resumed[0]["step"] >= 4 and resumed[0]["source"] == "durable"
+    assert sorted(last_losses(run)) == list(range(1, 25))
+
+
+@pytest.mark.slow
+def test_a_host_whose_scratch_cannot_be_written_never_runs_a_rank(bed, tmp_path):
+    """n2's node-local scratch (the async stage dir's root there) read-only: the pre-launch
+    check on n2 itself refuses it, and the spare takes its place before any attempt."""
+    ro = bed.exec("n2", ["mount", "-o", "remount,ro", str(testbed.SCRATCH)], timeout=30)
+    assert ro.returncode == 0, ro.stderr
+    try:
+        config = bed_config(tmp_path, bed, bed.hosts, [], restart={"standby": False},
+                            worker={"train_iters": 4}, spares=1)  # fmt: skip
+        rc, out = run_supervisor(config, JOB_TIMEOUT)
+    finally:
+        bed.exec("n2", ["mount", "-o", "remount,rw", str(testbed.SCRATCH)], timeout=30)
+    assert rc == 0, out[-4000:]
+    evs = events(tmp_path / "run")
+    (check,) = of(evs, "node_check")
+    assert check["reported"] == 4 and list(check["failed"]) == ["n2"], check
+    assert str(testbed.SCRATCH) in check["failed"]["n2"]
+    assert [e["nodes"] for e in of(evs, "launch")] == [["n0", "n1", "n3"]]
