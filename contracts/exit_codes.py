@@ -1,5 +1,6 @@
 """Exit statuses: the supervisor's own (documented in `--help` and the README) and the
-worker's for bad input, which the supervisor reads as "do not relaunch".
+worker's for bad input and for a run that diverged, which the supervisor reads as "do not
+relaunch".
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ class ExitCode(enum.IntEnum):
     NO_PROGRESS = 4  # too many attempts in a row completed no newer checkpoint
     INTERRUPTED = 5  # stopped by SIGINT/SIGTERM/SIGHUP (after a graceful stop of the ranks)
     NODES = 6  # too few good nodes left: excluded, no spare, and no shrink (or below min_nodes)
+    DIVERGED = 7  # the ranks' numerical guard gave up: no relaunch can help the same settings
 
 
 # A rank that refuses its input (bad flags, impossible layout, an unusable path) exits with this,
 # after one line saying why; relaunching cannot help.
 WORKER_USAGE = 2
+# A run whose numerical guard gave up (bad steps in a row that no skipped batch helped: diverged
+# weights, a learning rate that blows them up): one line saying what to change, and this.
+WORKER_DIVERGED = 3

@@ -46,7 +46,7 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # + `source` (str): RESUME_SOURCES; + `why` (str, at most MAX_WHY): what the memory tier
     # passed over and why (a slot a rank refused, naming the rank)
     "resumed": {"step": int, "restart_seconds": NUMBER},
-    "error": {"message": str},
+    "error": {"message": str},  # + `cause` (str): ERROR_CAUSES, when the rank knows it
     "done": {"step": int},
     # A node's relay (sent as the relay's own rank), run-length coded (a node's ranks are mostly
     # consecutive and step together): `node` (its name), `ranks` ([first, count] runs, ascending:
@@ -66,6 +66,9 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "rollback": {"from_step": int, "to_step": int, "skip": str},
 }  # fmt: skip
 NUMERIC_FAULTS = frozenset({"nan", "inf", "spike"})
+# An `error`'s optional `cause`: "diverged", the numerical guard gave up (the worker's exit 3;
+# the supervisor ends the job at once: a relaunch would diverge the same way).
+ERROR_CAUSES = frozenset({"diverged"})
 # Stragglers (worker.step_clock): a `beat` and a `step` may carry the latest step's `compute` and
 # `wait` (seconds in collectives); a `summary` may carry `compute`, one per rank in its rank
 # order (null: not said yet). Optional: senders without them are accepted.
@@ -165,6 +168,10 @@ def validate(message: dict[str, Any]) -> None:
         validate_cost(message["cost"])
     if kind == "numeric_fault":
         validate_numeric_fault(message)
+    if kind == "error" and "cause" in message:
+        cause = message["cause"]
+        if cause.__class__ is not str or cause not in ERROR_CAUSES:
+            raise BadMessage(f"field 'cause': expected one of {sorted(ERROR_CAUSES)}")
     if kind == "resumed" and "source" in message:
         source = message["source"]
         if source.__class__ is not str:

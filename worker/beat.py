@@ -104,7 +104,7 @@ class Beacon:
         self, step: int, restart_seconds: float, source: str = "durable", why: str | None = None
     ) -> None: ...
 
-    def error(self, message: str) -> None: ...
+    def error(self, message: str, cause: str | None = None) -> None: ...
 
     def numeric_fault(
         self, step: int, ranks: list[int], kind: str, value: float | str, what: str, action: str
@@ -255,9 +255,10 @@ class ZmqBeacon(Beacon):
             **extra,
         )
 
-    def error(self, message: str) -> None:
+    def error(self, message: str, cause: str | None = None) -> None:
         # Leave room for the envelope under the protocol's size limit.
-        self._put("error", message=str(message)[: messages.MAX_MESSAGE_BYTES // 2])
+        said = str(message)[: messages.MAX_MESSAGE_BYTES // 2]
+        self._put("error", message=said, **({"cause": cause} if cause else {}))
 
     def numeric_fault(
         self, step: int, ranks: list[int], kind: str, value: float | str, what: str, action: str

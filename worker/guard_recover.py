@@ -8,7 +8,7 @@ import math
 
 from worker import guard
 from worker.build import Training
-from worker.errors import UsageError
+from worker.errors import Diverged
 from worker.guard import Baseline
 from worker.guard_step import Stepped, every_rank
 
@@ -33,7 +33,7 @@ def recover(t: Training, step: int, done: Stepped, tokens_seen: int) -> tuple[in
     )
     stop = guard.give_up(g.bad_in_a_row, step, verdict)
     if stop is not None:  # every rank judged alike: every rank stops here
-        raise UsageError(stop)
+        raise Diverged(stop)
     if g.cfg.action == "rollback":
         before = g.ranges
         resumed = t.ckpt.rollback(step)

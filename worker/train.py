@@ -3,7 +3,8 @@
 Runs under mpiexec, srun, torchrun or the supervisor; saves sharded checkpoints and resumes from
 the newest complete one on start; with `ES_STANDBY=1` (the supervisor's warm standby) it prepares
 and waits for the word to go (worker.standby). Exit status: 0 finished or stopped gracefully,
-2 bad input, 1 anything else (after bringing the whole job down).
+2 bad input, 3 the numerical guard gave up (diverged), 1 anything else (after bringing the
+whole job down).
 
 No torch at this module's level: a usage error is printed before the slow import of torch,
 which `worker.loop` brings in once the flags are known to be good.
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
         )
     except UsageError as exc:
         say_once(info, exc)
-        beacon.error(str(exc))
+        beacon.error(str(exc), exc.cause)
         beacon.close()
         abort_job(info, exc.exit_code)
     except BaseException as exc:  # a bug or a broken peer: bring every rank down, never hang

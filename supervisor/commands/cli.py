@@ -39,6 +39,8 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     "were asked to save and stop)",
     ExitCode.NODES: "too few nodes: nodes excluded, no spare left, and no shrink (or below "
     "[restart] min_nodes)",
+    ExitCode.DIVERGED: "diverged: the ranks' numerical guard gave up (its line says what to "
+    "change); not relaunched",
 }
 INTERRUPTED_BY_USER = 130  # Ctrl-C in a command that starts nothing: the shell's 128 + SIGINT
 READ_ONLY = {

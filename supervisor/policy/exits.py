@@ -1,5 +1,6 @@
 """What an attempt's end means: the launcher's exit status and the ranks' findings turned into
-an outcome (success, a graceful stop, bad input, or a failure worth another attempt).
+an outcome (success, a graceful stop, bad input, a run that diverged, or a failure worth
+another attempt).
 """
 
 from __future__ import annotations
@@ -8,15 +9,18 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
-from contracts.exit_codes import WORKER_USAGE
+from contracts.exit_codes import WORKER_DIVERGED, WORKER_USAGE
 from supervisor.policy.liveness import Finding
+
+FAILED = ("failure", "bad_input", "diverged")  # the outcomes that are failures
+DIVERGED_EXIT = "the numerical guard gave up (exit 3)"
 
 
 @dataclass(frozen=True)
 class Outcome:
     """How an attempt ended. Only `failure` is worth another attempt."""
 
-    kind: Literal["success", "stopped", "bad_input", "failure"]
+    kind: Literal["success", "stopped", "bad_input", "diverged", "failure"]
     detail: str
 
 
@@ -42,6 +46,7 @@ def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool)
     - 0 and a rank said `done`: success.
     - 0 after the supervisor asked the ranks to stop: a graceful stop.
     - 2 before any step: the worker rejected its flags or inputs; relaunching cannot help.
+    - 3: the numerical guard gave up (the run diverged); relaunching would diverge again.
     - anything else (a signal, a code, or 0 without `done`): a failure.
     """
     what = describe_returncode(returncode)
@@ -51,17 +56,38 @@ def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool)
         return Outcome("stopped", "the ranks stopped gracefully")
     if returncode == WORKER_USAGE and not stepped and not stopping:
         return Outcome("bad_input", "the worker rejected its input (exit 2)")
+    if returncode == WORKER_DIVERGED:
+        return Outcome("diverged", DIVERGED_EXIT)
     if returncode == 0:
         return Outcome("failure", "exit 0 before the worker said done")
     return Outcome("failure", what)
 
 
 def attempt_outcome(
-    finding: Finding | None, returncode: int | None, *, done: bool, stopping: bool, stepped: bool
+    finding: Finding | None,
+    returncode: int | None,
+    *,
+    done: bool,
+    stopping: bool,
+    stepped: bool,
+    diverged: str | None = None,
 ) -> Outcome:
-    """A finding (a rank gone, a hang, no progress) makes the attempt a failure; else its exit
-    status decides (None: no status was collected, as for a process killed in teardown)."""
+    """The ranks' word that their guard gave up (`diverged`: its line) decides first: the rank
+    ends right after, and whichever of its exit or the finding it leads to is seen first (a
+    rank gone, the launcher's status) says less. Else a finding (a rank gone, a hang, no
+    progress) makes the attempt a failure, and else its exit status decides (None: no status
+    was collected, as for a process killed in teardown)."""
+    if diverged is not None and not done:
+        return Outcome("diverged", diverged)
     if finding is not None:
         return Outcome("failure", f"{finding.kind}: {finding.reason}")
     rc = -signal.SIGKILL if returncode is None else returncode
     return classify_exit(rc, done=done, stopping=stopping, stepped=stepped)
+
+
+def said_why(outcome: Outcome, error: str | None) -> Outcome:
+    """A run known to have diverged by its exit status alone (the ranks' word lost): their
+    error line, when there is one, is the guard's own."""
+    if outcome.kind == "diverged" and outcome.detail == DIVERGED_EXIT and error:
+        return Outcome("diverged", error)
+    return outcome

@@ -99,6 +99,8 @@ def decide(
     """After an attempt ended (`history` includes it): finish, relaunch, or stop, and why."""
     if outcome.kind == "success":
         return Decision("done", ExitCode.DONE, outcome.detail)
+    if outcome.kind == "diverged":  # the same settings diverge again: a person must change them
+        return Decision("stop", ExitCode.DIVERGED, outcome.detail)
     if interrupted or outcome.kind == "stopped":
         return Decision("stop", ExitCode.INTERRUPTED, "interrupted: " + outcome.detail)
     if outcome.kind == "bad_input":

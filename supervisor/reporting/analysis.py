@@ -28,8 +28,9 @@ DETECTED_BY = {
     "hang": "liveness",
     "no_progress": "progress",
     "stop": "stop",
+    "guard": "guard",
 }
-FAILED = ("failure", "bad_input")  # attempt_end outcomes that are failures
+FAILED = ("failure", "bad_input", "diverged")  # attempt_end outcomes (policy.exits.FAILED)
 
 
 def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
@@ -65,6 +66,7 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         wall_s=wall,
         finished=end_ev is not None,
         end=str(end_ev.get("code_name")) if end_ev else "in progress",
+        reason=str(end_ev["reason"]) if end_ev and end_ev.get("reason") else None,
         final_step=(done or {}).get("step", best),
         productive_s=productive,
         goodput=productive / wall if wall > 0 else 0.0,

@@ -170,6 +170,13 @@ class Totals:
     baseline_wall_s: float | None = None
     overhead_s: float | None = None
     overhead_per_failure_s: float | None = None
+    reason: str | None = None  # supervisor_exit's reason: why the job ended
+
+    @property
+    def ended_because(self) -> str | None:
+        """Why the job ended, where the code's name alone does not say (the line of the ranks'
+        numerical guard when it gave up)."""
+        return self.reason if self.end == "DIVERGED" else None
 
 
 @dataclass

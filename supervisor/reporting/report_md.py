@@ -6,7 +6,7 @@ from pathlib import Path
 
 from supervisor.reporting.guard_md import guard_md
 from supervisor.reporting.intervals_md import intervals_md
-from supervisor.reporting.model import Analysis, Failure, NodeEvent
+from supervisor.reporting.model import Analysis, Failure, NodeEvent, Totals
 from supervisor.reporting.stragglers_md import stragglers_md
 
 
@@ -149,7 +149,7 @@ def _below(path: str, run_dir: Path) -> str:
 def totals_md(a: Analysis) -> list[str]:
     t = a.totals
     rows = [
-        ["state", t.end if t.finished else "in progress (what it has so far)"],
+        ["state", _state(t)],
         ["final step", _i(t.final_step)],
         ["wall-clock (min)", _min(t.wall_s)],
         ["productive (min)", _min(t.productive_s)],
@@ -173,6 +173,12 @@ def totals_md(a: Analysis) -> list[str]:
     if a.skipped_lines:
         rows.append(["metrics lines skipped (malformed)", str(a.skipped_lines)])
     return table(["total", "value"], rows)
+
+
+def _state(t: Totals) -> str:
+    if not t.finished:
+        return "in progress (what it has so far)"
+    return f"{t.end}: {t.ended_because}" if t.ended_because else t.end
 
 
 def checkpoints_md(a: Analysis) -> list[str]:

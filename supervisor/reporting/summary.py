@@ -18,6 +18,8 @@ def summary(a: Analysis, written: list[Path]) -> str:
         f"goodput {t.goodput:.0%} ==",
     ]
     lines += [f"Note: {note}" for note in a.notes]
+    if t.ended_because:
+        lines.append(f"Diverged: {t.ended_because}")
     if not a.failures:
         lines.append("No failures.")
     else:

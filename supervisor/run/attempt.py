@@ -156,18 +156,17 @@ class Attempt:
             await running.teardown(ABORT_GRACE_S, self.watch.exits.pids())
             raise
         t = self.table
-        rc = end.exit.returncode if end.exit else None
-        outcome = exits.attempt_outcome(
-            end.finding, rc, done=bool(t.done_ranks), stopping=end.stopping, stepped=t.stepped
-        )
-        failed = outcome.kind in ("failure", "bad_input")
+        outcome = end_outcome(end, t)
+        failed = outcome.kind in exits.FAILED
         if failed:
             await running.output_read(OUTPUT_READ_S)  # their last words, before showing them
             attempt_events.show_tail(self.job.console, self.number, running.tail)
         if result.survivors:
             self.emit("teardown_survivors", pids=result.survivors)
         error = error_lines.error_of(t.errors, list(running.tail))
-        blame = self._attribute(end.finding, list(running.tail)) if failed else None
+        outcome = exits.said_why(outcome, error)
+        blamed = failed and outcome.kind != "diverged"  # the settings' doing, no node's
+        blame = self._attribute(end.finding, list(running.tail)) if blamed else None
         return self._result(
             outcome, end.finding, error if outcome.kind != "success" else None, blame
         )
@@ -365,6 +364,15 @@ class Attempt:
             self.stragglers.on_message(msg)
         if self.faults_see:
             self.job.faults.on_message(msg, self.table, now)  # step, save and checkpoint triggers
+
+
+def end_outcome(end: WatchEnd, t: AttemptTable) -> Outcome:
+    """What the watch's end and the ranks' words make of the attempt (exits.attempt_outcome)."""
+    rc = end.exit.returncode if end.exit else None
+    done, stepping = bool(t.done_ranks), end.stopping
+    return exits.attempt_outcome(
+        end.finding, rc, done=done, stopping=stepping, stepped=t.stepped, diverged=t.diverged
+    )
 
 
 def exit_follow_s(finding: Finding, stepped: bool, said: Mapping[int, object]) -> float:

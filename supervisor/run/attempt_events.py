@@ -55,6 +55,8 @@ def end_fields(
     """The `attempt_end` event: the outcome, what detected it, where the job resumes from."""
     mem = table.mem_complete
     detected_by = finding.kind if finding else ("stop" if outcome.kind == "stopped" else "exit")
+    if outcome.kind == "diverged":  # the ranks' own guard said so, whatever was seen first
+        detected_by = "guard"
     return {
         "outcome": outcome.kind,
         "detail": outcome.detail,

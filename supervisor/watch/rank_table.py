@@ -42,6 +42,7 @@ class AttemptTable:
     ckpt_complete: int | None = None
     mem_steps: dict[int, int] = field(default_factory=dict)  # rank -> newest memory copy said
     errors: dict[int, str] = field(default_factory=dict)
+    diverged: str | None = None  # the guard's line, once a rank said it gave up (`cause`)
     stale: int = 0
     # Per-node relays by node name; the ranks they speak for; every other rank (judged one by
     # one); ranks with a pid by host (a check looks at this host's only).
@@ -255,6 +256,8 @@ class AttemptTable:
                 events.append(guard_event(msg))
         elif kind == "error":
             self.errors[rank] = msg["message"]
+            if msg.get("cause") == "diverged" and self.diverged is None:
+                self.diverged = msg["message"]
             events.append(EventToEmit("rank_error", {"rank": rank, "message": msg["message"]}))
         elif kind == "done":
             self._move(st, "done", msg["step"], now)

@@ -6,8 +6,14 @@ import pytest
 
 from contracts.exit_codes import ExitCode
 from supervisor.policy.error_lines import error_of, is_warning
-from supervisor.policy.exits import Outcome, classify_exit, describe_returncode
-from supervisor.policy.liveness import RankState, judge_period, judge_ranks
+from supervisor.policy.exits import (
+    Outcome,
+    attempt_outcome,
+    classify_exit,
+    describe_returncode,
+    said_why,
+)
+from supervisor.policy.liveness import Finding, RankState, judge_period, judge_ranks
 from supervisor.policy.restarts import (
     AttemptRecord,
     backoff_delay,
@@ -95,10 +101,37 @@ def test_done_ranks_are_not_judged_and_gone_ranks_come_first():
         (137, False, False, True, "failure"),
         (-9, False, False, True, "failure"),
         (1, True, False, True, "failure"),
+        (3, False, False, True, "diverged"),
+        (3, False, False, False, "diverged"),
     ],
 )
 def test_classify_exit(rc, done, stopping, stepped, kind):
     assert classify_exit(rc, done=done, stopping=stopping, stepped=stepped).kind == kind
+
+
+GAVE_UP = "the numerical guard gave up: 10 bad steps in a row at step 2"
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+@pytest.mark.parametrize("rc", [2, 3, -9, None])
+def test_the_guards_give_up_is_the_outcome_whatever_was_seen_first(stepped, rc):
+    """Issue 40: a diverging run's exit 2 after a step was a failure (relaunched from step 0
+    until "no progress"), before any step (a resume from the memory tier) "bad input"; and a
+    rank's end seen before the launcher's exit was a `rank_exit` failure. The ranks' word
+    decides: the job ends at once, with the guard's line and an exit of its own."""
+    finding = Finding("rank_exit", (0,), "rank 0 ended in phase train", "train", 2, 1.0)
+    for seen in (finding, None):
+        out = attempt_outcome(seen, rc, done=False, stopping=False, stepped=stepped,
+                              diverged=GAVE_UP)  # fmt: skip
+        assert out == Outcome("diverged", GAVE_UP)
+        d = decide(out, [rec(0, 0, 1)], 0, CFG)
+        assert (d.action, d.exit_code, d.reason) == ("stop", ExitCode.DIVERGED, GAVE_UP)
+    # Diverged comes before an interrupt too: the job would end there either way.
+    assert decide(Outcome("diverged", GAVE_UP), [rec(0, 0, 1)], 0, CFG, interrupted=True
+                  ).exit_code == ExitCode.DIVERGED  # fmt: skip
+    # A run that finished is not undone by a late word.
+    done = attempt_outcome(None, 0, done=True, stopping=False, stepped=True, diverged=GAVE_UP)
+    assert done.kind == "success"
 
 
 def test_describe_returncode():
@@ -307,3 +340,10 @@ def test_a_lost_standby_is_retried_with_a_backoff_then_given_up():
     schedule = [0.0, 2.0, 5.0]
     delays = [standby_retry_delay(n, schedule) for n in range(1, 6)]
     assert delays == [1.0, 2.0, 5.0, 5.0, None]
+
+
+def test_a_divergence_known_by_its_exit_alone_takes_the_ranks_line():
+    out = classify_exit(3, done=False, stopping=False, stepped=True)
+    assert said_why(out, GAVE_UP) == Outcome("diverged", GAVE_UP)
+    assert said_why(out, None) == out  # no line: the exit's own words
+    assert said_why(Outcome("failure", "exit 1"), GAVE_UP).kind == "failure"

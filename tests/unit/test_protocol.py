@@ -72,3 +72,15 @@ def test_resumed_may_say_where_from():
     messages.validate(
         ID.message("step", 1.0, step=1, loss=1.0, dt=0.1, source="x")
     )  # not its field
+
+
+def test_an_error_may_say_its_cause():
+    """Issue 40: the guard's give-up says so (`cause` diverged), so the supervisor does not
+    relaunch it; an error without a cause is as before; any other cause is malformed."""
+    assert "cause" not in messages.decode(KEY, frames("error", message="boom"), job="j")
+    msg = messages.decode(KEY, frames("error", message="gave up", cause="diverged"), job="j")
+    assert msg["cause"] == "diverged"
+    for bad in ("tired", "", 1, None, True, ["diverged"], {"diverged": 1}):
+        with pytest.raises(messages.BadMessage) as err:
+            messages.decode(KEY, frames("error", message="x", cause=bad), job="j")
+        assert err.value.reason == "schema"
