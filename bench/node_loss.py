@@ -28,7 +28,13 @@ step 70 (the standby ready at the crash; the next standby, then the prepared ran
 [restart] warm_spare at the loss); each failure's row says its relaunch's `mode` (warm,
 prepared or cold).
 
-Usage: python bench/node_loss.py [--standby off|on] [--pairs 3] [--keep]
+With `--testbed` every job runs on real hosts of the test bed (`testbed/`, root: each node
+its own hostname, address and /dev/shm, Hydra over `testbed/ssh`; the supervisor on this
+machine): 3 hosts x 1 rank and, for the failures, 1 spare host, standby on; the crash is the
+same fault, and the node loss is `testbed kill n1` (every process of the host at once, its
+/dev/shm gone) once rank 0 is past the step, found by the job itself.
+
+Usage: python bench/node_loss.py [--standby off|on] [--pairs 3] [--testbed] [--keep]
 """
 
 from __future__ import annotations
@@ -71,7 +77,11 @@ TRIALS = 100
 PAIR = (("without", False), ("with", True))
 
 
-def config(out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, standby: bool):
+def config(
+    out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, standby: bool,
+    bed=None,
+):  # fmt: skip
+    """The job's config; with `bed` (a testbed.Bed), on its hosts: the node loss is the bed's."""
     raw = tomllib.loads((ROOT / "configs" / "debug.toml").read_text())
     worker = {k: v for k, v in raw["worker"].items() if k not in SIZE_KEYS}
     steps = STANDBY_STEPS if standby else {"train_iters": TRAIN_ITERS, "crash": 12, "loss": 32}
@@ -93,6 +103,13 @@ def config(out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, stan
     )  # fmt: skip
     raw["restart"] = {**raw.get("restart", {}), "standby": standby, "backoff_s": [0]}
     raw["restart"]["exclude_after"] = 2
+    if bed is not None:  # 3 hosts (+ the spare); the loss is `testbed kill`, not a fault
+        raw["launch"] = {
+            "launcher": "mpiexec", "flavor": "hydra", "ranks_per_node": 1,
+            "nodes": bed.hosts[: 4 if faults else 3], "spares": 1 if faults else 0,
+            "args": bed.launcher_args(), "env": {"OMP_NUM_THREADS": "1"},
+        }  # fmt: skip
+        raw["faults"] = [f for f in raw["faults"] if f["action"] != "node_loss"]
     out.write_text(toml_dump.dumps(raw))
     return out
 
@@ -103,34 +120,60 @@ def metrics(run: Path) -> dict[int, list[dict]]:
     return {a: recs for a in attempts if (recs := records(run, a))}
 
 
-def run_job(cfg: Path, run: Path, mem: Path, snapshot: Path | None) -> None:
+def run_job(
+    cfg: Path, run: Path, mem: Path, snapshot: Path | None, bed=None, loss_at: int | None = None
+) -> float | None:
     """The job to its end; with `snapshot`, the partner copies node n2 holds are copied there
-    once rank 0 is past SNAPSHOT_AT (while the job runs: they are gone at its end)."""
+    once rank 0 is past SNAPSHOT_AT (while the job runs: they are gone at its end). On the bed
+    with `loss_at`: host n1 killed once rank 0 is past that step; its time is returned."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = [sys.executable, "-m", "supervisor", "run", str(cfg)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    taken = snapshot is None
+    taken, killed = snapshot is None, None
     while proc.poll() is None:
-        if not taken and run.exists():
-            steps = [r["step"] for recs in metrics(run).values() for r in recs]
-            held = list(mem.glob("n2/es-mem-*/partner"))
-            if steps and max(steps) >= SNAPSHOT_AT and held:
-                shutil.copytree(held[0], snapshot)
-                taken = True
+        steps = [r["step"] for recs in metrics(run).values() for r in recs] if run.exists() else []
+        if not taken and steps and max(steps) >= SNAPSHOT_AT:
+            taken = take_snapshot(mem, snapshot, bed)
+        if bed is not None and loss_at and killed is None and steps and max(steps) >= loss_at:
+            killed = time.time()
+            bed.kill("n1")
         time.sleep(0.2)
     out = proc.stdout.read()
+    if bed is not None and killed is not None:
+        bed.heal("n1")
     if proc.returncode != 0:
         raise SystemExit(f"the job failed ({proc.returncode}):\n{out[-3000:]}")
     print(out[out.find("== nodeloss") :].strip(), flush=True)
+    return killed
 
 
-def failures(run: Path) -> list[dict]:
+def take_snapshot(mem: Path, snapshot: Path, bed) -> bool:
+    """Copy the partner copies node n2 holds (on the bed: from that host's own /dev/shm)."""
+    if bed is None:
+        held = list(mem.glob("n2/es-mem-*/partner"))
+        if held:
+            shutil.copytree(held[0], snapshot)
+        return bool(held)
+    snapshot.parent.mkdir(parents=True, exist_ok=True)
+    copy = 'd=$(ls -d /dev/shm/es-mem-*/partner | head -1) && [ -n "$d" ] && cp -r "$d" "$0"'
+    return bed.exec("n2", ["sh", "-c", copy, str(snapshot)], timeout=60).returncode == 0
+
+
+def failures(run: Path, killed_at: float | None = None) -> list[dict]:
+    """Per fault (and the bed's `kill n1` at `killed_at`, as a `node_loss`): its figures."""
     evs = list(read_events(run / "events.jsonl"))
     recs = metrics(run)
     lost = {f.attempt: f.lost_steps for f in analyze(load_run(run)).failures}
+    faults = [e for e in evs if e["event"] == "fault"]
+    if killed_at is not None:  # the attempt running then, and rank 0's step when it died
+        running = [e for e in evs if e["event"] in ("launch", "relaunch") and e["ts"] <= killed_at]
+        attempt = running[-1]["attempt"]
+        step = max((r["step"] for r in recs.get(attempt, []) if r["t"] <= killed_at), default=0)
+        faults.append({"name": "kill-host-n1", "action": "node_loss", "step": step,
+                       "attempt": attempt, "ts": killed_at})  # fmt: skip
     out = []
-    for fault in (e for e in evs if e["event"] == "fault"):
+    for fault in faults:
         before = fault["step"]
         after = [r for a, rs in recs.items() if a > fault["attempt"] for r in rs]
         past = next((r for r in after if r["step"] > before), None)
@@ -256,8 +299,19 @@ def main() -> None:
     ap.add_argument("--standby", choices=("off", "on"), default="off")
     ap.add_argument("--pairs", type=int, default=3, help="jobs without and with, in turn")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    ap.add_argument("--testbed", action="store_true", help="on real hosts of the test bed")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodeloss-"))
+    bed = None
+    if args.testbed:
+        import testbed
+
+        why = testbed.available()
+        if why:
+            raise SystemExit(f"--testbed: {why}")
+        testbed.down()
+        bed = testbed.up(4)
+    killed_at = None
     try:
         runs = {}
         pairs = [(f"{n}{i}", p, False) for i in range(args.pairs) for n, p in PAIR]
@@ -266,14 +320,17 @@ def main() -> None:
                 tmp / name / "run",
                 Path(tempfile.mkdtemp(prefix="es-bench-", dir="/dev/shm")),
             )
+            standby = args.standby == "on" or bed is not None
             cfg = config(tmp / f"{name}.toml", run, mem, partner=partner, faults=faults,
-                         standby=args.standby == "on")  # fmt: skip
+                         standby=standby, bed=bed)  # fmt: skip
             print(f"--- {name}: partner copies {'on' if partner else 'off'}", flush=True)
             snapshot = tmp / "snapshot" / "partner" if faults else None
-            run_job(cfg, run, mem, snapshot)
+            loss_at = (STANDBY_STEPS["loss"] if standby else 32) if faults else None
+            at = run_job(cfg, run, mem, snapshot, bed, loss_at)
+            killed_at = at if faults else killed_at
             shutil.rmtree(mem, ignore_errors=True)
             runs[name] = run
-        rows = failures(runs["faults"])
+        rows = failures(runs["faults"], killed_at)
         for r in rows:
             where = f"resumed {r['resumed']} ({r['from']})"
             print(f"{r['name']:<12} {r['action']:<10} before {r['before']:>3}  {where}  "
@@ -289,7 +346,8 @@ def main() -> None:
         floor = loopback_floor(nbytes) if nbytes else None
         trials, passed = damage_trials(tmp / "snapshot" / "partner")
         result = {
-            "standby": args.standby,
+            "testbed": bool(bed),
+            "standby": "on" if bed is not None else args.standby,
             "node_loss": {
                 "lost": node["lost"], "from": node["from"],
                 "durable_reads": sum(r["from"] == "durable" for r in rows if r is node),
@@ -311,6 +369,10 @@ def main() -> None:
         }  # fmt: skip
         print(json.dumps(result))
     finally:
+        if bed is not None:
+            import testbed
+
+            testbed.down()
         if args.keep:
             print(f"kept {tmp}", file=sys.stderr)
         else:
