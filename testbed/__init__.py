@@ -6,6 +6,7 @@ the machine's shared file system; MPICH Hydra reaches them through `testbed/ssh`
     bed.exec("n0", ["hostname"])   # subprocess.run in the host
     bed.kill("n1"); bed.heal("n1"); bed.cut("n0"); bed.heal("n0")
     bed.down()                     # or testbed.down(): nothing left behind
+    bed = testbed.up(4, slurm_cluster=True)  # and Slurm: slurmctld here, a slurmd per host
 
 Standard library only (no torch), and nothing of the project's other packages.
 """
@@ -14,8 +15,9 @@ from testbed.bed import LAUNCHER, Bed, HostStatus, current, down, up
 from testbed.commands import BedError
 from testbed.layout import HEAD_ADDRESS, RUN_DIR, SCRATCH
 from testbed.probe import available
+from testbed.slurm import missing as slurm_missing
 
 __all__ = [
     "HEAD_ADDRESS", "LAUNCHER", "RUN_DIR", "SCRATCH", "Bed", "BedError", "HostStatus",
-    "available", "current", "down", "up",
+    "available", "current", "down", "slurm_missing", "up",
 ]  # fmt: skip

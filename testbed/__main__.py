@@ -1,6 +1,7 @@
-"""`python -m testbed up N | down | exec HOST CMD... | kill HOST | cut HOST | heal HOST | status`
-(as root). `exec` replaces itself by the command in the host: its stdin, stdout, stderr and exit
-status are the command's; a killed host answers as ssh does, with exit status 255."""
+"""`python -m testbed up N [--slurm] | down | exec HOST CMD... | kill HOST | cut HOST |
+heal HOST | status` (as root). `exec` replaces itself by the command in the host: its stdin,
+stdout, stderr and exit status are the command's; a killed host answers as ssh does, with exit
+status 255. `up --slurm` adds a Slurm cluster (testbed/slurm.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ UNREACHABLE = 255
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="bring up N hosts n0..nN-1").add_argument("n", type=int)
+    upper = sub.add_parser("up", help="bring up N hosts n0..nN-1")
+    upper.add_argument("n", type=int)
+    upper.add_argument(
+        "--slurm",
+        action="store_true",
+        help="and a Slurm cluster: slurmctld here, a slurmd in each host",
+    )
     sub.add_parser("down", help="take the bed down, leaving nothing behind")
     ex = sub.add_parser("exec", help="run a command in a host")
     ex.add_argument("host")
@@ -60,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.command == "up":
-            bed = up(args.n)
+            bed = up(args.n, slurm_cluster=args.slurm)
             show_status(bed)
+            if bed.slurm:
+                print(f"Slurm: export SLURM_CONF={bed.slurm_env()['SLURM_CONF']}")
         elif args.command == "down":
             down()
         elif args.command == "exec":

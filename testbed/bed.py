@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from testbed import etc_hosts, host, network, procs, run_dir
+from testbed import etc_hosts, host, network, procs, run_dir, slurm
 from testbed.commands import BedError
 from testbed.layout import RUN_DIR, SCRATCH, BedPlan, host_hosts_file, plan
 from testbed.probe import available
@@ -129,18 +129,36 @@ class Bed:
             run_dir.set_state(h.name, "cut")
 
     def heal(self, name: str) -> None:
-        """Back up: a killed (or lost) host boots fresh (new init, empty /dev/shm and scratch);
-        a cut host gets its link back."""
+        """Back up: a killed (or lost) host boots fresh (new init, empty /dev/shm and scratch;
+        its slurmd started again and its node resumed where the bed runs Slurm); a cut host gets
+        its link back."""
         h = self.plan.host(name)
         with locked():
             rec = run_dir.read_host(h.name)
-            if rec.state == "killed" or not host.alive(rec):
+            booted = rec.state == "killed" or not host.alive(rec)
+            if booted:
                 run_dir.set_state(h.name, "killed")
                 host.end(rec)
                 rec = host.start(h, RUN_DIR / "etc-hosts", RUN_DIR)
                 run_dir.write_host(rec)
             network.set_link(h, up=True)
             run_dir.set_state(h.name, "up")
+            if booted and slurm.is_on():
+                slurm.start_slurmd(h, self._popen_detached)
+                slurm.resume(h.name)
+
+    @property
+    def slurm(self) -> bool:
+        """The bed runs a Slurm cluster (`up(n, slurm=True)`): clients need `slurm_env()`."""
+        return slurm.is_on()
+
+    def slurm_env(self) -> dict[str, str]:
+        return slurm.slurm_env()
+
+    def _popen_detached(self, name: str, argv: list[str]) -> subprocess.Popen:
+        return self.popen(name, argv, cwd="/", stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          env={**os.environ, **slurm.slurm_env()})  # fmt: skip
 
     def down(self) -> None:
         down()
@@ -152,16 +170,20 @@ def current() -> Bed | None:
     return Bed(saved) if saved is not None else None
 
 
-def up(n: int) -> Bed:
-    """Bring up a bed of `n` hosts. A bed that is up already is reused when it has `n` hosts,
-    all up; any other bed (or a leftover of one) is refused: `down` it first."""
-    why = available()
+def up(n: int, slurm_cluster: bool = False) -> Bed:
+    """Bring up a bed of `n` hosts (with `slurm_cluster`, a Slurm cluster over them: `slurm.py`).
+    A bed that is up already is reused when it has `n` hosts, all up (its cluster started when
+    asked for and not running); any other bed (or a leftover of one) is refused: `down` it
+    first."""
+    why = available() or (slurm.missing() if slurm_cluster else None)
     if why:
         raise BedError(why)
     with locked():
         existing = current()
         if existing is not None:
             if existing.plan.n == n and existing.healthy():
+                if slurm_cluster and not slurm.is_on():
+                    _start_slurm(existing)
                 return existing
             states = ", ".join(f"{s.name} {s.state}" for s in existing.status())
             raise BedError(f"a test bed is up ({states}); `python -m testbed down` first")
@@ -170,11 +192,22 @@ def up(n: int) -> Bed:
         bed = plan(n, socket.gethostname())
         try:
             _build(bed)
+            if slurm_cluster:
+                _start_slurm(Bed(bed))
         except BaseException:
             with contextlib.suppress(BedError):
                 _teardown()  # the first error is the one to see
             raise
         return Bed(bed)
+
+
+def _start_slurm(bed: Bed) -> None:
+    try:
+        slurm.start(bed.plan, bed._popen_detached)
+    except BaseException:
+        slurm.stop()
+        shutil.rmtree(slurm.SLURM_DIR, ignore_errors=True)
+        raise
 
 
 def _build(bed: BedPlan) -> None:
@@ -238,6 +271,7 @@ def _teardown() -> None:
     if procs.ns_inode(os.getpid(), "net") in kinds["net"]:
         raise BedError("`down` runs on the machine, not in one of the bed's hosts")
     _stop_relay()
+    slurm.stop()  # its daemons first: a slurmd would answer for a host being taken down
     for r in records:  # each host at once, then what is left
         if r.pid is not None and r.pidns is not None:
             procs.kill_init(r.pid, r.pidns)

@@ -32,6 +32,8 @@ class LauncherKind:
     reaches_nodes_by_name: ClassVar[bool] = False
     # It comes in flavors (Hydra, PALS), so the resolved config shows the one found.
     has_flavors: ClassVar[bool] = False
+    # Its ranks agree on a rendezvous themselves (over MPI), else the plan must carry one.
+    ranks_agree_rendezvous: ClassVar[bool] = True
     stop_signal: ClassVar[signal.Signals] = signal.SIGTERM
 
     @property
@@ -130,10 +132,18 @@ class Local(LauncherKind):
 
 
 class Srun(LauncherKind):
-    """Slurm's `srun`: Slurm places the ranks on the nodes it gave the job."""
+    """Slurm's `srun`, run inside the job's allocation: Slurm places the ranks on the nodes
+    named. Every launch is a step of that allocation: the attempt, its standby, the node checks
+    and cleans, each node's template and prepared ranks (steps of one node); all take
+    `--overlap` to share the allocation's CPUs. The ranks start no MPI here: the plan gives
+    them the rendezvous (rank 0's host and a port drawn for that launch)."""
 
     name = "srun"
+    ranks_agree_rendezvous = False
     stop_signal = signal.SIGUSR1  # srun forwards it to the tasks
+
+    def node_launches(self, flavor: str) -> str | None:
+        return None  # `--nodelist=<node>`, a step of its own
 
     def plan(
         self,
@@ -158,10 +168,13 @@ class Srun(LauncherKind):
             "--label",
             "--kill-on-bad-exit=1",
             "--export=ALL",
-            *(["--overlap"] if cfg.restart.standby else []),  # the standby's step shares CPUs
+            "--overlap",  # the job's other steps (standby, templates, checks) share the CPUs
             *cfg.launch.args,
             *worker_argv(cfg, overrides, template),
         ]
+        if master_port:
+            master = "127.0.0.1" if hosts.is_this_host(nodes[0]) else nodes[0]
+            env = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(master_port)}
         return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, self.stop_signal)
 
 

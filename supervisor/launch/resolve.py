@@ -77,11 +77,12 @@ class Resolved:
         self.hostfile().write_text("".join(f"{n}\n" for n in self.pool.active))
 
     def plan(self, env: dict[str, str], master_port: int = 0) -> LaunchPlan:
-        """An attempt's launch. Ranks forked from templates are given their rendezvous (a port
-        good on rank 0's host): they never start MPI, so Hydra, which ends a job's other
-        processes the moment one that started MPI exits, leaves each client the time to mirror
-        its rank's end."""
+        """An attempt's launch. Ranks forked from templates, and srun's (no MPI under it), are
+        given their rendezvous (a port good on rank 0's host): forked ones never start MPI, so
+        Hydra, which ends a job's other processes the moment one that started MPI exits, leaves
+        each client the time to mirror its rank's end."""
         template = self.template_off is None
+        given = template or not self.kind.ranks_agree_rendezvous
         return self.kind.plan(
             self.cfg,
             self.active,
@@ -89,7 +90,7 @@ class Resolved:
             self.flavor,
             env,
             self.hostfile(),
-            master_port or (self.rendezvous_port() if template else 0),
+            master_port or (self.rendezvous_port() if given else 0),
             self.worker_overrides,
             template=template,
         )

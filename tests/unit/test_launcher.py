@@ -42,6 +42,20 @@ def test_pals_and_srun_commands(tmp_path):
     c = cfg(launcher="srun", ranks_per_node=4)
     argv = launcher_for("srun").plan(c, ["a", "b"], "srun", "srun", {}).procs[0].argv
     assert argv[:5] == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--nodelist=a,b"]
+    assert "--overlap" in argv  # the standby's, templates' and checks' steps share the CPUs
+
+
+def test_srun_ranks_get_the_rendezvous_on_rank_0s_host():
+    """Under srun no MPI agrees on one: the plan carries rank 0's host and the port drawn."""
+    srun = launcher_for("srun")
+    assert not srun.ranks_agree_rendezvous and launcher_for("mpiexec").ranks_agree_rendezvous
+    env = srun.plan(cfg(launcher="srun"), ["a", "b"], "srun", "srun", {"X": "1"},
+                    master_port=23456).procs[0].env  # fmt: skip
+    assert env == {"X": "1", "MASTER_ADDR": "a", "MASTER_PORT": "23456"}
+    here = srun.plan(cfg(launcher="srun"), [hosts.this_host()], "srun", "srun", {},
+                     master_port=2).procs[0].env  # fmt: skip
+    assert here["MASTER_ADDR"] == "127.0.0.1"
+    assert srun.node_launches("srun") is None  # a step on one node: templates, prepared ranks
 
 
 def test_local_plan_sets_torchrun_variables(tmp_path):

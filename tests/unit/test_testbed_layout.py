@@ -83,3 +83,19 @@ def test_the_bed_uses_only_the_standard_library():
                 names = [node.module or ""]
             bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] not in allowed]
     assert not bad, bad
+
+
+def test_the_slurm_conf_makes_each_host_a_node_at_its_address():
+    from testbed import slurm
+
+    text = slurm.conf_text(plan(3, "vm"), cpus=2)
+    assert "SlurmctldHost=vm(10.233.0.1)" in text
+    assert "NodeName=n1 NodeAddr=10.233.0.11 NodeHostname=n1" in text
+    assert "PartitionName=bed Nodes=n0,n1,n2 Default=YES" in text
+    assert "ProctrackType=proctrack/linuxproc" in text and "TaskPlugin=task/none" in text
+    # everything it writes lies under the bed's run dir, which `down` removes
+    paths = [v for line in text.splitlines() if "=" in line for v in [line.split("=", 1)[1]]
+             if v.startswith("/")]  # fmt: skip
+    assert paths and all(p.startswith(str(slurm.SLURM_DIR)) for p in paths), paths
+    assert slurm.usable("IDLE") and slurm.usable("MIXED") and not slurm.usable("DOWN+DRAIN")
+    assert not slurm.usable("IDLE+NOT_RESPONDING") and not slurm.usable("IDLE+DRAIN")
