@@ -14,8 +14,10 @@ from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadM
 # --- supervisor -> ranks: control (fault injection, standby) -------------------------------------
 # signal: the rank signals itself (`signal` = the number); stall: it blocks inside its next step
 # while its beat thread keeps beating; slow: it sleeps `delay_s` per step for `duration_s`.
-# nan / spike: a NaN in one of its gradients / its loss scaled by `factor`, at the first step it
-# runs at or after `step` (the numerical guard's faults: worker.guard_step).
+# nan / spike: a NaN in one of its gradients / its loss scaled by `factor`, at step `step` itself
+# (the numerical guard's faults: worker.guard_step); sent ahead and held for that step. The rank
+# says what came of each (a `fault_ack`: contracts.messages): applied, or not (it came after
+# that step had begun).
 # go / exit: a standby rank resumes and trains / ends (`fault` is 0 for both).
 # become: a prepared rank (worker.prepared, no rank number yet) takes `env` (the rank's and the
 # attempt's variables) and starts as that rank; exit ends it too. Every other action's `env` is {}.

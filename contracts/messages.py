@@ -64,11 +64,16 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     },
     # ... and rolled back from the bad step to a checkpoint's, skipping data positions "A-B".
     "rollback": {"from_step": int, "to_step": int, "skip": str},
+    # The target rank of a `nan` or `spike` command (contracts.control_msgs): what came of it.
+    # `fault` and `step` as the command said; `applied`: acted on at `step`; else it came only
+    # once the rank was at step `at`, past it (`at` == `step` when applied).
+    "fault_ack": {"fault": int, "step": int, "action": str, "applied": bool, "at": int},
 }  # fmt: skip
 NUMERIC_FAULTS = frozenset({"nan", "inf", "spike"})
 # An `error`'s optional `cause`: "diverged", the numerical guard gave up (the worker's exit 3;
 # the supervisor ends the job at once: a relaunch would diverge the same way).
 ERROR_CAUSES = frozenset({"diverged"})
+ACKED_ACTIONS = frozenset({"nan", "spike"})  # the control actions a rank says the fate of
 # Stragglers (worker.step_clock): a `beat` and a `step` may carry the latest step's `compute` and
 # `wait` (seconds in collectives); a `summary` may carry `compute`, one per rank in its rank
 # order (null: not said yet). Optional: senders without them are accepted.
@@ -168,6 +173,8 @@ def validate(message: dict[str, Any]) -> None:
         validate_cost(message["cost"])
     if kind == "numeric_fault":
         validate_numeric_fault(message)
+    if kind == "fault_ack" and message["action"] not in ACKED_ACTIONS:
+        raise BadMessage(f"a fault_ack of action {message['action']!r}")
     if kind == "error" and "cause" in message:
         cause = message["cause"]
         if cause.__class__ is not str or cause not in ERROR_CAUSES:

@@ -1,10 +1,10 @@
 """Carrying one firing to its ranks without ever blocking the supervisor's event loop.
 
 A rank on this host is signalled by its pid; a rank elsewhere, a `via = "control"` fault, and
-`stall` / `slow` (carried out inside the rank's step) get a signed command on the control
-channel. A rank whose control socket is not connected yet is retried by a timer on the loop
-(every CONTROL_RETRY_EVERY_S, for CONTROL_RETRY_S); if it never connects, one
-`fault_undelivered` event says so.
+`stall` / `slow` / `nan` / `spike` (carried out inside the rank's step) get a signed command on
+the control channel. A rank whose control socket is not connected yet is retried by a timer on
+the loop (every CONTROL_RETRY_EVERY_S, for CONTROL_RETRY_S); the engine is told which ranks
+got it in the end and which did not, and why (`retried`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,17 @@ class Delivered:
     """How a firing reached its ranks, at once."""
 
     via: list[str]  # per rank: "signal" or "control"
-    errors: list[str]  # "rank N: why", for the ranks it did not reach
+    failed: dict[int, str]  # rank -> why it did not reach it
     retrying: list[int]  # ranks whose command waits for their control socket to connect
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"rank {r}: {why}" for r, why in self.failed.items()]
+
+
+# A firing's retries ended: its key (attempt, fault index, n), the ranks that got the command
+# then, and those that never did, with why.
+Retried = Callable[[tuple[int, int, int], list[int], dict[int, str]], None]
 
 
 @dataclass(eq=False)
@@ -44,6 +53,7 @@ class _Retry:
     deadline: float  # monotonic
     commands: dict[int, dict[str, Any]]  # rank -> its command, until sent
     failed: dict[int, str] = field(default_factory=dict)  # rank -> why not
+    sent: list[int] = field(default_factory=list)  # ranks that got it on a retry
     timer: asyncio.TimerHandle | None = None
 
 
@@ -51,18 +61,26 @@ class Delivery:
     """Signals and control commands for firings, and the retries still pending."""
 
     def __init__(
-        self, control: ControlChannel, job_id: str, this_host: str, emit: Callable[..., None]
+        self, control: ControlChannel, job_id: str, this_host: str, retried: Retried
     ) -> None:
-        self.control, self.job_id, self.this_host, self.emit = control, job_id, this_host, emit
+        self.control, self.job_id, self.this_host = control, job_id, this_host
+        self.retried = retried
         self.retrying: set[_Retry] = set()
 
     def deliver(
-        self, spec: FaultSpec, n: int, attempt: int, ranks: Sequence[RankView], mono: float
+        self,
+        spec: FaultSpec,
+        n: int,
+        attempt: int,
+        ranks: Sequence[RankView],
+        mono: float,
+        at_step: int = 0,
     ) -> Delivered:
         """Signal or command each target rank now, without waiting (`mono`: the firing's
-        monotonic time, from which the retries count)."""
+        monotonic time, from which the retries count; `at_step`: a nan's or spike's step)."""
         act = spec.action
-        vias, errors = [], []
+        vias: list[str] = []
+        failed: dict[int, str] = {}
         later: dict[int, dict[str, Any]] = {}
         for st in ranks:
             remote = st.host != self.this_host
@@ -71,16 +89,16 @@ class Delivery:
             if via == "signal":
                 err = actions.send_signal(st.pid, act.signum)
             else:
-                command = self._command(spec, attempt, st.rank, st.step)
+                command = self._command(spec, attempt, st.rank, at_step)
                 err = self.control.send(attempt, st.rank, command)
                 if err is not None and "not connected" in err:
                     later[st.rank], err = command, None
             if err:
-                errors.append(f"rank {st.rank}: {err}")
+                failed[st.rank] = err
         if later and not self._retry_later(_Retry(spec, n, attempt, mono + CONTROL_RETRY_S, later)):
-            errors += [f"rank {r}: {NOT_CONNECTED}" for r in later]
+            failed.update({r: NOT_CONNECTED for r in later})
             later = {}
-        return Delivered(vias, errors, sorted(later))
+        return Delivered(vias, failed, sorted(later))
 
     def cancel(self) -> None:
         """Drop the retries still pending (the job is over)."""
@@ -89,7 +107,7 @@ class Delivery:
                 retry.timer.cancel()
         self.retrying.clear()
 
-    def _command(self, spec: FaultSpec, attempt: int, rank: int, step: int) -> dict[str, Any]:
+    def _command(self, spec: FaultSpec, attempt: int, rank: int, at_step: int) -> dict[str, Any]:
         act = spec.action
         return control_msgs.control_message(
             self.job_id,
@@ -101,7 +119,7 @@ class Delivery:
             signal=0 if act.kind in IN_STEP else act.signum,
             delay_s=act.delay_s,
             duration_s=act.duration_s,
-            step=step + 1,  # nan / spike: the rank's next step (a late command: the one after)
+            step=at_step,  # nan / spike: the step it acts at (faults.schedule sends it ahead)
             factor=act.factor,
         )
 
@@ -124,17 +142,10 @@ class Delivery:
                 del retry.commands[rank]
                 if err is not None:
                     retry.failed[rank] = err
+                else:
+                    retry.sent.append(rank)
         if retry.commands and time.monotonic() < retry.deadline:
             self._retry_later(retry)
             return
         failed = {**retry.failed, **{r: NOT_CONNECTED for r in retry.commands}}
-        if failed:
-            self.emit(
-                "fault_undelivered",
-                attempt=retry.attempt,
-                fault=retry.spec.index,
-                name=retry.spec.label,
-                n=retry.n,
-                ranks=sorted(failed),
-                errors=[f"rank {r}: {e}" for r, e in sorted(failed.items())],
-            )
+        self.retried((retry.attempt, retry.spec.index, retry.n), sorted(retry.sent), failed)

@@ -10,7 +10,10 @@ supervisor (its control channel, its rank table, its host name, its event log) i
 
 Every injected fault is one `fault` event (see `_fire` for its fields): what fired, why, whom
 it hit (ranks, pids, hosts, the step and phase each was at), how it was delivered, and when
-(`ts` wall and `mono` monotonic, read just before the first delivery).
+(`ts` wall and `mono` monotonic, read just before the first delivery). A `fault` event means
+the action was carried out: a `nan` or `spike` is written when its rank says it acted at its
+step, a command to a rank not connected yet once it got there (`faults.inflight`); a rank it
+did not reach is in a `fault_undelivered` event, with why.
 
 Nothing here blocks the supervisor's event loop: signals and control sends never wait, and a
 rank not connected to the control channel yet is retried from the loop (`faults.delivery`).
@@ -27,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from contracts import ckpt_files, scratch
-from faults import actions
+from faults import actions, inflight
 from faults.delivery import Delivery
+from faults.inflight import InFlight, Key, Pending
 from faults.protocols import ControlChannel, RankTable
 from faults.schedule import Facts, Firing, Schedule
-from faults.spec import DISRUPTIVE, IN_STEP, FaultSpec
+from faults.spec import DISRUPTIVE, IN_STEP, NUMERIC, FaultSpec
 
 CKPT_DAMAGE = ("corrupt", "unmark")
 
@@ -88,13 +92,15 @@ class FaultEngine:
         self.ckpt_dir = ckpt_dir
         self.emit = emit
         self.control, self.owns_control = control, owns_control
-        self.delivery = Delivery(control, job_id, this_host, emit)
+        self.delivery = Delivery(control, job_id, this_host, self._retried)
+        self.inflight = InFlight()  # firings whose `fault` event waits for their ranks
         self.started = time.monotonic()
         self.attempt: int | None = None
         self.ready_since: float | None = None  # when every rank of this attempt was training
         self.disrupted = False
         self.ckpts = CkptLedger()
         self.total = 0
+        self.applied: dict[str, int] = {s.label: 0 for s in specs}  # `fault` events by fault
         self.faulted: dict[int, tuple[int, ...]] = {}  # attempt -> ranks its disruptive faults hit
         self.mem_env = dict(mem_env) if mem_env is not None else None
         self.others = others
@@ -106,6 +112,10 @@ class FaultEngine:
         self.attempt, self.disrupted = attempt, False
         self.ready_since = None
         self.ckpts.inflight.clear()
+        back, resolved = self.inflight.attempt_over(attempt)  # the earlier ones' words are in
+        for p in back:  # a nan or spike whose attempt ended before its step: this one gets it
+            self.schedule.give_back(p.key[1], p.fields["point"])
+        self._resolved(resolved)
 
     def attempt_over(self) -> None:
         self.attempt = None
@@ -128,6 +138,8 @@ class FaultEngine:
         kind = msg["kind"]
         if kind == "ckpt":
             self.ckpts.heard(msg)
+        if kind == "fault_ack":  # a nan or spike carried out (or come too late)
+            self._resolved(self.inflight.acked(msg["attempt"], msg["rank"], msg))
         # Rank 0's steps, phases and checkpoints move step and save triggers: judge at once.
         # (Not every rank's message: with thousands of ranks that would be quadratic; the
         # watch loop's tick covers the rest within check_s.)
@@ -155,7 +167,8 @@ class FaultEngine:
 
     def close(self) -> None:
         self.delivery.cancel()
-        self.emit("fault_summary", total=self.total, fired=self.schedule.fired())
+        self._resolved(self.inflight.close())
+        self.emit("fault_summary", total=self.total, fired=dict(self.applied))
         if self.owns_control:
             self.control.close()
 
@@ -191,7 +204,7 @@ class FaultEngine:
         sts = [table.ranks[r] for r in f.ranks]
         steps, phases = [st.step for st in sts], [st.phase for st in sts]
         attempt = self.attempt if self.attempt is not None else -1
-        sent = self.delivery.deliver(spec, f.n, attempt, sts, mono)
+        sent = self.delivery.deliver(spec, f.n, attempt, sts, mono, f.at_step or 0)
         errors += sent.errors
         lost = None
         if act.kind == "node_loss":  # its standby's ranks too, then (all killed) its memory
@@ -203,7 +216,6 @@ class FaultEngine:
         if act.kind in DISRUPTIVE and act.kind not in CKPT_DAMAGE:  # a rank's fault
             before = self.faulted.get(table.attempt, ())
             self.faulted[table.attempt] = tuple(sorted({*before, *f.ranks}))
-        self.total += 1
         if act.kind not in IN_STEP:
             extra["signal"] = signal.Signals(act.signum).name
         if act.kind == "slow":
@@ -222,36 +234,57 @@ class FaultEngine:
             extra["wait_s"] = round(max(0.0, min(ready, elapsed) - f.due_s), 6)
         if marker is not None:
             extra["marker"] = marker
-        if sent.retrying:
-            extra["retrying"] = sent.retrying
+        deferred = act.kind in NUMERIC or bool(sent.retrying)  # done only once they say
+        if deferred:  # the ranks it did not reach: in its `fault_undelivered`
+            errors = [e for e in errors if e not in sent.errors]
         if errors:
             extra["errors"] = errors
         t = spec.trigger
-        self.emit(
-            "fault",
-            ts=round(wall, 6),
-            mono=round(mono, 6),
-            fault=spec.index,
-            name=spec.label,
-            n=f.n,
-            total=self.total,
-            attempt=table.attempt,
-            trigger=t.kind,
-            point=f.point,
-            after_checkpoint=t.after_checkpoint,
-            action=act.kind,
-            target=str(spec.target),
-            ranks=list(f.ranks),
-            pids=[st.pid for st in sts],
-            hosts=[st.host for st in sts],
-            steps=steps,
-            phases=phases,
-            via=sent.via,
-            step=table.max_step,
-            ckpt_complete=known,
-            elapsed_s=round(elapsed, 6),
-            **extra,
-        )
+        fields = dict(
+            fault=spec.index, name=spec.label, n=f.n, attempt=table.attempt, trigger=t.kind,
+            point=f.point, after_checkpoint=t.after_checkpoint, action=act.kind,
+            target=str(spec.target), ranks=list(f.ranks), pids=[st.pid for st in sts],
+            hosts=[st.host for st in sts], steps=steps, phases=phases, via=sent.via,
+            step=table.max_step, ckpt_complete=known, elapsed_s=round(elapsed, 6), **extra,
+        )  # fmt: skip
+        if not deferred:
+            self._emit_fault(fields, ts=round(wall, 6), mono=round(mono, 6))
+            return
+        key = (table.attempt, spec.index, f.n)
+        waiting = {r for r in f.ranks if r not in sent.failed}
+        p = Pending(key, fields, f.at_step, mono, waiting, failed=dict(sent.failed))
+        if f.at_step is None:  # sent at once: done (a nan or spike waits for the rank's word)
+            for rank in waiting - set(sent.retrying):
+                p.answer(rank)
+        self._resolved(self.inflight.hold(p))
+
+    def _emit_fault(self, fields: dict[str, Any], **stamps: float) -> None:
+        """One `fault` event: the action was carried out (`stamps`: when it was sent)."""
+        self.total += 1
+        self.applied[fields["name"]] += 1
+        self.emit("fault", **stamps, total=self.total, **fields)
+
+    def _resolved(self, done: list[Pending]) -> None:
+        for p in done:
+            for name, fields in inflight.events(p):
+                if name == "fault":
+                    self._emit_fault(fields)
+                else:
+                    self.emit(name, **fields)
+
+    def _retried(self, key: Key, sent: list[int], failed: dict[int, str]) -> None:
+        """A firing's retries ended (faults.delivery)."""
+        done = self.inflight.retried(key, sent, failed)
+        if done is not None:
+            self._resolved(done)
+        elif failed:  # a lost node's standby ranks (`_kill_others`): no event of their own
+            attempt, index, n = key
+            spec = self.schedule.specs[index]
+            self.emit(
+                "fault_undelivered", attempt=attempt, fault=index, name=spec.label, n=n,
+                action=spec.action.kind, ranks=sorted(failed),
+                errors=[f"rank {r}: {why}" for r, why in sorted(failed.items())],
+            )  # fmt: skip
 
     def _damage(self, f: Firing) -> tuple[actions.Damage | None, list[str]]:
         """`corrupt` or `unmark` the newest complete checkpoint: (what it did, errors)."""

@@ -18,6 +18,12 @@ Rules:
   `while sleep 90; do pkill -9; done` loop.
 - Steps: a point N fires at the first observed step >= N; with `after_checkpoint` only once a
   checkpoint at or past N is known complete. Points are never re-fired after a resume.
+- `nan` and `spike` act at their very step, so their command goes ahead of it: a step point N
+  is sent once the newest step seen is N - AHEAD_STEPS (before an attempt's first step: the
+  newest of any attempt, where a resume starts at or before), and the rank holds it for step
+  N; every such point in reach goes at once. A time trigger's names the step AHEAD_STEPS past
+  the newest seen. A point whose attempt ended before its step is given back (`give_back`) and
+  goes to the next attempt.
 - `during = "save"`: while a save is in flight (phase `save`, or staged/written but not yet
   complete), once per save step; with `at_step`, the first save at or after each step.
 """
@@ -28,7 +34,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from faults.spec import DISRUPTIVE, FaultSpec, Trigger
+from faults.spec import DISRUPTIVE, NUMERIC, FaultSpec, Trigger
+
+# How many steps ahead a `nan` or `spike` goes: rank 0's word of step N - AHEAD_STEPS fires
+# point N, and the command then has the rank's next AHEAD_STEPS - 1 steps to arrive in.
+AHEAD_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Firing:
     point: dict[str, float | int]
     ranks: tuple[int, ...]
     due_s: float | None = None  # time triggers: when it was due (seconds since the job started)
+    at_step: int | None = None  # nan / spike: the step the rank acts at
 
 
 @dataclass
@@ -73,6 +84,7 @@ class Schedule:
     def __init__(self, specs: Sequence[FaultSpec]) -> None:
         self.specs = list(specs)
         self._state = [_State() for _ in self.specs]
+        self.high = 0  # the newest step seen in any attempt (a resume starts at or before it)
 
     def fired(self) -> dict[str, int]:
         """Firings so far, by fault label."""
@@ -83,6 +95,7 @@ class Schedule:
         out: list[Firing] = []
         if facts.attempt is None or facts.finishing or facts.disrupted:
             return out
+        self.high = max(self.high, facts.step or 0)
         disrupted = False
         for spec, st in zip(self.specs, self._state, strict=True):
             if disrupted:
@@ -94,16 +107,31 @@ class Schedule:
                 continue
             if not set(ranks) <= facts.ready:
                 continue
-            reached = _point(spec.trigger, st, facts)
-            if reached is None:
-                continue
-            point, due_s = reached
-            _spend(spec.trigger, st, point, facts)
-            st.fired += 1
-            st.last_fire_s = facts.elapsed_s
-            out.append(Firing(spec, st.fired, point, ranks, due_s))
-            disrupted = spec.action.kind in DISRUPTIVE
+            ahead = AHEAD_STEPS if spec.action.kind in NUMERIC else 0
+            while (reached := _point(spec.trigger, st, facts, ahead, self.high)) is not None:
+                point, due_s = reached
+                _spend(spec.trigger, st, point, facts)
+                st.fired += 1
+                st.last_fire_s = facts.elapsed_s
+                at = int(point["step"]) if "step" in point else (facts.step or 0) + ahead
+                out.append(Firing(spec, st.fired, point, ranks, due_s, at if ahead else None))
+                disrupted = spec.action.kind in DISRUPTIVE
+                if not ahead or "step" not in point:  # step points of nan/spike: all in reach
+                    break
+                ranks = targets(spec, st.fired + 1, facts.world, facts.ranks_per_node)
+                if not set(ranks) <= facts.ready:
+                    break
         return out
+
+    def give_back(self, index: int, point: dict) -> None:
+        """A step point of fault `index` whose command its attempt's end overtook (a nan or
+        spike sent ahead, its step not reached): due again, into the next attempt."""
+        step, t, st = point.get("step"), self.specs[index].trigger, self._state[index]
+        if step is None or "save" in point:
+            return
+        st.spent_steps.discard(int(step))
+        if t.kind == "every_steps":
+            st.next_index = min(st.next_index, int(step) // t.every_steps - 1)
 
     def next_time_s(self, index: int) -> float | None:
         """When fault `index` (a time trigger) is next due, if it is; for tests and status."""
@@ -111,7 +139,11 @@ class Schedule:
         return _time_due(spec.trigger, st) if spec.trigger.timed else None
 
 
-def _point(t: Trigger, st: _State, facts: Facts) -> tuple[dict, float | None] | None:
+def _point(
+    t: Trigger, st: _State, facts: Facts, ahead: int = 0, high: int = 0
+) -> tuple[dict, float | None] | None:
+    """The trigger's next point if it is due (`ahead`: steps before a step point it is; before
+    the attempt's first step, counted from `high`, the newest step of any attempt)."""
     if t.timed:
         due = _time_due(t, st)
         if due is not None and facts.elapsed_s >= due:
@@ -126,7 +158,8 @@ def _point(t: Trigger, st: _State, facts: Facts) -> tuple[dict, float | None] | 
             return ({"save": s, "step": n}, None) if n is not None and s >= n else None
         return ({"save": s}, None) if t.count is None or st.fired < t.count else None
     n = _next_step_point(t, st)
-    if n is None or facts.step is None or facts.step < n:
+    seen = facts.step if facts.step is not None or not ahead else high
+    if n is None or seen is None or seen + ahead < n:
         return None
     if t.after_checkpoint and (facts.ckpt_complete is None or facts.ckpt_complete < n):
         return None
@@ -141,12 +174,15 @@ def _spend(t: Trigger, st: _State, point: dict, facts: Facts) -> None:
     if "step" in point:
         st.spent_steps.add(int(point["step"]))
         if t.kind == "every_steps":
-            st.next_index += 1
+            st.next_index = int(point["step"]) // t.every_steps
 
 
 def _next_step_point(t: Trigger, st: _State) -> int | None:
-    if t.kind == "every_steps":
-        return (st.next_index + 1) * t.every_steps
+    if t.kind == "every_steps":  # past those spent (a point given back leaves a gap before them)
+        k = st.next_index + 1
+        while k * t.every_steps in st.spent_steps:
+            k += 1
+        return k * t.every_steps
     return next((n for n in t.at_step if n not in st.spent_steps), None)
 
 

@@ -191,6 +191,10 @@ def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> Fa
             "target",
             f'node_loss takes nodes away: expected "node:N" or "node:A-B", got {str(target)!r}',
         )
+    if action.kind in NUMERIC and (trigger.kind == "during" or trigger.after_checkpoint):
+        gate = "during" if trigger.kind == "during" else "after_checkpoint"
+        p.fail(gate, f"{action.kind} acts at its very step, and a save or a checkpoint comes "
+               "only after that step: give at_step or every_steps alone")  # fmt: skip
     via = p.choice("via", ("auto", "control"), "auto")
     name = p.string("name", "")
     if action.kind == "term" and "signal" in table:

@@ -114,6 +114,10 @@ class Beacon:
     def rollback(self, from_step: int, to_step: int, skip: str) -> None:
         """Rank 0, for the job: the guard rolled back from the bad step to a checkpoint's."""
 
+    def fault_ack(self, fault: int, step: int, action: str, applied: bool, at: int) -> None:
+        """This rank, of the supervisor's `nan` or `spike` for step `step`: applied there, or
+        not (it came at step `at`, past it). The supervisor's `fault` event waits for it."""
+
     def done(self, step: int) -> None: ...
 
     def close(self) -> None: ...
@@ -275,6 +279,9 @@ class ZmqBeacon(Beacon):
 
     def rollback(self, from_step: int, to_step: int, skip: str) -> None:
         self._put("rollback", from_step=int(from_step), to_step=int(to_step), skip=skip)
+
+    def fault_ack(self, fault: int, step: int, action: str, applied: bool, at: int) -> None:
+        self._put("fault_ack", fault=fault, step=step, action=action, applied=applied, at=at)
 
     def done(self, step: int) -> None:
         self._phase, self._step = "done", int(step)

@@ -131,6 +131,41 @@ def blame(
     return verdict, every
 
 
+@dataclass(frozen=True)
+class Injected:
+    """A bad step to make on this rank at step `step`: `nan` (one gradient poisoned) or `spike`
+    (the loss scaled by `factor`). `fault`: the supervisor's fault index, whose `fault_ack` it
+    waits for (None: an `ES_INJECT` point of a test)."""
+
+    step: int
+    kind: str
+    factor: float = 1.0
+    fault: int | None = None
+
+
+@dataclass(frozen=True)
+class Due:
+    """What this rank's injected faults make of one step: the factor its loss is scaled by,
+    whether a gradient is poisoned; those applied, and those that came past their step."""
+
+    factor: float = 1.0
+    poison: bool = False
+    applied: tuple[Injected, ...] = ()
+    late: tuple[Injected, ...] = ()
+
+
+def injected_due(pending: list[Injected], step: int) -> tuple[Due, list[Injected]]:
+    """The injected faults that act at `step`, and those left waiting: each acts once, at its
+    very step (a step redone after a bad one is not hit again). One for a later step waits; one
+    whose step began without it (it came late) is dropped, never moved to a later step, where
+    the faults of neighbouring steps would land in one."""
+    now = tuple(p for p in pending if p.step == step)
+    late = tuple(p for p in pending if p.step < step)
+    factor = math.prod(p.factor for p in now if p.kind == "spike")
+    poison = any(p.kind == "nan" for p in now)
+    return Due(float(factor), poison, now, late), [p for p in pending if p.step > step]
+
+
 GIVE_UP_AFTER = 10  # bad steps in a row: the cause is no batch (diverged weights, a bad --lr)
 
 

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from worker import guard
+from worker.beat import Beacon
 from worker.errors import UsageError
-from worker.guard import Baseline, GuardConfig, Range, Verdict
+from worker.guard import Baseline, Due, GuardConfig, Injected, Range, Verdict
 from worker.parallel import local_part
 
 
@@ -34,7 +35,7 @@ class GuardRun:
     cfg: GuardConfig
     ranges: tuple[Range, ...] = ()
     baseline: Baseline = field(default_factory=Baseline)
-    pending: list[tuple[int, str, float]] = field(default_factory=list)  # (step, kind, factor)
+    pending: list[Injected] = field(default_factory=list)
     bad_in_a_row: int = 0  # bad steps since the last good one (guard.give_up)
 
     @classmethod
@@ -43,13 +44,13 @@ class GuardRun:
         cfg: GuardConfig,
         flag_ranges: str,
         data: dict[str, Any] | None,
-        faults: list,
+        faults: list[tuple[int, str, float]],
         step: int = 0,
     ) -> GuardRun:
         """From the flags and the data record of the checkpoint resumed at `step` (None: a
         fresh start): its skipped ranges and baseline come back with it. `--skip-batches` may
         add ranges only past the positions that checkpoint has trained (UsageError)."""
-        run = cls(cfg, pending=list(faults))
+        run = cls(cfg, pending=[Injected(*f) for f in faults])
         run.restore(data)
         flags = guard.parse_ranges(flag_ranges)
         problem = guard.past_problem(flags, run.ranges, step) if data is not None else None
@@ -78,17 +79,10 @@ class GuardRun:
     def skip(self, positions: Range) -> None:
         self.ranges = guard.merge([*self.ranges, positions])
 
-    def due(self, step: int) -> tuple[float, bool]:
-        """This rank's injected faults for `step` (each fires once, at the first step at or
-        after its own): the factor its loss is scaled by, and whether a gradient is poisoned."""
-        factor, poison = 1.0, False
-        for item in [p for p in self.pending if p[0] <= step]:
-            self.pending.remove(item)
-            if item[1] == "nan":
-                poison = True
-            else:
-                factor *= item[2]
-        return factor, poison
+    def due(self, step: int) -> Due:
+        """This rank's injected faults for `step` (guard.injected_due); those left wait."""
+        due, self.pending = guard.injected_due(self.pending, step)
+        return due
 
     def judge(self, mean_loss: float, grad_norm: float, nonfinite: int) -> Verdict | None:
         """Every rank alike; a good step moves the baseline."""
@@ -102,6 +96,15 @@ class GuardRun:
         else:
             self.bad_in_a_row += 1
         return verdict
+
+
+def say_injected(beacon: Beacon, due: Due, step: int) -> None:
+    """Tell the supervisor what came of its `nan` and `spike` commands at this step: applied
+    (the loss is scaled, the gradient poisoned), or dropped as late (`at`: this step, past
+    theirs). `ES_INJECT`'s own points are nobody's to tell."""
+    for item, applied in [*((i, True) for i in due.applied), *((i, False) for i in due.late)]:
+        if item.fault is not None:
+            beacon.fault_ack(item.fault, item.step, item.kind, applied, step)
 
 
 def poison(params: list[torch.nn.Parameter]) -> None:

@@ -96,16 +96,18 @@ def run(
 def train_step(t: Training, step: int, stop_requested: bool) -> guard_step.Stepped:
     """Forward, backward, clip; the agreement, which the numerical guard judges the step by;
     the update unless the step is bad (worker.guard_step)."""
-    factor, poisoned = t.guard.due(step)  # faults injected into this rank, if any
+    due = t.guard.due(step)  # faults injected into this rank, if any
     inputs, targets = batch(t.source, t.guard.position(step), t.dp_rank, t.args.batch_size)
     logits = t.model(inputs.to(t.device))
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(t.device).flatten())
-    if factor != 1.0:
-        loss = loss * factor
+    if due.factor != 1.0:
+        loss = loss * due.factor
     loss.backward()
     params = [p for p in t.model.parameters() if p.grad is not None]
-    if poisoned:
+    if due.poison:
         guard_step.poison(params)
+    if due.applied or due.late:  # the supervisor's `fault` event waits for the rank's word
+        guard_step.say_injected(t.beacon, due, step)
     local = guard_step.local_norm(params) if t.guard.cfg.on else 0.0
     grad_norm = clip_grad_norm(params, t.args.grad_clip).item()
     t.ckpt.before_update()  # a save's staging copy ran beside forward and backward

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from worker.beat import Beacon
+from worker.guard import Injected
 
 
 class StepFaults:
@@ -22,7 +23,7 @@ class StepFaults:
         self._beacon = beacon
         self._delay_s = 0.0
         self._slow_until = 0.0
-        self._numeric: list[tuple[int, str, float]] = []
+        self._numeric: list[Injected] = []
         self._intervals: list[tuple[str, int, int]] = []
 
     def intervals(self) -> list[tuple[str, int, int]]:
@@ -30,11 +31,10 @@ class StepFaults:
         out, self._intervals = self._intervals, []
         return out
 
-    def numeric(self) -> list[tuple[int, str, float]]:
-        """`nan` and `spike` commands since the last call, as (step, kind, factor) for the
-        numerical guard (worker.guard_step), which applies each at the first step it runs at or
-        after the command's step: one that comes early is held, one that comes late applies at
-        the next step."""
+    def numeric(self) -> list[Injected]:
+        """`nan` and `spike` commands since the last call, for the numerical guard
+        (worker.guard_step), which applies each at the command's step: one that comes early is
+        held for it, one that comes after that step began is not applied (the rank says so)."""
         out, self._numeric = self._numeric, []
         return out
 
@@ -47,7 +47,9 @@ class StepFaults:
                 self._delay_s = cmd["delay_s"]
                 self._slow_until = time.monotonic() + cmd["duration_s"]
             if cmd["action"] in ("nan", "spike"):
-                self._numeric.append((cmd["step"], cmd["action"], cmd["factor"]))
+                self._numeric.append(
+                    Injected(cmd["step"], cmd["action"], cmd["factor"], cmd["fault"])
+                )
             if cmd["action"] == "interval":
                 self._intervals.append((cmd["tier"], cmd["interval"], cmd["step"]))
         if self._delay_s and time.monotonic() < self._slow_until:

@@ -63,3 +63,30 @@ def test_a_diverging_run_ends_at_once_with_the_guards_line(tmp_path):
     assert "DIVERGED" in status and GAVE_UP in status and "restarts: 0 of 3" in status
     report = (run / "report.md").read_text()
     assert "DIVERGED" in report and GAVE_UP in report
+
+
+def test_consecutive_nan_points_each_make_their_own_bad_step_at_their_step(tmp_path):
+    """21 points, steps 5 to 25, on rank 1. Before: 21 `fault` events but 18-19 bad steps (two
+    points sent while the rank was at one step landed in one step), each 2 steps after its
+    point. Now each point is one `fault` event once the rank applied it, at that very step,
+    and one `numeric_fault` there (or a `fault_undelivered` saying why not)."""
+    points = list(range(5, 26))
+    config, run = job(
+        tmp_path,
+        {"train_iters": 30, "save_interval": 0, "mem_ckpt_interval": 0},
+        [{"name": "nans", "at_step": points, "action": "nan", "target": "rank:1"}],
+    )
+    code, out = run_supervisor(config, 240)
+    assert code == 0, out[-4000:]
+
+    evs = events(run)
+    fired = [e for e in evs if e["event"] == "fault"]
+    lost = [e for e in evs if e["event"] == "fault_undelivered"]
+    bad = [e for e in evs if e["event"] == "numeric_fault"]
+    assert lost == [], lost  # nothing held up on 2 cores: every point arrived in time
+    assert [e["point"]["step"] for e in fired] == points
+    assert [e["steps"] for e in fired] == [[p] for p in points]  # applied at its step
+    assert [(e["step"], e["kind"], e["ranks"]) for e in bad] == [(p, "nan", [1]) for p in points]
+    assert [e["attempt"] for e in evs if e["event"] == "launch"] == [0]
+    (summary,) = [e for e in evs if e["event"] == "fault_summary"]
+    assert summary["total"] == len(points)

@@ -432,9 +432,9 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
     try:
         worst = asyncio.run(main())
         assert worst < 0.1, f"the loop stalled {worst:.3f} s"
-        fault, undelivered = events[0], events[-1]
-        assert fault["event"] == "fault" and "errors" not in fault
-        assert fault["retrying"] == list(range(connected, world))
+        fault, undelivered = events  # `fault` for the ranks reached, once the retries ended
+        assert fault["event"] == "fault" and "errors" not in fault and "retrying" not in fault
+        assert fault["ranks"] == list(range(connected)) and len(fault["pids"]) == connected
         assert undelivered["event"] == "fault_undelivered"
         assert undelivered["ranks"] == list(range(connected, world))
         for r, s in enumerate(dealers):  # the connected ones got their command (after the probe)

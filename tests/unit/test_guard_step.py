@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from contracts.intervals import DURABLE, MEMORY
+from worker.beat import Beacon
 from worker.ckpt.manager import CheckpointManager
 from worker.data import SyntheticData
-from worker.guard import Baseline, GuardConfig
+from worker.guard import Baseline, Due, GuardConfig, Injected
+from worker.guard import injected_due as due_of
 from worker.guard_step import GuardRun
 from worker.intervals import Intervals
 from worker.loop import train_step
@@ -49,6 +51,7 @@ def training(warmup: int = 2) -> SimpleNamespace:
         ckpt=CheckpointManager(),
         metrics=MetricsLog(None),
         intervals=NO_CHECKPOINTS,
+        beacon=Told(),
     )
 
 
@@ -69,9 +72,10 @@ def test_a_bad_step_leaves_weights_optimizer_and_schedule_as_they_were(
     for s in (1, 2):
         assert train_step(t, s, False).verdict is None
     before, lr_step = state(t), t.scheduler.last_epoch
-    t.guard.pending.append((step, fault, 1e4))
+    t.guard.pending.append(Injected(step, fault, 1e4, fault=2))
     done = train_step(t, step, False)
     assert done.verdict is not None and done.verdict.kind == kind
+    assert t.beacon.acks == [(2, step, fault, True, step)]  # the supervisor's `fault` waits
     assert same(state(t), before)
     assert t.scheduler.last_epoch == lr_step
     assert all(p.grad is None for p in t.model.parameters())
@@ -103,9 +107,25 @@ def test_a_resumed_run_takes_the_checkpoints_ranges_and_baseline_with_the_flags(
     assert fresh.ranges == () and fresh.baseline == Baseline()
 
 
-def test_an_injected_fault_fires_once_at_its_step_or_the_first_after():
-    run = GuardRun(GuardConfig("skip"), pending=[(5, "nan", 1.0), (3, "spike", 8.0)])
-    assert run.due(2) == (1.0, False)
-    assert run.due(4) == (8.0, False)  # late: at the next step it runs
-    assert run.due(5) == (1.0, True)
-    assert run.due(5) == (1.0, False)  # a redone step is not poisoned again
+def test_an_injected_fault_acts_once_at_its_very_step_and_a_late_one_never():
+    """Issue 40: a command that came late acted at the next step, where the next point's
+    landed too: two points, one bad step. Now each acts at its step or is dropped (and said)."""
+    spike, nan, late = Injected(3, "spike", 8.0, 0), Injected(5, "nan", 1.0, 0), Injected(4, "nan")
+    run = GuardRun(GuardConfig("skip"), pending=[nan, spike])
+    assert run.due(2) == Due()
+    assert run.due(3) == Due(8.0, False, (spike,))
+    run.pending.append(late)  # came while the rank was in step 4: not applied at step 5
+    assert run.due(5) == Due(1.0, True, (nan,), (late,))
+    assert run.due(5) == Due() and run.pending == []  # a redone step is not poisoned again
+    both = [Injected(6, "nan", fault=0), Injected(6, "spike", 10.0, 1), Injected(7, "nan", 1)]
+    assert due_of(both, 6) == (Due(10.0, True, tuple(both[:2])), both[2:])
+
+
+class Told(Beacon):
+    """The no-op beacon, keeping what the rank said of the supervisor's commands."""
+
+    def __init__(self):
+        self.acks = []
+
+    def fault_ack(self, fault, step, action, applied, at):
+        self.acks.append((fault, step, action, applied, at))

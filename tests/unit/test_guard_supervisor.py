@@ -17,6 +17,7 @@ from supervisor.watch.rank_table import AttemptTable
 from tests.support import BEACON_JOB as JOB
 from tests.support import BEACON_KEY as KEY
 from worker.beat import Beacon
+from worker.guard import Injected
 from worker.step_commands import StepFaults
 
 SHAPE = JobShape(train_iters=100, save_interval=10, world=2, nodes=1, ranks_per_node=2)
@@ -87,12 +88,15 @@ class _Rank:
         )  # fmt: skip
 
 
-def test_a_spike_command_names_the_ranks_next_step_and_round_trips_signed():
-    (spec,) = parse_all([{"at_step": 5, "action": "spike", "factor": 8}], "job.toml", SHAPE)
+def test_a_spike_command_names_its_own_step_and_round_trips_signed():
+    """Issue 40: the command named the rank's next step as the supervisor last saw it (a rank
+    other than 0 says its step once a beat: often a stale one), so it landed anywhere."""
+    (spec,) = parse_all([{"at_step": 12, "action": "spike", "factor": 8}], "job.toml", SHAPE)
     channel = _Channel()
-    Delivery(channel, JOB, "here", lambda *a, **k: None).deliver(spec, 1, 0, [_Rank(1, 7)], 0.0)
+    delivery = Delivery(channel, JOB, "here", lambda *a, **k: None)
+    delivery.deliver(spec, 1, 0, [_Rank(1, 7)], 0.0, at_step=12)
     (cmd,) = channel.sent
-    assert (cmd["action"], cmd["step"], cmd["factor"]) == ("spike", 8, 8.0)
+    assert (cmd["action"], cmd["step"], cmd["factor"]) == ("spike", 12, 8.0)
     frame = messages.encode(KEY.encode(), cmd)
     assert control_msgs.decode_control(KEY.encode(), frame, JOB, 0, 1) == cmd
 
@@ -114,7 +118,7 @@ def test_step_faults_hand_nan_and_spike_to_the_guard():
     ]
     faults = StepFaults(_Told(cmds))
     faults.apply()
-    assert faults.numeric() == [(9, "nan", 1.0), (4, "spike", 50.0)]
+    assert faults.numeric() == [Injected(9, "nan", 1.0, 1), Injected(4, "spike", 50.0, 2)]
     assert faults.numeric() == []
 
 
