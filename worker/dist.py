@@ -56,6 +56,10 @@ def detect_rank(env: Mapping[str, str], host: str | None = None) -> RankInfo:
     for launcher, rank_var, world_var, local_var, local_world_var in LAUNCHER_VARS:
         if rank_var in env and (world_var in env or launcher == "pmix"):
             world = int(env.get(world_var) or env.get("PMI_SIZE") or 1)
+            # A launcher that gives no local rank under srun (its PMI plugin sets PMI_RANK
+            # alone) leaves Slurm's: else every rank of a node would take device 0.
+            if local_var not in env and "SLURM_LOCALID" in env:
+                local_var, local_world_var = "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"
             local_world_raw = env.get(local_world_var, "")
             # Slurm writes e.g. "4(x2)"; the leading count is this node's.
             local_world = int(local_world_raw.split("(")[0]) if local_world_raw else world

@@ -25,14 +25,14 @@ from supervisor.run.prepared import Adopted, PreparedRanks, become
 from supervisor.settings import loading
 from supervisor.settings.config import HeartbeatConfig
 
-KEEPS = dict(wanted=True, standby=True, spares=1, launcher_cannot=None, module="worker.train")
+KEEPS = dict(wanted=True, standby_off=None, spares=1, launcher_cannot=None, module="worker.train")
 
 
 def test_kept_only_with_a_spare_a_standby_and_a_launcher_that_can():
     assert prepared_rules.unavailable(**KEEPS) is None
     for change, why in (
         ({"wanted": False}, "restart.warm_spare is false"),
-        ({"standby": False}, "restart.standby is false"),
+        ({"standby_off": "restart.standby is false"}, "restart.standby is false"),
         ({"spares": 0}, "no spare node (launch.spares = 0)"),
         ({"launcher_cannot": "srun cannot"}, "srun cannot"),
         ({"module": "my.trainer"}, "worker module my.trainer has no prepared form"),
@@ -40,10 +40,10 @@ def test_kept_only_with_a_spare_a_standby_and_a_launcher_that_can():
         assert prepared_rules.unavailable(**{**KEEPS, **change}).startswith(why), change
 
 
-def test_only_hydra_starts_one_node_on_its_own():
+def test_hydra_and_srun_start_one_node_on_its_own():
     assert launcher_for("mpiexec").node_launches("hydra") is None
     assert "Hydra" in launcher_for("mpiexec").node_launches("pals")
-    assert launcher_for("srun").node_launches("srun") is not None
+    assert launcher_for("srun").node_launches("srun") is None  # a step on one node
     assert launcher_for("local").node_launches("local") is not None
 
 

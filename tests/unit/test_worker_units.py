@@ -55,6 +55,17 @@ from worker.presets import PRESETS, resolve_config
             },
             (7, 8, 3, 4, "slurm"),
         ),
+        (  # srun's PMI-2 plugin sets PMI_RANK and PMI_SIZE but no local rank: Slurm's
+            {
+                "PMI_RANK": "5",
+                "PMI_SIZE": "8",
+                "SLURM_PROCID": "5",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "1",
+                "SLURM_NTASKS_PER_NODE": "4",
+            },
+            (5, 8, 1, 4, "hydra"),
+        ),
         (
             {
                 "RANK": "2",
