@@ -34,7 +34,12 @@ machine): 3 hosts x 1 rank and, for the failures, 1 spare host, standby on; the 
 same fault, and the node loss is `testbed kill n1` (every process of the host at once, its
 /dev/shm gone) once rank 0 is past the step, found by the job itself.
 
-Usage: python bench/node_loss.py [--standby off|on] [--pairs 3] [--testbed] [--keep]
+With `--testbed --launcher srun` the bed runs a Slurm cluster too (`testbed up 4 --slurm`) and
+every job is `salloc --no-kill -N <its hosts> python -m supervisor run`, launched by srun with
+`nodes = "auto"`.
+
+Usage: python bench/node_loss.py [--standby off|on] [--pairs 3] [--testbed [--launcher srun]]
+       [--keep]
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ PAIR = (("without", False), ("with", True))
 
 def config(
     out: Path, run: Path, mem: Path, *, partner: bool, faults: bool, standby: bool,
-    bed=None,
+    bed=None, launcher: str = "mpiexec",
 ):  # fmt: skip
     """The job's config; with `bed` (a testbed.Bed), on its hosts: the node loss is the bed's."""
     raw = tomllib.loads((ROOT / "configs" / "debug.toml").read_text())
@@ -103,19 +108,29 @@ def config(
     )  # fmt: skip
     raw["restart"] = {**raw.get("restart", {}), "standby": standby, "backoff_s": [0]}
     raw["restart"]["exclude_after"] = 2
-    if bed is not None:  # 3 hosts (+ the spare); the loss is `testbed kill`, not a fault
+    if bed is not None and launcher == "srun":  # the allocation's nodes (salloc -N)
+        raw["launch"] = {
+            "launcher": "srun", "nodes": "auto", "ranks_per_node": 1,
+            "spares": 1 if faults else 0, "args": ["--mpi=none"],
+            "env": {"OMP_NUM_THREADS": "1"},
+        }  # fmt: skip
+    elif bed is not None:  # 3 hosts (+ the spare); the loss is `testbed kill`, not a fault
         raw["launch"] = {
             "launcher": "mpiexec", "flavor": "hydra", "ranks_per_node": 1,
             "nodes": bed.hosts[: 4 if faults else 3], "spares": 1 if faults else 0,
             "args": bed.launcher_args(), "env": {"OMP_NUM_THREADS": "1"},
         }  # fmt: skip
+    if bed is not None:
         raw["faults"] = [f for f in raw["faults"] if f["action"] != "node_loss"]
+        raw["launch"]["env"]["TMPDIR"] = "/var/tmp/es-testbed-local"  # each host's own scratch
     out.write_text(toml_dump.dumps(raw))
     return out
 
 
 def metrics(run: Path) -> dict[int, list[dict]]:
     """Rank 0's records per attempt (read while the job runs: a torn last line is skipped)."""
+    if not (run / "attempts").is_dir():
+        return {}  # the job has not launched yet
     attempts = sorted(int(adir.name) for adir in (run / "attempts").iterdir())
     return {a: recs for a in attempts if (recs := records(run, a))}
 
@@ -129,6 +144,10 @@ def run_job(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ES_", "PMI", "MASTER_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = [sys.executable, "-m", "supervisor", "run", str(cfg)]
+    if bed is not None and bed.slurm:  # inside an allocation of every host, as a batch job
+        cmd = ["salloc", "--no-kill", f"--nodes={len(bed.hosts) - (0 if loss_at else 1)}",
+               "--quiet", *cmd]  # fmt: skip
+        env.update(bed.slurm_env())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     taken, killed = snapshot is None, None
     while proc.poll() is None:
@@ -300,7 +319,15 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="jobs without and with, in turn")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories")
     ap.add_argument("--testbed", action="store_true", help="on real hosts of the test bed")
+    ap.add_argument(
+        "--launcher",
+        choices=("mpiexec", "srun"),
+        default="mpiexec",
+        help="with --testbed: Hydra over ssh, or srun on the bed's Slurm cluster",
+    )
     args = ap.parse_args()
+    if args.launcher != "mpiexec" and not args.testbed:
+        ap.error("--launcher srun needs --testbed (its Slurm cluster)")
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodeloss-"))
     bed = None
     if args.testbed:
@@ -310,7 +337,7 @@ def main() -> None:
         if why:
             raise SystemExit(f"--testbed: {why}")
         testbed.down()
-        bed = testbed.up(4)
+        bed = testbed.up(4, slurm_cluster=args.launcher == "srun")
     killed_at = None
     try:
         runs = {}
@@ -322,7 +349,7 @@ def main() -> None:
             )
             standby = args.standby == "on" or bed is not None
             cfg = config(tmp / f"{name}.toml", run, mem, partner=partner, faults=faults,
-                         standby=standby, bed=bed)  # fmt: skip
+                         standby=standby, bed=bed, launcher=args.launcher)  # fmt: skip
             print(f"--- {name}: partner copies {'on' if partner else 'off'}", flush=True)
             snapshot = tmp / "snapshot" / "partner" if faults else None
             loss_at = (STANDBY_STEPS["loss"] if standby else 32) if faults else None
@@ -347,6 +374,7 @@ def main() -> None:
         trials, passed = damage_trials(tmp / "snapshot" / "partner")
         result = {
             "testbed": bool(bed),
+            "launcher": args.launcher if bed else "mpiexec",
             "standby": "on" if bed is not None else args.standby,
             "node_loss": {
                 "lost": node["lost"], "from": node["from"],
