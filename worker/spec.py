@@ -8,6 +8,10 @@ everything it imports stay torch-free: `validate` costs milliseconds.
 The contract, for any worker package that wants its flags checked and planned:
 
 - `MODULES`: the `python -m` modules whose flags this spec describes.
+- `STANDBY_MODULES` (optional): those of `MODULES` that honour the warm standby's protocol:
+  started with `ES_STANDBY=1`, a rank prepares, says phase `standby` and waits for `go` or `exit`
+  on the control channel. The supervisor keeps a standby (and prepared ranks) only for a module
+  named here: one that ignored `ES_STANDBY` would train beside the job as a second one.
 - `flag_kinds()`: every flag by its `[worker]` key (the argparse dest), True for a switch.
 - `flag_defaults()` (optional): every flag's default by its `[worker]` key: what a key left
   out means (the supervisor reads the checkpoint intervals and their prior from it).
@@ -31,9 +35,11 @@ from worker.errors import UsageError
 from worker.shrink_plan import ShrinkPlan, plan_shrink
 
 MODULES = ("worker.train",)
+STANDBY_MODULES = ("worker.train",)  # worker.standby: ES_STANDBY=1 prepares and waits for `go`
 
 __all__ = [
     "MODULES",
+    "STANDBY_MODULES",
     "ShrinkPlan",
     "flag_defaults",
     "flag_kinds",

@@ -36,7 +36,19 @@ def check(resolved: Resolved) -> list[str]:
     note = worker_flags.check(resolved.cfg, resolved.world)
     if note:
         notes.append(note)
+    note = standby_note(resolved)
+    if note:
+        notes.append(note)
     return notes
+
+
+def standby_note(resolved: Resolved) -> str | None:
+    """One line when the config asks for the warm standby and the worker does not declare it: a
+    worker that ignores `ES_STANDBY` would train beside the job, so the job keeps none."""
+    why = resolved.standby_off
+    if not resolved.cfg.restart.standby or why is None:
+        return None
+    return f"restart.standby is off: {why}, so every relaunch starts cold"
 
 
 def check_hosts(resolved: Resolved) -> None:

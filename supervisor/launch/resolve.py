@@ -20,7 +20,8 @@ from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.registry import launcher_for
 from supervisor.policy.nodes import NodePool
 from supervisor.policy.prepared_rules import template_unavailable
-from supervisor.settings import checks, toml_dump, worker_flags
+from supervisor.policy.standby_rules import standby_unavailable
+from supervisor.settings import checks, toml_dump, worker_flags, worker_spec
 from supervisor.settings import config as config_mod
 from supervisor.settings.config import Config
 
@@ -54,6 +55,15 @@ class Resolved:
             wanted=self.cfg.restart.template,
             launcher_cannot=self.kind.node_launches(self.flavor),
             module=self.cfg.worker.module,
+        )
+
+    @property
+    def standby_off(self) -> str | None:
+        """Why the job keeps no warm standby, or None when it does (its worker declares it)."""
+        module = self.cfg.worker.module
+        declared = worker_spec.declares_standby(checks.spec_of(self.cfg), module)
+        return standby_unavailable(
+            wanted=self.cfg.restart.standby, declared=declared, module=module
         )
 
     @property

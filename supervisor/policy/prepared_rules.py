@@ -9,15 +9,21 @@ PREPARED_WORKER = "worker.train"  # the worker whose prepared form worker.prepar
 
 
 def unavailable(
-    *, wanted: bool, standby: bool, spares: int, launcher_cannot: str | None, module: str
+    *,
+    wanted: bool,
+    standby_off: str | None,
+    spares: int,
+    launcher_cannot: str | None,
+    module: str,
 ) -> str | None:
     """Why this job keeps no prepared ranks, or None when it does. They serve the relaunch a
-    standby cannot (a node lost, a spare in its place), so they need a spare and the standby;
-    each node's are a launch of their own (`launcher_cannot`: why the launcher cannot)."""
+    standby cannot (a node lost, a spare in its place), so they need a spare and the standby
+    (`standby_off`: why the job keeps none); each node's are a launch of their own
+    (`launcher_cannot`: why the launcher cannot)."""
     if not wanted:
         return "restart.warm_spare is false"
-    if not standby:
-        return "restart.standby is false"
+    if standby_off is not None:
+        return standby_off
     if spares < 1:
         return "no spare node (launch.spares = 0)"
     if launcher_cannot is not None:

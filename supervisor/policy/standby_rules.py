@@ -13,6 +13,21 @@ from supervisor.policy.liveness import RankState
 from supervisor.policy.restarts import backoff_delay
 
 
+def standby_unavailable(*, wanted: bool, declared: bool, module: str) -> str | None:
+    """Why this job keeps no warm standby, or None when it does. A standby's ranks are the
+    worker started with `ES_STANDBY=1`; only a worker whose spec declares it
+    (`STANDBY_MODULES`) waits for `go`: any other would train beside the job, a second one
+    writing the same checkpoints."""
+    if not wanted:
+        return "restart.standby is false"
+    if not declared:
+        return (
+            f"worker.module {module!r} does not declare standby support (STANDBY_MODULES in "
+            "its package's spec)"
+        )
+    return None
+
+
 def standby_ready(ranks: Mapping[int, RankState], world: int) -> bool:
     """Every rank of the standby has said it is prepared and waiting."""
     return len(ranks) == world and all(st.phase == "standby" for st in ranks.values())

@@ -95,7 +95,8 @@ class Job:
         self.launcher.prepare()
         self.server = server = services.bind_heartbeat(self.resolved, self.key, self.job_id)
         auto = intervals.auto_tiers(self.cfg)  # checkpoint intervals that tune themselves
-        if self.cfg.restart.standby or self.cfg.faults or auto:
+        self.standby_off = self.resolved.standby_off  # None: a warm standby is kept
+        if self.standby_off is None or self.cfg.faults or auto:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
         if auto is not None and self.control is not None:
             self.intervals = intervals.IntervalKeeper(auto, self.job_id, self.control, self.emit)
@@ -110,13 +111,13 @@ class Job:
             lambda: restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts),
             self.intervals,
         )  # fmt: skip
-        if self.cfg.restart.standby:
+        if self.standby_off is None:
             self.standby = StandbyKeeper(
                 self.context, self._next_number, self._route, self._unroute
             )
         self.prepared_off = prepared_rules.unavailable(
             wanted=self.cfg.restart.warm_spare,
-            standby=self.cfg.restart.standby,
+            standby_off=self.standby_off,
             spares=len(self.resolved.pool.spares),
             launcher_cannot=self.resolved.kind.node_launches(self.resolved.flavor),
             module=self.cfg.worker.module,
@@ -140,6 +141,8 @@ class Job:
             heartbeat=server.address,
             max_restarts=self.cfg.restart.max_restarts,
         )
+        if self.cfg.restart.standby and self.standby_off is not None:  # asked for, not declared
+            self.emit("standby_off", reason=self.standby_off)
         return [
             asyncio.create_task(server.serve(self._on_message)),
             asyncio.create_task(services.report_dropped(server, self.cfg.heartbeat, self.emit)),
@@ -242,7 +245,7 @@ class Job:
         left = restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts)
         if self.templates is not None:  # a lost node's template went with it
             await self.templates.drop_down()
-        standby, cold_because = None, "standby off"
+        standby, cold_because = None, f"standby off: {self.standby_off}"
         if self.standby is not None:
             standby, cold_because = await self.standby.take(self.nodes.just_excluded)
         adopt, why = None, self.prepared_off

@@ -54,6 +54,13 @@ def flag_defaults(spec: WorkerSpec | None) -> dict[str, Any]:
     return dict(defaults()) if callable(defaults) else {}
 
 
+def declares_standby(spec: WorkerSpec | None, module: str) -> bool:
+    """Whether the spec names `module` in its optional `STANDBY_MODULES`: that the module,
+    started with `ES_STANDBY=1`, prepares and waits for `go` instead of training at once. A
+    worker without a spec declares nothing."""
+    return module in getattr(spec, "STANDBY_MODULES", ())
+
+
 class SpecError(ValueError):
     """A worker package's `spec` that cannot be imported, or names the module but lacks one of
     the contract's functions (one line)."""

@@ -3,11 +3,14 @@ answers: refusals as strings, never the worker's exceptions."""
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import pytest
 
 from contracts.config_table import ConfigError
+from supervisor.commands import preflight
+from supervisor.launch.resolve import Resolved
 from supervisor.settings import loading, worker_spec
 
 
@@ -69,3 +72,45 @@ def test_a_spec_that_fails_to_import_is_one_line_naming_worker_module(tmp_path, 
     path.write_text(f'[job]\nrun_dir = "{tmp_path}/runs"\n' + text)
     with pytest.raises(ConfigError, match="worker.module: brokenspec.spec"):
         loading.load(path, [])
+
+
+SPEC = """MODULES = ('{package}.train',)
+{standby}
+def flag_kinds(): return {{}}
+def flags_problem(argv): return None
+def run_problem(argv, world): return None
+def plan_shrink(argv, world, new_world): raise NotImplementedError
+"""
+
+
+def _resolved(tmp_path, module: str, standby: bool = True) -> Resolved:
+    cfg = loading.from_dict({
+        "job": {"run_dir": str(tmp_path / "run")},
+        "worker": {"module": module},
+        "restart": {"standby": standby},
+    })  # fmt: skip
+    return Resolved(cfg, tmp_path / "run", [socket.gethostname()], sys.executable, "local")
+
+
+def test_the_standby_is_kept_only_for_a_module_its_spec_declares(tmp_path, monkeypatch):
+    """A standby's ranks are the worker started with ES_STANDBY=1: one that does not declare it
+    (STANDBY_MODULES) would train beside the job, so the job keeps none, and says so once."""
+    _package(tmp_path, "declares", "", spec=SPEC.format(
+        package="declares", standby="STANDBY_MODULES = ('declares.train',)"))  # fmt: skip
+    _package(tmp_path, "silent", "", spec=SPEC.format(package="silent", standby=""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module in ("worker.train", "declares.train"):
+        assert _resolved(tmp_path, module).standby_off is None, module
+        assert preflight.standby_note(_resolved(tmp_path, module)) is None
+    for module in ("silent.train", "my_train", "worker.other"):
+        resolved = _resolved(tmp_path, module)
+        assert resolved.standby_off == (
+            f"worker.module {module!r} does not declare standby support (STANDBY_MODULES in its "
+            "package's spec)"
+        )
+        assert preflight.standby_note(resolved) == (
+            f"restart.standby is off: {resolved.standby_off}, so every relaunch starts cold"
+        )
+        unasked = _resolved(tmp_path, module, standby=False)  # off as asked: nothing to say
+        assert unasked.standby_off == "restart.standby is false"
+        assert preflight.standby_note(unasked) is None
