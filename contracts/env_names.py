@@ -6,6 +6,8 @@ Read by the worker, set by the supervisor's launch plan: the one list of `ES_*` 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 
 from contracts.intervals import DURABLE, MEMORY
 
@@ -55,6 +57,12 @@ ENV_MEM_CKPT_INTERVAL = "ES_MEM_CKPT_INTERVAL"
 ENV_SAVE_INTERVAL = "ES_SAVE_INTERVAL"
 INTERVAL_ENV = {MEMORY: ENV_MEM_CKPT_INTERVAL, DURABLE: ENV_SAVE_INTERVAL}
 
+# The umask (octal digits, e.g. "077") a rank takes before it writes anything: the supervisor's
+# own ([job] share_with_group), which ranks on other hosts do not inherit, so that what they write
+# (metrics, stacks, checkpoints) is no more open to other users than the run dir.
+ENV_UMASK = "ES_UMASK"
+UMASK_DIGITS = re.compile(r"[0-7]{1,4}")
+
 # Tests only: the failure points to arm in the ranks and the pre-launch node check
 # (`contracts.inject`), e.g. "rank=1,raise_at_step=5".
 ENV_INJECT = "ES_INJECT"
@@ -66,3 +74,14 @@ NODE_NAME_VARS = ("PMI_HOSTNAME", "SLURMD_NODENAME")
 
 def node_name(env: dict[str, str] | os._Environ, hostname: str) -> str:
     return next((env[v] for v in NODE_NAME_VARS if env.get(v)), hostname)
+
+
+def umask_of(env: Mapping[str, str]) -> int | None:
+    """`ES_UMASK` as a number; None when it is unset or empty. ValueError for a value that is
+    not 1 to 4 octal digits."""
+    text = env.get(ENV_UMASK, "")
+    if not text:
+        return None
+    if not UMASK_DIGITS.fullmatch(text):
+        raise ValueError(f"{ENV_UMASK}={text!r} is not a umask (1 to 4 octal digits, e.g. 077)")
+    return int(text, 8)

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     stack_dump.install(os.environ, info.rank)
     say = print if info.rank == 0 else (lambda *a, **k: None)
     try:  # the same answer on every rank: each says it and ends
+        take_umask(os.environ)  # before anything is written
         args = parse_args(argv)
         hooks = test_hooks.from_env(os.environ, info.rank, args.async_ckpt)
         cfg, layout = plan(args, info)
@@ -130,6 +131,17 @@ def say_once(info: RankInfo, exc: UsageError) -> None:
         print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
     else:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
+def take_umask(env: Mapping[str, str]) -> None:
+    """The supervisor's umask (`ES_UMASK`): what this rank writes (metrics, stacks,
+    checkpoints) is no more open to other users than the run dir, on any host."""
+    try:
+        mask = env_names.umask_of(env)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if mask is not None:
+        os.umask(mask)
 
 
 def plan(args: TrainArgs, info: RankInfo) -> tuple[ModelConfig, Layout]:

@@ -20,8 +20,9 @@ from supervisor.commands import preflight
 from supervisor.commands.status import cmd_status
 from supervisor.commands.tail import TAIL_HIDDEN, cmd_tail
 from supervisor.host import ownership
-from supervisor.launch.resolve import resolve
+from supervisor.launch.resolve import Resolved, resolve
 from supervisor.log import console
+from supervisor.policy.access import Access, access_for
 from supervisor.run import job as job_mod
 from supervisor.settings import config as config_mod
 from supervisor.settings import loading
@@ -252,9 +253,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(resolved.dry_run_text(args.config), end="")
         return ExitCode.DONE
     console.guard()  # a closed terminal (SIGHUP, then EIO) must not end the job's graceful stop
+    access = access_for(cfg.job.share_with_group)
+    umask = os.umask(access.umask)  # all the job writes (its ranks here too): no one else's
+    try:
+        return _run(args, resolved, access)
+    finally:
+        os.umask(umask)
+
+
+def _run(args: argparse.Namespace, resolved: Resolved, access: Access) -> int:
+    """The job, from its directories to its report."""
+    cfg = resolved.cfg
     job = job_mod.Job(resolved, console=None if args.quiet else sys.stderr)
     held = ownership.claim(
-        resolved.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name
+        resolved.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name, access
     )
     try:
         code = int(asyncio.run(job.run()))

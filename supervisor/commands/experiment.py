@@ -29,6 +29,7 @@ from contracts.exit_codes import ExitCode
 from supervisor.commands import preflight
 from supervisor.host import ownership
 from supervisor.log import console
+from supervisor.policy.access import Access, access_for
 from supervisor.settings import checks, loading
 from supervisor.settings import config as config_mod
 
@@ -159,8 +160,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from supervisor.run import job as job_mod
-
     e = load(args.config, args.set, args.phases)
     phases, notes = resolve_phases(e)
     for note in notes:
@@ -171,7 +170,28 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             print(f"\n# === phase {phase}")
             print(resolved.dry_run_text(f"{args.config}, phase {phase}"), end="")
         return ExitCode.DONE
-    e.dir.mkdir(parents=True, exist_ok=True)
+    first = next(iter(phases.values()))  # the experiment's dir is as the first phase's run dir
+    access = access_for(first.cfg.job.share_with_group)
+    umask = os.umask(access.umask)  # all the phases write: no one else's
+    try:
+        return _run(args, e, phases, access)
+    finally:
+        os.umask(umask)
+
+
+def _run(
+    args: argparse.Namespace, e: Experiment, phases: dict[str, Resolved], access: Access
+) -> int:
+    """Each phase in turn, then the comparison."""
+    from supervisor.run import job as job_mod
+
+    try:
+        ownership.make_dir(e.dir, access)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise config_mod.ConfigError(
+            str(e.dir), "", f"cannot be made ({why}); choose another directory"
+        ) from None
     console.guard()  # a closed terminal (SIGHUP, then EIO) must not end a graceful stop
     print(f"experiment {e.name}: phases {', '.join(e.phases)} in {e.dir}", flush=True)
     codes: dict[str, int] = {}
@@ -180,7 +200,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         print(f"=== phase {phase}: {resolved.run_dir}", flush=True)
         job = job_mod.Job(resolved, console=None if args.quiet else sys.stderr)
         ckpt_dir = cfg.worker.flags.get("ckpt_dir")
-        held = ownership.claim(resolved.run_dir, ckpt_dir, job.job_id, cfg.job.name)
+        held = ownership.claim(resolved.run_dir, ckpt_dir, job.job_id, cfg.job.name, access)
         try:
             codes[phase] = int(asyncio.run(job.run()))
         finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from contracts import env_names, inject
-from supervisor.host import memdir
+from supervisor.host import memdir, ownership
 from supervisor.launch import hosts
 from supervisor.settings import worker_flags
 from supervisor.settings.config import ConfigError
@@ -30,6 +30,7 @@ def check(resolved: Resolved) -> list[str]:
     notes = list(resolved.notes)
     check_hosts(resolved)
     check_dirs(resolved)
+    check_group(resolved)
     check_bind(resolved)
     check_memory_root(resolved)
     check_inject(resolved)
@@ -93,6 +94,15 @@ def check_dirs(resolved: Resolved) -> None:
     data = flags.get("data_path")
     if isinstance(data, str) and not Path(launch.cwd or ".", data).is_file():
         raise ConfigError(cfg.source, "worker.data_path", f"{data}: no such file")
+
+
+def check_group(resolved: Resolved) -> None:
+    """[job] share_with_group names a group of this host that the user is in: the job's
+    directories are given to it when they are made."""
+    group = resolved.cfg.job.share_with_group
+    problem = ownership.group_problem(group) if group else None
+    if problem:
+        raise ConfigError(resolved.cfg.source, "job.share_with_group", problem)
 
 
 def dir_problem(path: Path) -> str | None:

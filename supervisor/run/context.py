@@ -19,6 +19,7 @@ from supervisor.launch import malloc_env
 from supervisor.launch.plan import LaunchPlan
 from supervisor.launch.processes import Exit, TeardownResult
 from supervisor.launch.resolve import Resolved
+from supervisor.policy.access import access_for
 from supervisor.run.fault_hooks import FaultHooks
 from supervisor.run.intervals import IntervalKeeper
 from supervisor.watch import relays
@@ -99,6 +100,7 @@ class JobContext:
             env_names.ENV_ATTEMPT_DIR: str(attempt_dir),
             env_names.ENV_HEARTBEAT_INTERVAL: repr(cfg.heartbeat.interval_s),
             env_names.ENV_EXIT_WITH_PARENT: "1",
+            env_names.ENV_UMASK: access_for(cfg.job.share_with_group).umask_text,
         }
         if self.control is not None:
             env[env_names.ENV_CONTROL_ADDR] = self.control.address

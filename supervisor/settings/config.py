@@ -27,6 +27,9 @@ class JobConfig:
     name: str = "job"
     # `{name}` and `{time}` (UTC, YYYYmmdd-HHMMSS) are expanded once, at start.
     run_dir: str = "runs/{name}-{time}"
+    # "": the run dir, checkpoint dir and all the job writes are its user's alone; a group name:
+    # that group may read them too (policy/access.py).
+    share_with_group: str = ""
 
 
 @dataclass
