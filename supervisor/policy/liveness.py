@@ -30,6 +30,14 @@ class RankState:
     # The rank's process is gone (seen by the local launcher or a pid check on this host).
     exited: bool = False
     exited_at: float = 0.0
+    # When it said its error (a rank's last word before it exits); 0: it has not.
+    said_error_at: float = 0.0
+
+
+# A rank that said its error and then nothing for this long has ended: on another host, where
+# no pid is watched and a launcher may keep the others alive for its own kill delay (srun:
+# Slurm's KillWait, 30 s by default, while a rank stuck in a collective ignores SIGTERM).
+ERROR_GONE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,8 @@ def judge_ranks(
     known: Mapping[int, RankState] | None = None,
     hello_s: float | None = None,
 ) -> Finding | None:
-    """A rank gone before `done` first, then liveness (no message for `timeout_s`), then
+    """A rank gone before `done` first (its process seen ended, or silent ERROR_GONE_S since it
+    said its error), then liveness (no message for `timeout_s`), then
     progress (the phase's timeout), then ranks that never said hello (the init timeout, or
     `hello_s` where the ranks were told to start rather than launched: prepared ranks).
 
@@ -70,7 +79,7 @@ def judge_ranks(
     on. `known`: every rank heard from, when `ranks` holds only those to judge (relayed ranks are
     judged node by node first: supervisor.watch.relays); by default `ranks`."""
     lim = limits if limits is not None else fixed_limits(heartbeat)
-    gone: list[RankState] = []
+    gone: list[tuple[RankState, float]] = []  # each with when it ended
     lost: list[RankState] = []
     stalled: list[tuple[RankState, float]] = []
     liveness_deadline = now - lim.timeout_s
@@ -84,7 +93,9 @@ def judge_ranks(
         if st.phase == "done":
             continue
         if st.exited:
-            gone.append(st)
+            gone.append((st, st.exited_at))
+        elif st.said_error_at and now - st.last_seen >= ERROR_GONE_S:
+            gone.append((st, st.last_seen + ERROR_GONE_S))
         elif st.last_seen < (train_liveness if st.phase == "train" else liveness_deadline):
             lost.append(st)
         else:
@@ -97,14 +108,16 @@ def judge_ranks(
     if len(heard) < world and now - launched_at > hello:
         missing = [r for r in range(world) if r not in heard]
     if gone:
-        first = min(gone, key=lambda s: s.exited_at)
+        first, ended = min(gone, key=lambda p: p[1])
+        said = ", silent since its error" if not first.exited else ""
         return Finding(
             kind="rank_exit",
-            ranks=tuple(s.rank for s in gone),
-            reason=f"rank {first.rank} ended in phase {first.phase!r} before the job was done",
+            ranks=tuple(s.rank for s, _ in gone),
+            reason=f"rank {first.rank} ended in phase {first.phase!r} before the job was "
+            f"done{said}",
             phase=first.phase,
             step=first.step,
-            deadline=first.exited_at,
+            deadline=ended,
         )
     if lost:
 

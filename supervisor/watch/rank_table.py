@@ -256,6 +256,7 @@ class AttemptTable:
                 events.append(guard_event(msg))
         elif kind == "error":
             self.errors[rank] = msg["message"]
+            st.said_error_at = now
             if msg.get("cause") == "diverged" and self.diverged is None:
                 self.diverged = msg["message"]
             events.append(EventToEmit("rank_error", {"rank": rank, "message": msg["message"]}))

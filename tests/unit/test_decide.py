@@ -90,6 +90,18 @@ def test_done_ranks_are_not_judged_and_gone_ranks_come_first():
     assert f.kind == "rank_exit" and f.ranks == (1,) and f.deadline == 99.5
 
 
+def test_a_rank_silent_since_its_error_has_ended():
+    """Its error is a rank's last word: on another host (no pid watched, srun keeping the rest
+    alive for Slurm's KillWait) a second of silence after it is its end, not a hang 10 s on."""
+    ranks = {0: rank(0, 99.9, 99), 1: rank(1, 98.5, 98, said_error_at=98.5)}
+    assert judge_ranks(ranks, 2, now=99.4, launched_at=0, heartbeat=HB) is None  # still ending
+    f = judge_ranks(ranks, 2, now=99.6, launched_at=0, heartbeat=HB)
+    assert f.kind == "rank_exit" and f.ranks == (1,) and f.deadline == pytest.approx(99.5)
+    assert "silent since its error" in f.reason
+    beating = {1: rank(1, 99.9, 98, said_error_at=98.5)}  # still alive, beating: not yet
+    assert judge_ranks(beating, 1, now=100, launched_at=0, heartbeat=HB) is None
+
+
 @pytest.mark.parametrize(
     "rc,done,stopping,stepped,kind",
     [
