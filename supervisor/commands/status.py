@@ -11,6 +11,10 @@ from contracts import ckpt_files, locks
 from contracts.exit_codes import ExitCode
 from supervisor.commands.tail import events_path
 from supervisor.log import events as events_mod
+from supervisor.reporting.lifetimes import lifetimes, ran, spans
+from supervisor.reporting.lifetimes_md import status_lines as lifetime_lines
+from supervisor.reporting.lifetimes_md import stop_line
+from supervisor.reporting.load import RunData
 from supervisor.reporting.stragglers_md import straggler_rows, stragglers_lines
 from supervisor.settings import config as config_mod
 
@@ -34,20 +38,26 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]:
-    """The status report (pure over the events and the resolved config, plus a ckpt scan)."""
-    starts = [e for e in events if e.get("event") == "start"]
+    """The status report (pure over the events and the resolved config, plus a ckpt scan).
+    Attempts, restarts and the state are the newest supervisor's (each counts its own budget);
+    the others' are a line each."""
+    lives = lifetimes(RunData(run_dir, events, [], resolved), _first_ts(events), {})
+    mine = events[spans(events)[-1].first :]
+    starts = [e for e in mine if e.get("event") == "start"]
     # An attempt starts cold (`launch`) or as a standby told to go (`standby_go`).
-    launches = [e for e in events if e.get("event") in ("launch", "standby_go")]
-    ends = [e for e in events if e.get("event") == "supervisor_exit"]
-    max_restarts = resolved.get("restart", {}).get("max_restarts")
+    launches = [e for e in mine if e.get("event") in ("launch", "standby_go")]
+    ends = [e for e in mine if e.get("event") == "supervisor_exit"]
+    max_restarts = starts[-1].get("max_restarts") if starts else None
+    if not isinstance(max_restarts, int):
+        max_restarts = resolved.get("restart", {}).get("max_restarts")
     max_restarts = max_restarts if isinstance(max_restarts, int) else None
-    restarts = sum(1 for e in events if e.get("event") == "relaunch")
+    restarts = sum(1 for e in mine if e.get("event") == "relaunch")
     last_start = starts[-1] if starts else {}
     name = resolved.get("job", {}).get("name", "?")
     holder = locks.lock_holder(run_dir)  # the supervisor that owns the run dir now
     if holder is not None:
         state = f"running (supervisor pid {holder.get('pid')} on {holder.get('host')})"
-    elif ends and (not starts or ends[-1].get("ts", 0) >= last_start.get("ts", 0)):
+    elif ends:
         end = ends[-1]
         state = f"finished: {end.get('code_name')} (exit {end.get('code')}): {end.get('reason')}"
     elif last_start and _alive(last_start.get("pid")):
@@ -59,6 +69,7 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     else:
         state = "not started"
     out = [f"run:      {run_dir}", f"job:      {name}", f"state:    {state}"]
+    out += lifetime_lines(lives)
     reopened = sum(1 for e in events if e.get("event") == "events_reopened")
     if reopened:
         out.append(f"events:   events.jsonl was recreated {reopened} time(s): earlier events lost")
@@ -67,29 +78,68 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     out += nodes_lines(events)
     out += stragglers_lines(straggler_rows(events))
     ckpt_step, ckpt = _newest_checkpoint(resolved, events)
-    step = step_line(steps_seen(events, run_dir), ckpt_step)
+    seen = steps_seen(events, run_dir)
+    trained = ran(events)
+    if trained:  # a standby never told to go, or prepared ranks, reached nothing
+        seen = {a: step for a, step in seen.items() if a in trained}
+    step = step_line(seen, ckpt_step)
     if step:
         out.append(f"step:     {step}")
     out.append(f"checkpoint: {ckpt}")
-    out += limits_lines(events, resolved)
-    # A graceful stop (the user's SIGINT/SIGTERM) is no failure.
-    failures = [
-        e
-        for e in events
-        if e.get("event") == "attempt_end" and e.get("outcome") not in ("success", "stopped")
-    ]
-    if failures:
-        f = failures[-1]
-        source = f" ({f['resume_source']})" if isinstance(f.get("resume_source"), str) else ""
-        out.append(
-            f"last failure: attempt {f.get('attempt')}: {f.get('detail')} "
-            f"(detected by {f.get('detected_by')}; resumed from {f.get('resume_step')}{source}, "
-            f"reached {f.get('max_step')})"
-        )
-        out += stacks_lines(events, f.get("attempt"))
-    else:
-        out.append("last failure: none")
+    out += limits_lines(mine, resolved)
+    out += failure_lines(events, len(lives) > 1)
+    stops = [life.stop for life in lives if life.stop is not None]
+    if stops:
+        out.append(f"stopped:  {stop_line(stops[-1], len(lives) > 1)}")
     return out
+
+
+def failure_lines(events: list[dict], lifetimes_shown: bool) -> list[str]:
+    """`last failure: attempt 0: fault nl: node_loss n1 (exit 1; detected by exit; reached 50;
+    attempt 1 resumed from 40 (partner))` and its stacks. A graceful stop is no failure."""
+    failures = [e for e in events if e.get("event") == "attempt_end"
+                and e.get("outcome") not in ("success", "stopped")]  # fmt: skip
+    if not failures:
+        return ["last failure: none"]
+    f = failures[-1]
+    a = f.get("attempt")
+    fault = next((e for e in reversed(events) if e.get("event") == "fault"
+                  and e.get("attempt") == a and e.get("action") != "slow"
+                  and e.get("ts", 0) <= f.get("ts", 0)), None)  # fmt: skip
+    what = str(f.get("detail"))
+    if fault is not None:
+        what = f"fault {fault.get('name')}: {fault.get('action')} {fault.get('target')} ({what})"
+    source = f" ({f['resume_source']})" if isinstance(f.get("resume_source"), str) else ""
+    facts = [f"detected by {f.get('detected_by')}",
+             f"it ran from step {f.get('resume_step')}{source} to {f.get('max_step')}"]  # fmt: skip
+    later = events[events.index(f) + 1 :]
+    relaunch = next((e for e in later if e.get("event") == "relaunch"
+                     and e.get("after", a) == a), None)  # fmt: skip
+    nxt = relaunch.get("attempt") if relaunch else None
+    resumed = next((e for e in events if e.get("event") == "resumed"
+                    and e.get("attempt") == nxt), None)  # fmt: skip
+    if resumed is not None:
+        source = f" ({resumed['source']})" if isinstance(resumed.get("source"), str) else ""
+        facts.append(f"attempt {nxt} resumed from {resumed.get('step')}{source}")
+    elif relaunch is not None:
+        facts.append(f"attempt {nxt} relaunched")
+    else:
+        facts.append("not relaunched")
+    if lifetimes_shown:
+        where = lifetime_of(events, f)
+        facts.append(f"supervisor {where}")
+    return [f"last failure: attempt {a}: {what} ({'; '.join(facts)})", *stacks_lines(events, a)]
+
+
+def lifetime_of(events: list[dict], event: dict) -> int:
+    """The number of the supervisor lifetime an event of `events` belongs to."""
+    at = next(i for i, e in enumerate(events) if e is event)
+    return next(s.number for s in spans(events) if s.first <= at < s.stop)
+
+
+def _first_ts(events: list[dict]) -> float:
+    stamps = [e["ts"] for e in events if isinstance(e.get("ts"), (int, float))]
+    return min(stamps, default=0.0)
 
 
 def nodes_lines(events: list[dict]) -> list[str]:
@@ -97,6 +147,7 @@ def nodes_lines(events: list[dict]) -> list[str]:
     events after it; nothing for a job that never had more than one node, a spare or one out."""
     # Not for `run`: it reads no report until the end.
     from supervisor.reporting.analysis import pool_now
+    from supervisor.reporting.summary import pool_text
 
     pool = pool_now(events)
     if pool is None:
@@ -104,11 +155,7 @@ def nodes_lines(events: list[dict]) -> list[str]:
     active, spares, excluded = pool
     if len(active) <= 1 and not spares and not excluded:
         return []
-    out = [f"{n} ({c} failure{'' if c == 1 else 's'})" if c else n for n, c in excluded.items()]
-    return [
-        f"nodes:    active {', '.join(active) or 'none'}; spares {', '.join(spares) or 'none'}; "
-        f"excluded {', '.join(out) or 'none'}"
-    ]
+    return [f"nodes:    {pool_text(pool)}"]
 
 
 def limits_lines(events: list[dict], resolved: dict) -> list[str]:

@@ -26,11 +26,14 @@ class TailView:
     t0: float | None = None
     hidden: int = 0
     kinds: set[str] = field(default_factory=set)  # every kind seen (for a name that matched none)
+    lifetimes: int = 0  # the supervisors seen so far (a `start` each)
 
     def take(self, event: dict) -> bool:
         """Note the event (the start it counts from, its kind); whether it is shown."""
         kind = str(event.get("event"))
         self.kinds.add(kind)
+        if kind == "start":
+            self.lifetimes += 1
         if kind == "start" and isinstance(event.get("ts"), (int, float)):
             self.t0 = event["ts"]
         if self.names:
@@ -102,11 +105,24 @@ def _tail_line(line: bytes, view: TailView, read: events_mod.EventsRead, raw: bo
         if why:
             read.skip(why)
         return ""
-    if not view.take(event):
-        return ""
+    shown = view.take(event)
+    head = lifetime_head(event, view.lifetimes) if not raw else ""
+    if not shown:
+        return head
     if raw:
         return line.decode().strip()
-    return "\n".join(map(_capped, events_mod.render(event, t0=view.t0).split("\n")))
+    text = "\n".join(map(_capped, events_mod.render(event, t0=view.t0).split("\n")))
+    return f"{head}\n{text}" if head else text
+
+
+def lifetime_head(event: dict, number: int) -> str:
+    """The line that parts one supervisor's events from the one before in the same run dir
+    (a job continued, or run again after its supervisor was killed); its times count from its
+    own start."""
+    if event.get("event") != "start" or number < 2:
+        return ""
+    how = "continues" if event.get("continues") else "started again"
+    return f"── supervisor {number} of this run dir: job {event.get('job', '?')} ({how}) ──"
 
 
 TAIL_LINE_MAX = 4000  # characters of one printed line; a hand-edited 50 MB value is not shown

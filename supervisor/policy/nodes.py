@@ -34,8 +34,10 @@ class NodePool:
         return self.active[rank // ranks_per_node]
 
     def as_dict(self) -> dict[str, list[str]]:
+        """The pool as events say it: a node out is never listed active too (a job that stops
+        for want of nodes keeps them in `active`, as it launches no more)."""
         return {
-            "active": list(self.active),
+            "active": [n for n in self.active if n not in self.excluded],
             "spares": list(self.spares),
             "excluded": list(self.excluded),
         }

@@ -17,6 +17,7 @@ from typing import Any
 
 from supervisor.reporting.guard_md import guard_rows
 from supervisor.reporting.intervals_md import interval_rows
+from supervisor.reporting.lifetimes import attempt_lifetimes, lifetimes, restrict, spans
 from supervisor.reporting.load import RunData, StepRecord
 from supervisor.reporting.model import Analysis, Failure, NodeEvent, Totals
 from supervisor.reporting.saving import checkpoints_of, memory_tier, young_daly
@@ -39,9 +40,19 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
     t0 = _ts(start) if start else _earliest(data)
     now = _latest(data)
     end_ev = _last(ev, "supervisor_exit")
-    wall = (_ts(end_ev) if end_ev else now) - t0
-
     records = sorted(data.records, key=lambda r: (r.t, r.attempt))
+    productive, best, new_s = 0.0, data.prior_step, {}  # new steps' seconds, by attempt
+    for r in records:
+        if best is None or r.step > best:
+            productive += r.dt
+            new_s[r.attempt] = new_s.get(r.attempt, 0.0) + r.dt
+            best = r.step
+    lives = lifetimes(data, t0, new_s)
+    if len(lives) > 1:  # the supervisors' own times, not the gaps between them
+        wall = sum(life.wall_s for life in lives)
+        end_ev = _last(ev[spans(ev)[-1].first :], "supervisor_exit")
+    else:
+        wall = (_ts(end_ev) if end_ev else now) - t0
     failures = _failures(ev, records, t0)
     node_events = node_history(ev, t0)
     for f in failures:
@@ -51,11 +62,6 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
     save_interval = worker.get("save_interval")
     save_interval = save_interval if isinstance(save_interval, int) else None
 
-    productive, best = 0.0, None
-    for r in records:
-        if best is None or r.step > best:
-            productive += r.dt
-            best = r.step
     first_launch = _first(ev, "launch")
     first_step = _first(ev, "first_step")
     startup = (
@@ -67,19 +73,24 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         finished=end_ev is not None,
         end=str(end_ev.get("code_name")) if end_ev else "in progress",
         reason=str(end_ev["reason"]) if end_ev and end_ev.get("reason") else None,
-        final_step=(done or {}).get("step", best),
+        final_step=_final_step(done, best),
         productive_s=productive,
         goodput=productive / wall if wall > 0 else 0.0,
         startup_s=startup,
         restarts=sum(1 for e in ev if e.get("event") == "relaunch"),
         failures=len(failures),
         faults=sum(1 for e in ev if e.get("event") == "fault"),
-        lost_steps=sum(f.lost_steps or 0 for f in failures),
+        # and what a supervisor reached beyond where the next took the job up (it was killed)
+        lost_steps=sum(f.lost_steps or 0 for f in failures) + sum(x.lost or 0 for x in lives),
         downtime_s=_union(
             [(f.at_s, f.at_s + f.downtime_s) for f in failures if f.downtime_s is not None]
         ),
         recompute_s=sum(f.recompute_s or 0.0 for f in failures),
     )
+    newest = None
+    if len(lives) > 1:  # the newest supervisor's own part: what its summary says
+        prior = max((x.final_step for x in lives[:-1] if x.final_step is not None), default=None)
+        newest = analyze(restrict(data, spans(ev)[-1], prior))
     base = analyze(baseline) if baseline is not None else None
     if base is not None:
         totals.baseline_wall_s = base.totals.wall_s
@@ -87,7 +98,8 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         if failures:
             totals.overhead_per_failure_s = totals.overhead_s / len(failures)
     step_s = statistics.median(r.dt for r in records) if records else None
-    mode = "none" if not ckpts.saves else ("async" if ckpts.saves[0].is_async else "sync")
+    timed = [x for x in ckpts.saves if x.timed] or ckpts.saves
+    mode = "none" if not timed else ("async" if timed[0].is_async else "sync")
     return Analysis(
         run_dir=data.run_dir,
         name=str(data.config.get("job", {}).get("name", data.run_dir.name))
@@ -108,7 +120,19 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         guard=guard_rows(ev, t0),
         stragglers=straggler_rows(ev),
         intervals=interval_rows(ev, t0),
+        lifetimes=lives,
+        newest=newest,
+        pool=pool_now(ev),
     )
+
+
+def _final_step(done: dict | None, best: int | None) -> int | None:
+    """The step the job is at: `done`'s, else the newest record's (a job finished already,
+    started again, says done with no step of its own)."""
+    step = (done or {}).get("step")
+    if isinstance(step, int) and (best is None or step >= best):
+        return step
+    return best
 
 
 def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Failure]:
@@ -116,12 +140,14 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
     for r in records:
         by_attempt.setdefault(r.attempt, []).append(r)
     out = []
+    life = attempt_lifetimes(ev, spans(ev))
     for end in (e for e in ev if e.get("event") == "attempt_end"):
         if end.get("outcome") not in FAILED:
             continue
         a = end.get("attempt")
         if not isinstance(a, int):
             continue
+        here = life.get(a, 1)
         mine = [e for e in ev if e.get("attempt") == a]
         teardown = _first(mine, "teardown")
         exit_ev = _first(mine, "exit")
@@ -157,13 +183,15 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
         nxt = (
             relaunch["attempt"] if relaunch and isinstance(relaunch.get("attempt"), int) else a + 1
         )
-        last = max(by_attempt, default=a)
+        last = max((x for x in by_attempt if life.get(x) == here), default=a)
         while (
             nxt < last
             and not by_attempt.get(nxt)
             and not _first([e for e in ev if e.get("attempt") == nxt], "first_step")
         ):
             nxt += 1
+        if life.get(nxt, here) != here:  # not relaunched: the next supervisor's is no resume
+            nxt = -1
         resumed = _first([e for e in ev if e.get("attempt") == nxt], "resumed")
         nxt_end = _first([e for e in ev if e.get("attempt") == nxt], "attempt_end")
         nxt_first = _first([e for e in ev if e.get("attempt") == nxt], "first_step")
@@ -213,6 +241,7 @@ def _failures(ev: list[dict], records: list[StepRecord], t0: float) -> list[Fail
                 resumed_source=source if isinstance(source, str) else None,
                 **_stacks_of(finding),
                 node=_laid_on(end),
+                lifetime=here,
             )
         )
     return out
@@ -228,7 +257,14 @@ def _laid_on(end: dict) -> str | None:
 
 def node_history(ev: list[dict], t0: float) -> list[NodeEvent]:
     """The job's node events in order: each `start` (active, spares), then what was done."""
-    return [n for n in (_node_event(e, t0) for e in ev) if n is not None]
+    out = []
+    for span in spans(ev):
+        for e in ev[span.first : span.stop]:
+            n = _node_event(e, t0)
+            if n is not None:
+                n.lifetime = span.number
+                out.append(n)
+    return out
 
 
 def _node_event(e: dict, t0: float) -> NodeEvent | None:
@@ -255,9 +291,10 @@ def _node_event(e: dict, t0: float) -> NodeEvent | None:
         )  # fmt: skip
     if name == "give_up" and e.get("code_name") == "NODES":
         pool = e.get("nodes") if isinstance(e.get("nodes"), dict) else {}
+        out = _names(pool.get("excluded"))  # an excluded node is never active too
         return NodeEvent("stop", at, attempt, reason=str(e.get("reason") or ""),
-                         nodes=_names(pool.get("active")), spares=_names(pool.get("spares")),
-                         excluded=_names(pool.get("excluded")))  # fmt: skip
+                         nodes=[n for n in _names(pool.get("active")) if n not in out],
+                         spares=_names(pool.get("spares")), excluded=out)  # fmt: skip
     return None
 
 

@@ -40,6 +40,8 @@ class RunData:
     skipped_lines: int = 0
     notes: list[str] = field(default_factory=list)  # what the run dir lacks
     skipped_events: int = 0  # lines of events.jsonl that are no event (or fields mistyped)
+    # One lifetime read alone (`lifetimes.restrict`): the newest step the ones before reached.
+    prior_step: int | None = None
 
 
 def load_run(run_dir: str | Path) -> RunData:

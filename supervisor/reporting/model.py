@@ -10,6 +10,7 @@ from typing import Any
 
 from supervisor.reporting.guard_md import GuardRow
 from supervisor.reporting.intervals_md import IntervalRow
+from supervisor.reporting.lifetimes import Lifetime, Stop
 from supervisor.reporting.stragglers_md import StragglerRow
 
 
@@ -36,6 +37,7 @@ class Failure:
     stacks: list[str] = field(default_factory=list)
     node: str | None = None  # the node the failure was laid on (attempt_end), None: none
     then: list[NodeEvent] = field(default_factory=list)  # what it did to the nodes
+    lifetime: int = 1  # the supervisor lifetime of the run dir it happened in (lifetimes.py)
 
     @property
     def total_s(self) -> float | None:
@@ -65,6 +67,7 @@ class NodeEvent:
     flags: dict[str, Any] = field(default_factory=dict)  # shrink: worker flags overridden
     changes: list[str] = field(default_factory=list)  # shrink: what changed, for people
     batch_kept: bool | None = None  # shrink: the global batch stayed the same
+    lifetime: int = 1  # the supervisor lifetime of the run dir that made it
 
     @property
     def short(self) -> str:
@@ -102,6 +105,11 @@ class SaveStall:
     @property
     def is_async(self) -> bool:
         return self.save_s is None and self.stage_s is not None
+
+    @property
+    def timed(self) -> bool:
+        """Whether a later step's record timed it (not the last step's save, nor a stop's)."""
+        return self.save_s is not None or self.stage_s is not None
 
 
 @dataclass
@@ -198,6 +206,20 @@ class Analysis:
     guard: list[GuardRow] = field(default_factory=list)  # the numerical guard's events
     stragglers: list[StragglerRow] = field(default_factory=list)  # `straggler` events
     intervals: list[IntervalRow] = field(default_factory=list)  # "auto" interval decisions
+    lifetimes: list[Lifetime] = field(default_factory=list)  # the supervisors that ran it
+    newest: Analysis | None = None  # with several lifetimes: the newest one's own analysis
+    # The nodes at the end (active, spares, excluded -> failures laid on it); None: not recorded
+    pool: tuple[list[str], list[str], dict[str, int | None]] | None = None
+
+    @property
+    def stops(self) -> list[Stop]:
+        """The graceful stops the user asked for, a lifetime's end each."""
+        return [life.stop for life in self.lifetimes if life.stop is not None]
+
+    @property
+    def several(self) -> bool:
+        """Whether more than one supervisor ran the job (continued, or run again)."""
+        return len(self.lifetimes) > 1
 
     @property
     def shows_nodes(self) -> bool:

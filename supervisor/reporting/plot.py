@@ -14,6 +14,7 @@ RUN_COLOR = "tab:blue"
 BASE_COLOR = "0.55"
 FAIL_COLOR = "tab:red"
 NODE_COLOR = "tab:purple"
+STOP_COLOR = "tab:green"
 
 
 def _segments(curve: list[tuple[float, int, int]]) -> list[tuple[list[float], list[int]]]:
@@ -76,6 +77,7 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
             bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": FAIL_COLOR, "alpha": 0.85},
         )
     _mark_node_events(ax, a)
+    _mark_lifetimes(ax, a)
     ax.set_xlabel("wall-clock (minutes since start)")
     ax.set_ylabel("training step")
     t = a.totals
@@ -91,7 +93,7 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=9)
 
-    saves = a.checkpoints.saves
+    saves = [s for s in a.checkpoints.saves if s.timed]  # the last step's has no stall said
     if saves:
         steps = [s.step for s in saves]
         width = max(
@@ -177,6 +179,25 @@ def _mark_node_events(ax, a: Analysis) -> None:
         )
 
 
+def lifetime_marks(a: Analysis) -> list[tuple[float, str]]:
+    """(minutes, label) for each graceful stop and each supervisor's start after the first:
+    what the gap in the steps between them is."""
+    marks = [(s.at_s / 60, f"stopped ({s.signal or 'signal'})") for s in a.stops]
+    for life in a.lifetimes[1:]:
+        how = "continued" if life.continued else "started again"
+        marks.append((life.at_s / 60, f"supervisor {life.number} ({how})"))
+    return sorted(marks)
+
+
+def _mark_lifetimes(ax, a: Analysis) -> None:
+    """A dashed line and a label low on the axes (a node's label is at the top)."""
+    for i, (x, text) in enumerate(lifetime_marks(a)):
+        ax.axvline(x, color=STOP_COLOR, ls="--", lw=1.2,
+                   label="stop / supervisor start" if i == 0 else None)  # fmt: skip
+        ax.text(x, 0.02, text, transform=ax.get_xaxis_transform(), ha="right", va="bottom",
+                rotation=90, fontsize=8.5, color=STOP_COLOR)  # fmt: skip
+
+
 def steps_lost(n: int | None) -> str:
     """`0 steps lost`, `1 step lost`, `12 steps lost` (`steps lost: ?` when unknown)."""
     if n is None:
@@ -238,7 +259,7 @@ def plot_comparison(phases: dict[str, Analysis], out: Path, name: str = "") -> P
         a = phases.get(p)
         if a is None or not a.checkpoints.saves:
             continue
-        saves = a.checkpoints.saves
+        saves = [s for s in a.checkpoints.saves if s.timed]
         steps = [s.step for s in saves]
         gap = min((b - c for b, c in zip(steps[1:], steps, strict=False) if b > c), default=1)
         w = max(0.4, 0.38 * gap)

@@ -6,8 +6,10 @@ from pathlib import Path
 
 from supervisor.reporting.guard_md import guard_md
 from supervisor.reporting.intervals_md import intervals_md
+from supervisor.reporting.lifetimes_md import lifetimes_md, stop_line
 from supervisor.reporting.model import Analysis, Failure, NodeEvent, Totals
 from supervisor.reporting.stragglers_md import stragglers_md
+from supervisor.reporting.summary import pool_text
 
 
 def _s(v: float | None, digits: int = 2) -> str:
@@ -28,6 +30,12 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+LIFETIMES_NOTE = (
+    "More than one supervisor ran this job in this run dir (run again to continue it, or after "
+    "its supervisor was killed). Each counts its own restarts against "
+    "`max_restarts`; the totals below are the whole run, its wall-clock the supervisors' own "
+    "times (not the gaps between them)."
+)
 FAILURE_HEADER = [
     "#", "attempt", "at (min)", "cause", "detected by", "detection (s)", "step at failure",
     "resumed from", "relaunch", "lost steps", "restart (s)", "downtime (s)", "recompute (s)",
@@ -52,18 +60,23 @@ def resumed_from(f: Failure) -> str:
 
 
 def failures_md(a: Analysis) -> list[str]:
+    stops = [f"Stopped: {stop_line(s, a.several)}." for s in a.stops]
     if not a.failures:
-        return ["No failures."]
+        return ["No failures.", *stops]
     rows = [failure_row(i + 1, f) for i, f in enumerate(a.failures)]
-    if not a.shows_nodes:
-        return table(FAILURE_HEADER, rows)
-    at = FAILURE_HEADER.index("cause") + 1
-    header = [*FAILURE_HEADER[:at], "node", *FAILURE_HEADER[at:], "then"]
-    rows = [
-        [*r[:at], f.node or "–", *r[at:], then_note(f)]
-        for r, f in zip(rows, a.failures, strict=True)
-    ]
-    return table(header, rows)
+    header = list(FAILURE_HEADER)
+    if a.shows_nodes:
+        at = FAILURE_HEADER.index("cause") + 1
+        header = [*FAILURE_HEADER[:at], "node", *FAILURE_HEADER[at:], "then"]
+        rows = [
+            [*r[:at], f.node or "–", *r[at:], then_note(f)]
+            for r, f in zip(rows, a.failures, strict=True)
+        ]
+    if a.several:  # which supervisor's failure each is
+        header.insert(1, "supervisor")
+        for r, f in zip(rows, a.failures, strict=True):
+            r.insert(1, str(f.lifetime))
+    return table(header, rows) + ([""] + stops if stops else [])
 
 
 def then_note(f: Failure) -> str:
@@ -78,14 +91,18 @@ def nodes_md(a: Analysis) -> list[str]:
         return []
     out = []
     for n in a.node_events:
-        out += [f"- {node_line(n)}", *(f"  - {c}" for c in n.changes)]
+        out += [f"- {node_line(n, a.several)}", *(f"  - {c}" for c in n.changes)]
+    if a.pool is not None:  # the one set of nodes status and the summary show too
+        out.append(f"- at the end: {pool_text(a.pool)}")
     return out
 
 
-def node_line(n: NodeEvent) -> str:
-    """One node event for people, led by when and after which attempt it happened."""
+def node_line(n: NodeEvent, lifetimes: bool = False) -> str:
+    """One node event for people, led by when and after which attempt it happened (and, in a
+    run dir of several supervisors, which one's start it was)."""
     after = "before the first launch" if n.attempt is None else f"after attempt {n.attempt}"
-    when = "start" if n.kind == "start" else f"{_min(n.at_s)} min, {after}"
+    start = f"start of supervisor {n.lifetime}" if lifetimes else "start"
+    when = start if n.kind == "start" else f"{_min(n.at_s)} min, {after}"
     return f"{when}: {_node_what(n)}"
 
 
@@ -155,7 +172,7 @@ def totals_md(a: Analysis) -> list[str]:
         ["productive (min)", _min(t.productive_s)],
         ["goodput (productive ÷ wall-clock)", f"{t.goodput:.1%}"],
         ["first launch → first step (s)", _s(t.startup_s)],
-        ["restarts", str(t.restarts)],
+        ["restarts", _restarts(a)],
         ["failures (of them injected faults)", f"{t.failures} ({t.faults})"],
         ["lost steps", str(t.lost_steps)],
         ["downtime (s)", _s(t.downtime_s)],
@@ -173,6 +190,14 @@ def totals_md(a: Analysis) -> list[str]:
     if a.skipped_lines:
         rows.append(["metrics lines skipped (malformed)", str(a.skipped_lines)])
     return table(["total", "value"], rows)
+
+
+def _restarts(a: Analysis) -> str:
+    """`3`, or with several supervisors `3 (1 + 2: each its own budget)`."""
+    if not a.several:
+        return str(a.totals.restarts)
+    parts = " + ".join(str(life.restarts) for life in a.lifetimes)
+    return f"{a.totals.restarts} ({parts}: each supervisor its own budget)"
 
 
 def _state(t: Totals) -> str:
@@ -194,7 +219,12 @@ def checkpoints_md(a: Analysis) -> list[str]:
         ["async drain (s)", _s(c.drain_median_s, 3), _s(c.drain_max_s, 3)],
         ["save → marker (s)", _s(c.marker_median_s, 3), _s(c.marker_max_s, 3)],
     ]  # fmt: skip
-    return table(["checkpoints", "median", "max"], rows)
+    return table(["checkpoints", "median", "max"], rows) + [
+        "",
+        "saves: every durable save, timed by the metrics of the step after it, or seen marked "
+        "complete (the last step's and a graceful stop's have no step after them: counted, not "
+        "timed); marked: those whose `.complete` marker rank 0 reported.",
+    ]
 
 
 def memory_md(a: Analysis) -> list[str]:
@@ -260,6 +290,9 @@ def interval_md(a: Analysis) -> list[str]:
 def render(a: Analysis) -> str:
     lines = [f"# Run report: {a.name}", "", f"`{a.run_dir}` · checkpoints: {a.mode}", ""]
     lines += [f"**Note:** {note}" for note in a.notes] + ([""] if a.notes else [])
+    lives = lifetimes_md(a.lifetimes)
+    if lives:
+        lines += ["## Supervisor lifetimes", "", LIFETIMES_NOTE, "", *lives, ""]
     lines += ["## Per failure", "", *failures_md(a), ""]
     lines += [
         "detection: failure (the fault's time, else the launcher's exit or the last step) → "

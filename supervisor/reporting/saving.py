@@ -30,6 +30,14 @@ def checkpoints_of(ev: list[dict], records: list[StepRecord]) -> Checkpoints:
                 pending[0].drain_s = x["train/ckpt_drain_seconds"]
                 if "train/ckpt_marker_seconds" in x:
                     pending[0].marker_s = x["train/ckpt_marker_seconds"]
+    marked = {(e.get("attempt"), e.get("step")) for e in ev if e.get("event") == "ckpt_complete"}
+    # A save no later step timed (the last step's, a graceful stop's) is still a save: counted,
+    # its stall unknown.
+    for attempt, step in marked - set(saves):
+        if isinstance(attempt, int) and isinstance(step, int):
+            saves[(attempt, step)] = SaveStall(step=step, attempt=attempt)
+            order.append(saves[(attempt, step)])
+    order.sort(key=lambda s: (s.attempt, s.step))
     # save -> marker from the supervisor's own events: rank 0 entered `save`, then `.complete`
     began: dict[tuple[int, int], dict] = {}
     for e in ev:
@@ -43,14 +51,13 @@ def checkpoints_of(ev: list[dict], records: list[StepRecord]) -> Checkpoints:
     for s in order:  # a sync save's marker is its last act
         if s.marker_s is None and s.save_s is not None:
             s.marker_s = s.save_s
-    marked = {(e.get("attempt"), e.get("step")) for e in ev if e.get("event") == "ckpt_complete"}
 
     def stat(values: list[float | None], fn) -> float | None:
         vs = [v for v in values if v is not None]
         return fn(vs) if vs else None
 
     med, mx = statistics.median, max
-    stalls = [s.stall_s for s in order]
+    stalls = [s.stall_s for s in order if s.timed]
     return Checkpoints(
         count=len(marked) if marked else len(order),
         saves=order,

@@ -133,6 +133,7 @@ def test_report_md_has_a_node_column_a_then_note_and_a_nodes_section(tmp_path: P
         "- start: 3 active (n0, n1, n2); spare n3",
         f"- 1.18 min, after attempt 1: excluded **n1**: {REASON}",
         "- 1.18 min, after attempt 1: spare **n3** took n1's place",
+        "- at the end: active n0, n3, n2; spares none; excluded n1 (2 failures)",
     ]
 
 
@@ -145,7 +146,8 @@ def test_report_md_says_what_a_shrink_changed(tmp_path: Path) -> None:
         "- 1.18 min, after attempt 1: **shrink** to 2 node(s) (n0, n2); world 3 → 2 ranks; "
         "mesh dp_shard=3 → dp_shard=2; flags batch_size = 3; global batch kept"
     )
-    assert section[3:] == [f"  - {c}" for c in SHRINK["changes"]]
+    assert section[3:-1] == [f"  - {c}" for c in SHRINK["changes"]]
+    assert section[-1] == "- at the end: active n0, n2; spares none; excluded n1 (2 failures)"
 
 
 def test_a_custom_worker_s_shrink_names_only_the_world(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ def test_status_says_where_the_failed_attempt_resumed_from(tmp_path, capsys):
     text = text.replace('"resume_step": 0,', '"resume_step": 0, "resume_source": "durable",')
     (run / "events.jsonl").write_text(text)
     assert cli.main(["status", str(run)]) == 0
-    assert "resumed from 0 (durable), reached 23" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "it ran from step 0 (durable) to 23; attempt 1 relaunched" in out
     cli.main(["status", str(make_run(tmp_path / "plain", finished=True))])
-    assert "resumed from 0, reached 23" in capsys.readouterr().out
+    assert "it ran from step 0 to 23" in capsys.readouterr().out
