@@ -175,7 +175,10 @@ class Srun(LauncherKind):
         if master_port:
             master = "127.0.0.1" if hosts.is_this_host(nodes[0]) else nodes[0]
             env = {**env, "MASTER_ADDR": master, "MASTER_PORT": str(master_port)}
-        return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, self.stop_signal)
+        # srun would wait out Slurm's KillWait for a rank stuck in a collective: killed at
+        # once, Slurm ends the step's tasks itself when it sees srun gone
+        return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, self.stop_signal,
+                          launcher_exit_s=0.0)  # fmt: skip
 
 
 class Mpiexec(LauncherKind):

@@ -32,6 +32,9 @@ class LaunchPlan:
     world: int
     nodes: list[str]
     stop_signal: signal.Signals = signal.SIGTERM
+    # At a teardown, after its ranks here are killed, how long the launcher gets to end by
+    # itself (Hydra then ends its proxies and ranks on the other hosts) before it is killed.
+    launcher_exit_s: float = 3.0
 
     def text(self) -> str:
         """The command for command.txt and --dry-run (the HMAC key is never written)."""

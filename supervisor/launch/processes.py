@@ -33,8 +33,6 @@ from supervisor.launch.plan import LaunchPlan
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-# After its ranks are killed, how long a launcher gets to end by itself before it is killed too.
-LAUNCHER_EXIT_S = 3.0
 
 
 class ProcessLauncher:
@@ -312,7 +310,9 @@ class Launched:
             _signal(proc, signal.SIGKILL)
         if spared:
             wait = [by_pid[pid] for pid in spared]
-            _, left = await asyncio.to_thread(psutil.wait_procs, wait, timeout=LAUNCHER_EXIT_S)
+            _, left = await asyncio.to_thread(
+                psutil.wait_procs, wait, timeout=self.plan.launcher_exit_s
+            )
             for proc in left:
                 _signal(proc, signal.SIGKILL)
 
@@ -360,11 +360,12 @@ def kill_order(
     parents: Mapping[int, int], launchers: Collection[int]
 ) -> tuple[list[int], list[int]]:
     """Pure: of the processes that outlived the teardown's grace (pid -> parent pid), those to
-    SIGKILL at once (the ranks, and anything else) and those spared for LAUNCHER_EXIT_S to end
-    by themselves once the ranks are gone: a launcher (`launchers`) and its own children
-    (Hydra's proxies, ssh). Hydra's proxy SIGKILLed leaves `/tmp/hydra_hwloc_xmlfile_*` on
-    its node (one per killed attempt, issue 17); once its ranks are dead it exits and removes
-    it. A SIGSTOPped or stalled rank keeps them all alive past the grace."""
+    SIGKILL at once (the ranks, and anything else) and those spared for the plan's
+    `launcher_exit_s` to end by themselves once the ranks are gone: a launcher (`launchers`)
+    and its own children (Hydra's proxies, ssh). Hydra's proxy SIGKILLed leaves
+    `/tmp/hydra_hwloc_xmlfile_*` on its node (one per killed attempt, issue 17); once its ranks
+    are dead it exits and removes it. A SIGSTOPped or stalled rank keeps them all alive past
+    the grace."""
     spared = sorted(p for p, ppid in parents.items() if p in launchers or ppid in launchers)
     return sorted(p for p in parents if p not in spared), spared
 
