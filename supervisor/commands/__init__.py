@@ -1,2 +1,3 @@
 """The command line: `run`, `validate`, `status`, `tail`, `report`, `experiment`, their
-pre-flight checks and their output. The top layer: may import everything in `supervisor`."""
+pre-flight checks, continuing a job, and their output. The top layer: may import everything in
+`supervisor`."""

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from contracts.exit_codes import ExitCode
-from supervisor.commands import preflight
+from supervisor.commands import continuing, preflight
 from supervisor.commands.status import cmd_status
 from supervisor.commands.tail import TAIL_HIDDEN, cmd_tail
 from supervisor.host import ownership
@@ -105,10 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a job until done",
         epilog=exit_codes_text("run"),
         formatter_class=fmt,
-        description="Launch the job of CONFIG and keep it going until done.",
+        description="Launch the job of CONFIG and keep it going until done; or continue a "
+        "stopped, failed or given-up job in its run dir (--resume RUN_DIR, or CONFIG whose run "
+        "dir holds it): the same job id, its checkpoints and memory copies, a new restart budget.",
     )
-    run.add_argument("config", metavar="CONFIG", help="the job's TOML file")
+    run.add_argument(
+        "config", metavar="CONFIG", nargs="?", help="the job's TOML file (with --resume: instead "
+        "of the run dir's own config.toml)",
+    )  # fmt: skip
     _add_set(run)
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the job of RUN_DIR with its own config.toml (or CONFIG), --set on top",
+    )
+    run.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="continue although KEY (e.g. worker.train_iters, or world) changed in a way that "
+        "breaks a bit-exact resume (repeatable, or comma-separated); recorded in events",
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",
@@ -245,12 +263,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = loading.load(args.config, args.set)
+    cfg = continuing.load(args)
     resolved = resolve(cfg)
     for note in preflight.check(resolved):
         print(f"note: {note}", file=sys.stderr)
+    args.continues = continuing.check(resolved, args.resume is not None, args.allow_change)
+    for line in args.continues.lines(resolved.run_dir) if args.continues else []:
+        print(line, file=sys.stderr)
     if args.dry_run:
-        print(resolved.dry_run_text(args.config), end="")
+        print(resolved.dry_run_text(cfg.source), end="")
         return ExitCode.DONE
     console.guard()  # a closed terminal (SIGHUP, then EIO) must not end the job's graceful stop
     access = access_for(cfg.job.share_with_group)
@@ -264,7 +285,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, resolved: Resolved, access: Access) -> int:
     """The job, from its directories to its report."""
     cfg = resolved.cfg
-    job = job_mod.Job(resolved, console=None if args.quiet else sys.stderr)
+    continues = args.continues
+    job = job_mod.Job(
+        resolved,
+        console=None if args.quiet else sys.stderr,
+        job_id=continues.previous.job_id if continues else None,
+        continued=continues.event() if continues else None,
+    )
     held = ownership.claim(
         resolved.run_dir, cfg.worker.flags.get("ckpt_dir"), job.job_id, cfg.job.name, access
     )
@@ -292,6 +319,8 @@ def _run(args: argparse.Namespace, resolved: Resolved, access: Access) -> int:
         from supervisor.commands import report_cli
 
         report_cli.end_of_run(resolved.run_dir)  # report.md + report.png, tables on stdout
+    for line in continuing.hint_lines(resolved.run_dir):
+        print(line, flush=True)  # exit 3, 4, 5, 6: the command that continues it
     return code
 
 

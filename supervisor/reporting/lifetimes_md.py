@@ -12,7 +12,7 @@ def lifetimes_md(lives: list[Lifetime]) -> list[str]:
     """A row per lifetime, then the settings each continuation changed."""
     if len(lives) <= 1:
         return []
-    header = ["lifetime", "job", "started", "ran (min)", "resumed from", "reached", "attempts",
+    header = ["supervisor", "job", "started", "ran (min)", "resumed from", "reached", "attempts",
               "failures", "restarts (its own budget)", "goodput", "ended"]  # fmt: skip
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for life in lives:
@@ -65,7 +65,7 @@ def status_lines(lives: list[Lifetime]) -> list[str]:
 def stop_line(stop: Stop, lifetime: bool) -> str:
     """`attempt 3 stopped by SIGINT at step 150 (checkpoint 150)`, and its lifetime."""
     who = f"attempt {stop.attempt} " if stop.attempt is not None else ""
-    where = f" (lifetime {stop.lifetime})" if lifetime else ""
+    where = f" (supervisor {stop.lifetime})" if lifetime else ""
     return f"{who}{stop.line}{where}"
 
 

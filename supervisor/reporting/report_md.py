@@ -31,8 +31,8 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 LIFETIMES_NOTE = (
-    "More than one supervisor ran this job in this run dir (run again to continue it, or after "
-    "its supervisor was killed). Each counts its own restarts against "
+    "More than one supervisor ran this job in this run dir (continued with `run --resume`, after "
+    "its supervisor stopped or was killed). Each counts its own restarts against "
     "`max_restarts`; the totals below are the whole run, its wall-clock the supervisors' own "
     "times (not the gaps between them)."
 )

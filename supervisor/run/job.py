@@ -46,12 +46,16 @@ class Job:
         resolved: Resolved,
         console: IO[str] | None = sys.stderr,
         launcher: Launcher | None = None,
+        job_id: str | None = None,
+        continued: dict[str, Any] | None = None,
     ) -> None:
         self.resolved = resolved
         self.cfg = resolved.cfg
         self.console = console
         self.launcher: Launcher = launcher or ProcessLauncher()
-        self.job_id = f"{self.cfg.job.name}-{secrets.token_hex(4)}"
+        # A job continued in its run dir keeps its id: its ranks take up its memory copies.
+        self.job_id = job_id or f"{self.cfg.job.name}-{secrets.token_hex(4)}"
+        self.continued = continued  # the `continued` event's facts (commands/continuing.py)
         self.key = secrets.token_hex(32)
         self.history: list[AttemptRecord] = []
         self.restarts = 0
@@ -128,19 +132,10 @@ class Job:
         self.stop_signals = stop_signals()  # read before our handlers replace what they were
         for sig in self.stop_signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
-        self.emit(
-            "start",
-            job=self.job_id,
-            pid=os.getpid(),
-            config=self.cfg.source,
-            run_dir=str(self.resolved.run_dir),
-            nodes=self.resolved.active,
-            **({"spares": list(self.resolved.pool.spares)} if self.resolved.pool.spares else {}),
-            world=self.resolved.world,
-            launcher=self.resolved.flavor,
-            heartbeat=server.address,
-            max_restarts=self.cfg.restart.max_restarts,
-        )
+        self.emit("start", **start_facts(self.resolved, self.job_id, server.address,
+                                         self.continued is not None))  # fmt: skip
+        if self.continued is not None:  # what changed since the run it continues
+            self.emit("continued", **self.continued)
         if self.cfg.restart.standby and self.standby_off is not None:  # asked for, not declared
             self.emit("standby_off", reason=self.standby_off)
         return [
@@ -336,6 +331,24 @@ class Job:
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop.request()
         self.emit("signal", signal=signal.Signals(sig).name, count=self.stop.count)
+
+
+def start_facts(resolved: Resolved, job_id: str, heartbeat: str, continues: bool) -> dict:
+    """The `start` event's facts: the job, where it runs, its budget."""
+    pool = resolved.pool
+    return {
+        "job": job_id,
+        "pid": os.getpid(),
+        "config": resolved.cfg.source,
+        "run_dir": str(resolved.run_dir),
+        "nodes": resolved.active,
+        **({"spares": list(pool.spares)} if pool.spares else {}),
+        "world": resolved.world,
+        "launcher": resolved.flavor,
+        "heartbeat": heartbeat,
+        "max_restarts": resolved.cfg.restart.max_restarts,
+        "continues": continues,
+    }
 
 
 def silent_node(result: AttemptResult) -> str | None:

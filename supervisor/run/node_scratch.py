@@ -44,17 +44,18 @@ class NodeScratch:
         self._sweep("end")
 
     def _open_memory_tier(self) -> None:
-        """Remove what dead jobs left in this node's memory root, and hold the job's own memory
-        directory when its ranks keep one."""
+        """Hold the job's own memory directory when its ranks keep one (first: a job continued
+        after its supervisor was killed takes up the copies it left), then remove what dead
+        jobs left in this node's memory root."""
         launch = self.cfg.launch
         emulated = list(launch.nodes) if launch.emulate_nodes and launch.nodes else None
         for root in memdir.roots(launch.env, emulated):
-            swept = memdir.sweep_abandoned(root)
-            if swept:
-                self.emit("mem_sweep", root=root, paths=swept)
             if memdir.wanted(self.cfg.worker.flags):
                 self.mem.append(memdir.hold(root, self.job_id))
                 self.emit("mem_held", path=self.mem[-1].path)
+            swept = memdir.sweep_abandoned(root)
+            if swept:
+                self.emit("mem_sweep", root=root, paths=swept)
 
     def _close_memory_tier(self) -> None:
         """Its memory directories go (no attempt will resume from them)."""

@@ -303,6 +303,7 @@ def test_a_memory_tier_copy_is_progress(tmp_path, mem_root):
     mine = str(mem_root / f"es-mem-{job}")
     assert [e["path"] for e in named(evs, "mem_held")] == [mine]
     assert [e["path"] for e in named(evs, "mem_removed")] == [mine]
-    order = ["start", "mem_sweep", "mem_held", "launch", "done", "mem_removed", "supervisor_exit"]
+    # its own held first (a continued job's copies are never swept), then the sweep
+    order = ["start", "mem_held", "mem_sweep", "launch", "done", "mem_removed", "supervisor_exit"]
     assert_in_order([e["event"] for e in evs], order)
     assert left == ["es-mem-alive-0000aaaa"]
