@@ -11,10 +11,6 @@ from contracts import ckpt_files, locks
 from contracts.exit_codes import ExitCode
 from supervisor.commands.tail import events_path
 from supervisor.log import events as events_mod
-from supervisor.reporting.lifetimes import lifetimes, ran, spans
-from supervisor.reporting.lifetimes_md import status_lines as lifetime_lines
-from supervisor.reporting.lifetimes_md import stop_line
-from supervisor.reporting.load import RunData
 from supervisor.reporting.stragglers_md import straggler_rows, stragglers_lines
 from supervisor.settings import config as config_mod
 
@@ -41,6 +37,12 @@ def status_lines(events: list[dict], resolved: dict, run_dir: Path) -> list[str]
     """The status report (pure over the events and the resolved config, plus a ckpt scan).
     Attempts, restarts and the state are the newest supervisor's (each counts its own budget);
     the others' are a line each."""
+    # Here, not at the top: `run` imports this module and reads no report until the end.
+    from supervisor.reporting.lifetimes import lifetimes, ran, spans
+    from supervisor.reporting.lifetimes_md import status_lines as lifetime_lines
+    from supervisor.reporting.lifetimes_md import stop_line
+    from supervisor.reporting.load import RunData
+
     lives = lifetimes(RunData(run_dir, events, [], resolved), _first_ts(events), {})
     mine = events[spans(events)[-1].first :]
     starts = [e for e in mine if e.get("event") == "start"]
@@ -133,6 +135,8 @@ def failure_lines(events: list[dict], lifetimes_shown: bool) -> list[str]:
 
 def lifetime_of(events: list[dict], event: dict) -> int:
     """The number of the supervisor lifetime an event of `events` belongs to."""
+    from supervisor.reporting.lifetimes import spans
+
     at = next(i for i, e in enumerate(events) if e is event)
     return next(s.number for s in spans(events) if s.first <= at < s.stop)
 
