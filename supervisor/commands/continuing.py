@@ -67,6 +67,9 @@ class Continuation:
             f"continuing job {self.previous.job_id} in {run_dir} (supervisor {self.lifetime}; "
             f"the last ended: {ended})"
         ]
+        if not self.previous.config:
+            out.append(f"  note: {run_dir / 'config.toml'} is missing: its settings are not "
+                       "compared (only the world)")  # fmt: skip
         for c in self.changes:
             allowed = f" (allowed: {c.breaks})" if c.breaks else ""
             out.append(f"  changed: {c.line}{allowed}")
@@ -116,9 +119,9 @@ def check(resolved: Resolved, asked: bool, allowed: list[str]) -> Continuation |
                 "start it with `python -m supervisor run CONFIG`",
             )  # fmt: skip
         return None
-    changes = continuation.differences(
-        before.config, resolved.resolved_dict(), before.world, resolved.world
-    )
+    # Without the config it ran with (config.toml lost), only the world can be compared.
+    now = resolved.resolved_dict() if before.config else {}
+    changes = continuation.differences(before.config, now, before.world, resolved.world)
     names = {n.strip() for item in allowed for n in item.split(",") if n.strip()}
     refused = continuation.refused(changes, names)
     if refused:

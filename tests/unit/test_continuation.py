@@ -190,3 +190,14 @@ def test_exit_3_4_5_and_6_print_the_command_that_continues_the_job(tmp_path) -> 
         assert lines[1].startswith(f"  first: {first}"), (code, lines[1])
     run = ended_with(tmp_path / "diverged", {"code_name": "DIVERGED"})
     assert continuing.hint_lines(run) == []
+
+
+def test_a_run_dir_that_lost_its_config_is_compared_by_its_world_only(tmp_path, capsys) -> None:
+    run = ran_before(tmp_path)
+    (run / "config.toml").unlink()
+    rc, err = dry(capsys, str(tmp_path / "job.toml"), "--resume", str(run))
+    assert rc == 0, err
+    assert "config.toml is missing: its settings are not compared (only the world)" in err
+    err = one_line_error(capsys, ["run", str(tmp_path / "job.toml"), "--resume", str(run),
+                                  "--set", "launch.ranks_per_node=1"])  # fmt: skip
+    assert "world: 2 -> 1 breaks a bit-exact resume" in err
