@@ -14,7 +14,7 @@ from supervisor.commands.status import status_lines
 from supervisor.policy.nodes import NodePool
 from supervisor.reporting.analysis import analyze
 from supervisor.reporting.load import load_run
-from supervisor.reporting.plot import lifetime_marks
+from supervisor.reporting.plot import lifetime_marks, plot
 from supervisor.reporting.report_md import render
 from supervisor.reporting.summary import summary
 from tests.support import T0, ev, rec, write_run
@@ -98,6 +98,8 @@ def test_a_second_supervisor_s_summary_is_its_own(tmp_path: Path) -> None:
     assert "## Supervisor lifetimes" in md
     assert "| # | supervisor | attempt |" in md and "| 1 | 1 | 0 |" in md and "| 2 | 2 | 2 |" in md
     assert "| restarts | 2 (1 + 1: each supervisor its own budget) |" in md
+    assert lifetime_marks(a) == [(pytest.approx(100 / 60), "supervisor 2 (started again)")]
+    assert plot(a, tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_status_counts_the_newest_supervisor_s_budget(tmp_path: Path) -> None:
