@@ -112,7 +112,9 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
         bx.axhline(med, color="k", lw=0.8, ls="--", label=f"median {med:.3f} s")
         bx.legend(loc="upper right", fontsize=8.5)
     else:
-        bx.text(0.5, 0.5, "no checkpoints", ha="center", va="center", transform=bx.transAxes)
+        n = len(a.checkpoints.saves)  # saves no later step timed: counted, no stall known
+        text = f"{n} save{'' if n == 1 else 's'}, none timed" if n else "no checkpoints"
+        bx.text(0.5, 0.5, text, ha="center", va="center", transform=bx.transAxes)
     bx.set_xlabel("checkpoint step")
     bx.set_ylabel("training stall per save (s)")
     bx.grid(alpha=0.3, axis="y")
