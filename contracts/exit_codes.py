@@ -17,7 +17,8 @@ class ExitCode(enum.IntEnum):
     BUDGET = 3  # restart budget exhausted
     NO_PROGRESS = 4  # too many attempts in a row completed no newer checkpoint
     INTERRUPTED = 5  # stopped by SIGINT/SIGTERM/SIGHUP (after a graceful stop of the ranks)
-    NODES = 6  # too few good nodes left: excluded, no spare, and no shrink (or below min_nodes)
+    NODES = 6  # too few good nodes left: excluded, no spare, and no shrink (or below min_nodes);
+    # or none at all: the batch allocation is gone
     DIVERGED = 7  # the ranks' numerical guard gave up: no relaunch can help the same settings
 
 

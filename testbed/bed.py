@@ -143,7 +143,7 @@ class Bed:
                 run_dir.write_host(rec)
             network.set_link(h, up=True)
             run_dir.set_state(h.name, "up")
-            if booted and slurm.is_on():
+            if booted and slurm.running():
                 slurm.start_slurmd(h, self._popen_detached)
                 slurm.resume(h.name)
 
@@ -182,14 +182,18 @@ def up(n: int, slurm_cluster: bool = False) -> Bed:
         existing = current()
         if existing is not None:
             if existing.plan.n == n and existing.healthy():
-                if slurm_cluster and not slurm.is_on():
+                if slurm_cluster and not slurm.running():
+                    slurm.stop()  # what is left of one that died
                     _start_slurm(existing)
                 return existing
             states = ", ".join(f"{s.name} {s.state}" for s in existing.status())
             raise BedError(f"a test bed is up ({states}); `python -m testbed down` first")
         if network.bed_netns() or network.bed_links() or RUN_DIR.exists():
             raise BedError("a test bed's leftovers are here; `python -m testbed down` first")
-        bed = plan(n, socket.gethostname())
+        try:
+            bed = plan(n, socket.gethostname())
+        except ValueError as e:
+            raise BedError(str(e)) from None
         try:
             _build(bed)
             if slurm_cluster:
@@ -239,9 +243,9 @@ def _start_relay() -> None:
 
 
 def _stop_relay() -> None:
-    """Every relay of this bed's socket (found by its command line: one whose pid file is gone
-    with a run dir removed by hand, or a crash, is found too)."""
-    mark = f"{RELAY}\0serve\0{RELAY_SOCKET}".encode()
+    """Every relay of this bed's socket (found by its command line, whichever checkout started
+    it: one whose pid file is gone with a run dir removed by hand, or a crash, is found too)."""
+    mark = f"relay.py\0serve\0{RELAY_SOCKET}\0".encode()  # by its socket: from any checkout
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:

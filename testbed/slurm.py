@@ -48,7 +48,23 @@ def slurm_env() -> dict[str, str]:
 
 
 def is_on() -> bool:
+    """The bed was given a cluster (its configuration is there)."""
     return CONF.exists()
+
+
+def running() -> bool:
+    """The cluster's controller and munged run (their pid files name live processes)."""
+    return is_on() and all(_alive(SLURM_DIR / f"{d}.pid") for d in ("slurmctld", "munged"))
+
+
+def _alive(pid_file: Path) -> bool:
+    """The pid file's process runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError, IndexError):
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def conf_text(bed: BedPlan, cpus: int) -> str:

@@ -39,7 +39,7 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.INTERRUPTED: "interrupted: SIGINT, SIGTERM or SIGHUP to the supervisor (the ranks "
     "were asked to save and stop)",
     ExitCode.NODES: "too few nodes: nodes excluded, no spare left, and no shrink (or below "
-    "[restart] min_nodes)",
+    "[restart] min_nodes), or the Slurm allocation gone",
     ExitCode.DIVERGED: "diverged: the ranks' numerical guard gave up (its line says what to "
     "change); not relaunched",
 }

@@ -145,6 +145,23 @@ class Srun(LauncherKind):
     def node_launches(self, flavor: str) -> str | None:
         return None  # `--nodelist=<node>`, a step of its own
 
+    def nodes(self, launch: LaunchConfig, environ: Mapping[str, str], source: str) -> list[str]:
+        """The allocation's nodes, or those listed of them: srun outside an allocation would
+        make one of its own for every launch, and a node outside it fails as unreachable."""
+        if not environ.get("SLURM_JOB_ID"):
+            raise ConfigError(source, "launch.launcher", SRUN_OUTSIDE)
+        listed = hosts.listed_nodes(launch, environ, source)
+        nodelist = environ.get("SLURM_JOB_NODELIST", "")
+        allocated = hosts.slurm_hosts(nodelist, source) if nodelist else listed
+        outside = [n for n in listed if n not in allocated]
+        if outside:
+            raise ConfigError(
+                source, "launch.nodes",
+                f"{', '.join(outside)} not in the allocation (SLURM_JOB_NODELIST={nodelist}); "
+                'list only its nodes, or nodes = "auto"',
+            )  # fmt: skip
+        return listed
+
     def plan(
         self,
         cfg: Config,
@@ -179,6 +196,12 @@ class Srun(LauncherKind):
         # once, Slurm ends the step's tasks itself when it sees srun gone
         return LaunchPlan("srun", [ProcSpec(argv, env)], world, nodes, self.stop_signal,
                           launcher_exit_s=0.0)  # fmt: skip
+
+
+SRUN_OUTSIDE = (
+    "srun runs inside a Slurm allocation, and there is none here (no SLURM_JOB_ID): run the "
+    "supervisor in an sbatch script or under salloc (docs/running-on-a-cluster.md)"
+)
 
 
 class Mpiexec(LauncherKind):

@@ -53,10 +53,25 @@ def unfixable(error: str | None) -> str | None:
     return None
 
 
+def allocation_gone(error: str | None) -> str | None:
+    """The batch allocation the launches ran in is over (srun says so): no relaunch can start,
+    said as the job's end with what ends one, instead of relaunches until no progress."""
+    if not error or not _ALLOCATION_GONE.search(error):
+        return None
+    return (
+        f"the Slurm allocation is gone ({error}): scancel, its time limit, or a failed node "
+        "without sbatch/salloc --no-kill ends it; continue the job in a new allocation"
+    )
+
+
 MAX_ERROR_CHARS = 300
 _RANK_PREFIX = re.compile(r"^\[\d+\]\s?")
 _ERRORISH = re.compile(r"error|exception|could not|cannot|failed|denied|not found", re.I)
 _PY_WARNING = re.compile(r"\S.*:\d+: \w*Warning: ")
 _WARNING = re.compile(rf"warn(?:ing)?\b|\[W[\d ]|{_PY_WARNING.pattern}", re.I)
 _UNRESOLVED_HOST = re.compile(r"[Cc]ould not resolve hostname ([^\s:]+)")
+_ALLOCATION_GONE = re.compile(
+    r"Slurm job \d+ has expired|[Jj]ob allocation \d+ has been revoked|"
+    r"Job/step already completing or completed|Invalid job id specified"
+)
 _STORAGE_FULL = re.compile(r"(disk full|disk quota exceeded|read-only file system): ")

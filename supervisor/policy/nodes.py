@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -211,10 +211,12 @@ def exclude(pool: NodePool, out: Sequence[str], shrink: bool, min_nodes: int) ->
         return NodeChange("swap", NodePool(tuple(active), tuple(spares), excluded), tuple(swaps))
     names = ", ".join(left)
     remaining = [n for n in active if n not in left]
+    # a stop's pool: the nodes still good, none both excluded and active or spare
+    stopped = NodePool(tuple(remaining), tuple(spares), excluded)
     if not shrink:
         return NodeChange(
             "stop",
-            replace(pool, excluded=excluded),
+            stopped,
             tuple(swaps),
             f"{names} excluded and no spare node left; set [restart] shrink = true to go on "
             "with fewer nodes, or give the job spare nodes ([launch] spares)",
@@ -222,7 +224,7 @@ def exclude(pool: NodePool, out: Sequence[str], shrink: bool, min_nodes: int) ->
     if len(remaining) < min_nodes:
         return NodeChange(
             "stop",
-            replace(pool, excluded=excluded),
+            stopped,
             tuple(swaps),
             f"{names} excluded, no spare node left, and {len(remaining)} node(s) remain, "
             f"below [restart] min_nodes = {min_nodes}; add nodes or lower min_nodes",

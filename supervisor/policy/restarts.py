@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from contracts.exit_codes import ExitCode
-from supervisor.policy.error_lines import unfixable
+from supervisor.policy.error_lines import allocation_gone, unfixable
 from supervisor.policy.exits import Outcome
 from supervisor.settings.config import RestartConfig
 
@@ -109,6 +109,9 @@ def decide(
     cannot = unfixable(last_error)
     if cannot is not None:
         return Decision("stop", ExitCode.USAGE, cannot)
+    gone = allocation_gone(last_error)
+    if gone is not None:  # its nodes are gone with it
+        return Decision("stop", ExitCode.NODES, gone)
     repeated = early_repeat(history)
     if repeated is not None:
         return Decision(

@@ -173,6 +173,29 @@ def test_the_launcher_exec_takes_ssh_options_and_keeps_the_directory(bed, tmp_pa
     assert unknown.returncode == 255 and "Could not resolve hostname n9" in unknown.stderr
 
 
+def test_the_launcher_exec_passes_only_stdio_so_a_failed_launch_leaves_no_proxy(bed, tmp_path):
+    """As ssh closes every descriptor above stderr: Hydra's own (its listening socket among
+    them) left open in a host kept that host's proxy waiting on a dead mpiexec for good, after
+    a launch that failed on another host (n1 cut)."""
+    with open(tmp_path / "held", "w") as held:
+        fds = subprocess.run([str(testbed.LAUNCHER), "n0", "ls", "/proc/self/fd"],
+                             pass_fds=(held.fileno(),), capture_output=True, text=True,
+                             timeout=T)  # fmt: skip
+    assert sorted(fds.stdout.split()) == ["0", "1", "2", "3"], fds  # 3: ls's own, of /proc
+    bed.cut("n1")
+    try:
+        failed = subprocess.run([mpiexec(), *bed.launcher_args(), "-hosts", "n0,n1", "-n", "2",
+                                 "sleep", "60"], capture_output=True, text=True,
+                                timeout=T)  # fmt: skip
+        assert failed.returncode != 0
+        time.sleep(1)
+        left = bed.exec("n0", ["pgrep", "-a", "hydra_pmi_proxy"], capture_output=True,
+                        text=True, timeout=T)  # fmt: skip
+        assert left.stdout == "", left.stdout
+    finally:
+        bed.heal("n1")
+
+
 def test_the_command_line_exec_passes_stdin_stdout_and_exit_status(bed):
     cmd = [sys.executable, "-m", "testbed", "exec", "n0", "sh", "-c",
            'read x; echo "$x on $(hostname)"; exit 3']  # fmt: skip

@@ -359,3 +359,16 @@ def test_a_divergence_known_by_its_exit_alone_takes_the_ranks_line():
     assert said_why(out, GAVE_UP) == Outcome("diverged", GAVE_UP)
     assert said_why(out, None) == out  # no line: the exit's own words
     assert said_why(Outcome("failure", "exit 1"), GAVE_UP).kind == "failure"
+
+
+def test_an_allocation_gone_stops_the_job_at_once():
+    """srun saying its allocation is over (scancel, the time limit, a node failed without
+    --no-kill): no relaunch can start, so none is tried (before: two more, then no progress)."""
+    gone = "srun: error: Slurm job 5 has expired"
+    history = [AttemptRecord(0, 0, 30, "failure", "srun: error: n2: task 0: Killed"),
+               AttemptRecord(1, 29, None, "failure", gone)]  # fmt: skip
+    d = decide(Outcome("failure", "exit 1"), history, 1, CFG_LARGE_BUDGET)
+    assert (d.action, d.exit_code) == ("stop", ExitCode.NODES)
+    assert "the Slurm allocation is gone" in d.reason and "--no-kill" in d.reason
+    revoked = AttemptRecord(0, 0, 9, "failure", "salloc: Job allocation 12 has been revoked.")
+    assert decide(FAIL, [revoked], 0, CFG_LARGE_BUDGET).exit_code == ExitCode.NODES

@@ -111,3 +111,17 @@ def test_the_registry_holds_every_kind_a_config_may_name():
     assert launcher_for("local").this_host_only and not launcher_for("srun").this_host_only
     with pytest.raises(ValueError, match="unknown launcher kind 'ssh'; known: mpiexec, srun"):
         launcher_for("ssh")
+
+
+def test_srun_needs_an_allocation_and_only_its_nodes():
+    """Outside one, srun would make an allocation of its own at every launch; a node outside
+    it would fail as unreachable, attempt after attempt."""
+    srun = launcher_for("srun")
+    auto = cfg(launcher="srun").launch
+    with pytest.raises(C.ConfigError, match="srun runs inside a Slurm allocation"):
+        srun.nodes(auto, {}, "job.toml")
+    inside = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "a,b"}
+    assert srun.nodes(auto, inside, "job.toml") == ["a", "b"]
+    listed = cfg(launcher="srun", nodes=["a", "c"]).launch
+    with pytest.raises(C.ConfigError, match=r"c not in the allocation \(SLURM_JOB_NODELIST=a,b\)"):
+        srun.nodes(listed, inside, "job.toml")

@@ -211,3 +211,13 @@ def test_a_directory_is_checked_where_it_would_be_made(tmp_path):
     env = {"TMPDIR": str(tmp_path), "ES_MEM_ROOT": "/m"}
     assert dirs_to_check(flags, env) == ["/c", str(tmp_path), "/m"]
     assert dirs_to_check({"ckpt_dir": "/c", "ckpt_stage_dir": "/s"}, env) == ["/c"]
+
+
+def test_a_stop_leaves_no_node_both_excluded_and_active_or_spare():
+    """The spare failed its check and an active node fails: the job stops, and its pool names
+    each node once (before: n3 both a spare and excluded, n1 both active and excluded)."""
+    pool = NodePool(("n0", "n1", "n2"), ("n3",), ())
+    change = exclude(pool, ["n3", "n1"], shrink=False, min_nodes=1)
+    assert change.action == "stop"
+    assert (change.pool.active, change.pool.spares) == (("n0", "n2"), ())
+    assert set(change.pool.excluded) == {"n1", "n3"}
