@@ -1,6 +1,7 @@
-"""End to end through per-node relays (issue 19): 2 emulated nodes x 2 ranks (Hydra's fork
-launcher, each node name its own proxy), `[heartbeat] relay = true`: local rank 0 of each node
-relays its node's beats as one summary per interval. Real ranks, real mpiexec, real SIGSTOPs.
+"""End to end through per-node relays (issue 19): 2 real hosts of the test bed x 2 ranks (Hydra
+over `testbed/ssh`), `[heartbeat] relay = true`: local rank 0 of each host relays its host's
+beats (over an abstract Unix socket of that host's own network) as one summary per interval,
+from the host's own address. Real ranks, real mpiexec, real SIGSTOPs.
 
 - attempt 0: rank 1 (n0's member, not a relay) is stopped -> a `hang` naming rank 1 alone;
 - attempt 1: rank 2 (n1's relay) is stopped -> a `hang` of its node: ranks 2 and 3, node n1,
@@ -15,20 +16,23 @@ from pathlib import Path
 
 import pytest
 
+import testbed
 from tests.support import TINY_JOB_WORKER, events, run_supervisor, toml_table
+from tests.testbed_support import bed_fixture, bed_module_fixture  # noqa: F401 (fixtures)
 
 JOB_TIMEOUT = 300
 WORKER = {**TINY_JOB_WORKER, "train_iters": 20, "save_interval": 4}
 
 pytestmark = pytest.mark.slow
+TESTBED_HOSTS = 2
 
 
-def job_config(tmp_path: Path) -> Path:
+def job_config(tmp_path: Path, bed: testbed.Bed) -> Path:
     text = toml_table("[job]", {"name": "relay", "run_dir": str(tmp_path / "run")})
     text += toml_table(
         "[launch]",
-        {"launcher": "mpiexec", "emulate_nodes": True, "nodes": ["n0", "n1"],
-         "ranks_per_node": 2},
+        {"launcher": "mpiexec", "flavor": "hydra", "nodes": bed.hosts, "ranks_per_node": 2,
+         "args": bed.launcher_args()},
     )  # fmt: skip
     text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1"})
     text += toml_table("[worker]", WORKER)
@@ -46,8 +50,8 @@ def job_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_relayed_ranks_a_stopped_member_is_named_a_stopped_relay_is_its_node(tmp_path):
-    code, out = run_supervisor(job_config(tmp_path), JOB_TIMEOUT)
+def test_relayed_ranks_a_stopped_member_is_named_a_stopped_relay_is_its_node(bed, tmp_path):
+    code, out = run_supervisor(job_config(tmp_path, bed), JOB_TIMEOUT)
     evs = events(tmp_path / "run")
     assert code == 0, out[-4000:]
     hangs = [e for e in evs if e["event"] == "hang"]

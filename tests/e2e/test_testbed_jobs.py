@@ -5,8 +5,9 @@
   hosts' /dev/shm and scratch is removed by the next job's start on every host.
 - A host killed mid-job (every process at once, its /dev/shm gone): found by its silence,
   checked out, its rank resumed on the spare from its partner's copy through prepared ranks.
-- A host that keeps failing swapped for the spare; with no spare, the job shrinks onto the hosts
-  left; a host whose scratch cannot be written refused by the pre-launch check, on the host.
+- A host that keeps failing swapped for the spare; a straggler's host replaced by it; with no
+  spare, the job shrinks onto the hosts left; a host whose scratch cannot be written refused by
+  the pre-launch check, on the host.
 - 3 hosts x 1 rank, the supervisor on this machine (a head node): a kill of every rank at a step,
   the warm relaunch resumes from the memory tier, every loss the uninterrupted run's; the ranks
   beat from the hosts' own addresses (the heartbeat port open to those alone); after the job
@@ -236,6 +237,30 @@ def test_a_host_that_keeps_failing_is_swapped_for_the_spare(bed, tmp_path, refer
     assert (swapped["out"], swapped["into"]) == ("n1", "n3")
     launches = [e["nodes"] for e in of(evs, "launch")]
     assert launches == [["n0", "n1", "n2"]] * 2 + [["n0", "n3", "n2"]], launches
+    assert last_losses(run) == want  # bit for bit, every step
+
+
+@pytest.mark.slow
+def test_a_straggler_host_is_replaced_by_the_spare(bed, tmp_path, reference):
+    """Rank 2 on n2 made slow (half a step more, every step): the `straggler` event names it and
+    its host; the ranks stop at the next durable save and the spare n3 takes n2's place."""
+    from tests.e2e.test_stragglers_e2e import SLOW
+
+    want = reference(3, *worker_flags({**PLAIN, "train_iters": 24}))
+    config = bed_config(tmp_path, bed, bed.hosts, [SLOW], restart={"standby": False},
+                        worker=NODES_WORKER, spares=1)  # fmt: skip
+    with config.open("a") as f:
+        f.write('\n[stragglers]\naction = "replace"\n')
+    rc, out = run_supervisor(config, JOB_TIMEOUT)
+    assert rc == 0, out[-4000:]
+    run = tmp_path / "run"
+    evs = events(run)
+    found = of(evs, "straggler")
+    assert found and (found[0]["ranks"], found[0]["node"]) == ([2], "n2"), found or out[-3000:]
+    (swapped,) = of(evs, "node_swapped")
+    assert (swapped["out"], swapped["into"]) == ("n2", "n3")
+    launches = [e["nodes"] for e in of(evs, "launch")]
+    assert launches == [["n0", "n1", "n2"], ["n0", "n1", "n3"]], launches
     assert last_losses(run) == want  # bit for bit, every step
 
 
