@@ -15,17 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import time
 
 import zmq
 
-from contracts import control_msgs
+from contracts import messages
 from faults import FaultEngine
 from faults.spec import JobShape, parse_all
 from supervisor.watch.control import ControlServer
 from supervisor.watch.rank_table import AttemptTable
+from worker.control_channel import ControlChannel
 
 KEY = b"bench-key-" * 4
 JOB = "lag"
@@ -57,11 +59,9 @@ def ranks(address: str, early: range, late: range, ready, fired, done, got) -> N
 
 
 def _connect(ctx: zmq.Context, address: str, rank: int) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, control_msgs.control_identity(0, rank))
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(address)
-    return s
+    """A rank's real end of the channel (CURVE with the job's keys, its hello)."""
+    ident = messages.RankIdentity(JOB, 0, rank, 1, "bench", os.getpid())
+    return ControlChannel(address, KEY, ident).open(ctx, zmq)
 
 
 async def once(world: int, late: int, never: int) -> dict[str, float]:

@@ -1,9 +1,11 @@
 """Supervisor -> ranks: control messages (fault injection, standby go / exit), signed like the
-heartbeat's and addressed to one rank of one attempt.
+heartbeat's and addressed to one rank of one attempt; and the channel's keys and the hello by
+which a rank claims its identity on it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from typing import Any
@@ -50,10 +52,12 @@ MAX_ENV_VARS = 256  # a `become`'s variables: the contract's and [launch] env's,
 _CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
 
 
-def control_identity(attempt: int, rank: int) -> bytes:
-    """The routing id of a rank's control socket: unique per attempt, so a straggler of an
-    earlier attempt is never sent another attempt's command."""
-    return f"{attempt}/{rank}".encode()
+def control_conn(attempt: int, rank: int, nonce: str) -> bytes:
+    """The routing id of a rank's control socket: `<attempt>/<rank>/<nonce>`, the nonce random per
+    process (16 hex digits), so that no two processes ever share one: which of them owns
+    `<attempt>/<rank>` is the supervisor's call, on their hellos (supervisor.policy.control_claims).
+    The attempt in it keeps a straggler of an earlier attempt from another attempt's commands."""
+    return f"{attempt}/{rank}/{nonce}".encode()
 
 
 def control_message(
@@ -94,23 +98,7 @@ def control_message(
 
 def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) -> dict[str, Any]:
     """Check a control frame (signed like the heartbeat's) is for this very rank; else raise."""
-    if not MAC_LEN < len(frame) <= MAC_LEN + MAX_MESSAGE_BYTES:
-        raise BadMessage(f"a control frame of {len(frame)} bytes", "frames")
-    mac, body = frame[:MAC_LEN], frame[MAC_LEN:]
-    if not hmac.compare_digest(sign(key, body), mac):
-        raise BadMessage("bad signature", "signature")
-    try:
-        message = json.loads(body.decode())
-    except ValueError as exc:
-        raise BadMessage(f"not JSON: {exc}", "json") from None
-    if not isinstance(message, dict):
-        raise BadMessage("not a JSON object", "json")
-    try:
-        for name, exact in _CONTROL_EXACT:
-            if message[name].__class__ not in exact:
-                raise BadMessage(f"field {name!r} of the wrong type")
-    except KeyError as exc:
-        raise BadMessage(f"field {exc} missing") from None
+    message = _signed_object(key, frame, MAX_MESSAGE_BYTES, _CONTROL_EXACT)
     if message["v"] != VERSION or message["kind"] != "control":
         raise BadMessage("not a control message of this version", "version")
     if message["action"] not in CONTROL_ACTIONS:
@@ -128,4 +116,83 @@ def decode_control(key: bytes, frame: bytes, job: str, attempt: int, rank: int) 
         raise BadMessage(f"field 'tier' or 'interval': expected one of {TIERS} and steps >= 1")
     if (message["job"], message["attempt"], message["rank"]) != (job, attempt, rank):
         raise BadMessage("a control message for another rank, attempt or job", "other_job")
+    return message
+
+
+def _signed_object(
+    key: bytes, frame: bytes, limit: int, exact: tuple[tuple[str, frozenset[type]], ...]
+) -> dict[str, Any]:
+    """The JSON object a frame signed with `key` holds, each field of its exact type; else raise
+    (nothing read from a socket is unpickled)."""
+    if not MAC_LEN < len(frame) <= MAC_LEN + limit:
+        raise BadMessage(f"a control frame of {len(frame)} bytes", "frames")
+    mac, body = frame[:MAC_LEN], frame[MAC_LEN:]
+    if not hmac.compare_digest(sign(key, body), mac):
+        raise BadMessage("bad signature", "signature")
+    try:
+        message = json.loads(body.decode())
+    except ValueError as exc:
+        raise BadMessage(f"not JSON: {exc}", "json") from None
+    if not isinstance(message, dict):
+        raise BadMessage("not a JSON object", "json")
+    try:
+        for name, kinds in exact:
+            if message[name].__class__ not in kinds:
+                raise BadMessage(f"field {name!r} of the wrong type")
+    except KeyError as exc:
+        raise BadMessage(f"field {exc} missing") from None
+    return message
+
+
+# --- ranks -> supervisor: the claim of an identity ------------------------------------------------
+# The channel runs over ZeroMQ CURVE: the supervisor's ROUTER is the server, each rank's DEALER a
+# client, and both key pairs are derived from the job's key (ES_HEARTBEAT_KEY, which every rank is
+# handed at launch): a peer without it cannot finish the handshake, so it never reaches the
+# ROUTER's table, let alone claims an identity. Over that connection the rank's first and only
+# frame is its hello: it claims `<attempt>/<rank>` for the routing id that carries it (`conn`).
+CURVE_SERVER = b"es-control-curve-server-v1"
+CURVE_CLIENT = b"es-control-curve-client-v1"
+HELLO_KIND = "control_hello"
+MAX_HELLO_BYTES = 512  # the supervisor's ROUTER takes no bigger frame from a rank (with its MAC)
+HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "v": int,
+    "job": str,
+    "attempt": int,
+    "rank": int,
+    "t": NUMBER,
+    "kind": str,
+    "conn": str,
+}
+_HELLO_EXACT = tuple((name, _exact(kind)) for name, kind in HELLO_FIELDS.items())
+
+
+def curve_secret(key: bytes, side: bytes) -> bytes:
+    """A CURVE secret key (32 bytes) of the channel: `side` CURVE_SERVER or CURVE_CLIENT. Derived
+    from the job's key, so that nothing more is handed to the ranks and a process that holds the
+    key is all a rank trusts; the public halves follow (zmq.curve_public)."""
+    return hmac.new(key, side, hashlib.sha256).digest()
+
+
+def control_hello(job: str, attempt: int, rank: int, t: float, conn: bytes) -> dict[str, Any]:
+    return {
+        "v": VERSION,
+        "job": job,
+        "attempt": attempt,
+        "rank": rank,
+        "t": t,
+        "kind": HELLO_KIND,
+        "conn": conn.decode(),
+    }
+
+
+def decode_hello(key: bytes, frame: bytes, job: str) -> dict[str, Any]:
+    """A hello's signature, schema and job; else raise (which routing id may own the identity it
+    claims is supervisor.policy.control_claims's)."""
+    message = _signed_object(key, frame, MAX_HELLO_BYTES - MAC_LEN, _HELLO_EXACT)
+    if message["v"] != VERSION or message["kind"] != HELLO_KIND:
+        raise BadMessage("not a control hello of this version", "version")
+    if message["attempt"] < 0 or message["rank"] < 0:
+        raise BadMessage("field 'attempt' or 'rank': expected >= 0")
+    if message["job"] != job:
+        raise BadMessage(f"a hello of another job {message['job']!r}", "other_job")
     return message

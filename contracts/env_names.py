@@ -44,9 +44,10 @@ ENV_HEARTBEAT_RELAY = "ES_HEARTBEAT_RELAY"
 ENV_PREPARED_BASE = "ES_PREPARED_BASE"
 ENV_PREPARED_WORLD = "ES_PREPARED_WORLD"
 
-# Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER). Set when the job
-# declares faults or keeps a standby; a rank connects a DEALER whose routing id is
-# `control_identity(...)`.
+# Optional: the ZeroMQ address of the supervisor's control socket (a ROUTER, CURVE with keys
+# derived from ES_HEARTBEAT_KEY). Set when the job declares faults or keeps a standby; a rank
+# connects a DEALER on a routing id of its own (`control_conn(...)`) and claims its identity in
+# a signed hello (contracts.control_msgs).
 ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
 
 # Optional: the interval, in steps, that an "auto" tier (`--mem-ckpt-interval auto`,

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 
 class ControlChannel(Protocol):
-    """Signed commands to single ranks (routing id `attempt/rank`); sends never block."""
+    """Signed commands to single ranks (the process that claimed `attempt/rank`); sends never
+    block."""
 
     def send(self, attempt: int, rank: int, message: dict[str, Any]) -> str | None:
         """Queue one command for a rank; None when sent, else why not ("... not connected ..."

@@ -7,12 +7,19 @@ happen inside a step, so they are queued for the training loop (worker.step_comm
 standby's `go` and `exit` (and a prepared rank's `become`) are queued for `wait_standby`, where
 the main thread blocks until one comes (worker.standby, worker.prepared). The socket is the
 thread's alone (sockets are not thread-safe); the queues are how the two threads meet.
+
+The socket is a CURVE client with keys derived from the job's key (the supervisor admits no
+other: contracts.control_msgs), on a routing id of this process's own
+(`<attempt>/<rank>/<nonce>`); its one frame to the supervisor is the signed hello that claims
+this rank's identity for that routing id, queued at once and sent when the handshake is done.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,13 +46,29 @@ class ControlChannel:
 
     # --- the beacon's thread -------------------------------------------------------------
     def open(self, ctx: Any, zmq: Any) -> Any:
+        from zmq.utils import z85
+
+        def public(secret: bytes) -> bytes:
+            return z85.decode(zmq.curve_public(z85.encode(secret)))
+
+        i = self._id
+        conn = control_msgs.control_conn(i.attempt, i.rank, secrets.token_hex(8))
+        client = control_msgs.curve_secret(self._key, control_msgs.CURVE_CLIENT)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(
-            zmq.ROUTING_ID, control_msgs.control_identity(self._id.attempt, self._id.rank)
+        sock.setsockopt(zmq.ROUTING_ID, conn)
+        sock.curve_serverkey = public(
+            control_msgs.curve_secret(self._key, control_msgs.CURVE_SERVER)
         )
+        sock.curve_publickey = public(client)
+        sock.curve_secretkey = client
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * messages.MAX_MESSAGE_BYTES)
         sock.connect(self.addr)
+        hello = control_msgs.control_hello(i.job, i.attempt, i.rank, time.time(), conn)
+        try:  # queued until the handshake is done
+            sock.send(messages.encode(self._key, hello), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # refused already (not the supervisor's key): the supervisor says it unreached
         self.socket = sock
         return sock
 

@@ -29,6 +29,7 @@ _LEVELS = {
     "give_up": "error",
     "teardown_survivors": "error",
     "bad_messages": "warning",
+    "control_refused": "warning",
     "standby_lost": "warning",
     "template_lost": "warning",
     "standby_off": "warning",

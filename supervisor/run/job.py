@@ -138,10 +138,14 @@ class Job:
             self.emit("continued", **self.continued)
         if self.cfg.restart.standby and self.standby_off is not None:  # asked for, not declared
             self.emit("standby_off", reason=self.standby_off)
-        return [
+        tasks = [
             asyncio.create_task(server.serve(self._on_message)),
             asyncio.create_task(services.report_dropped(server, self.cfg.heartbeat, self.emit)),
         ]
+        if self.control is not None:
+            serving = services.serve_control(self.control, self.cfg.heartbeat, self.emit)
+            tasks.append(asyncio.create_task(serving))
+        return tasks
 
     async def _close(self, services: list[asyncio.Task], code: ExitCode, reason: str) -> None:
         # Signals that arrive while we finish are noted, not fatal (the ranks are handled).
@@ -190,6 +194,8 @@ class Job:
         while True:
             number = attempt.number
             result = await self._attempt(attempt)
+            if self.control is not None:  # its processes are gone: none claims them again
+                self.control.forget(number)
             self.history.append(result.record)
             if self.intervals is not None:  # a failure: the rate the intervals are tuned for
                 self.intervals.attempt_ended(result.record)

@@ -33,8 +33,8 @@ END_GRACE_S = 1.0  # prepared ranks told to exit hold nothing: a short grace, th
 # Told to become, a prepared rank says hello at once (imported, nothing to start): one that has
 # not within this is judged at once (its word lost) rather than after the init timeout.
 HELLO_S = 10.0
-# What a `become` never carries: the prepared rank has it from its launch, and a word that went
-# to whoever took its routing id first must not hand them the job's key.
+# What a `become` never carries: the prepared rank has it from its launch, and the job's key
+# crosses no channel it need not (the control channel admits only holders of it, encrypted).
 NOT_SENT = (env_names.ENV_HEARTBEAT_KEY,)
 
 
@@ -167,6 +167,7 @@ class PreparedRanks:
         self._end_all(keep=set(taken.values()), reason="not taken")
         self._reset()
         if isinstance(chosen, str):
+            self._let_go(number)
             return None, chosen
         group = LaunchGroup(list(taken.values()), started=time.monotonic())
         return Adopted(number, group, chosen, list(nodes), per_node), None
@@ -183,6 +184,11 @@ class PreparedRanks:
         for watch in list(self._watches):
             watch.cancel()
         self.number, self.table, self.launches, self.bases = None, None, {}, {}
+
+    def _let_go(self, number: int) -> None:
+        """Told to exit (or to become ranks): their control identities are claimed no more."""
+        if self.job.control is not None:
+            self.job.control.forget(number)
 
     def _end_all(self, keep: set[Launched], reason: str) -> None:
         number, control = self.number, self.job.control
@@ -210,6 +216,8 @@ class PreparedRanks:
         """End every prepared rank; keep none from now on."""
         self.over = True
         self._end_all(keep=set(), reason=reason)
+        if self.number is not None:
+            self._let_go(self.number)
         self._reset()
         while self._endings:
             await asyncio.wait(set(self._endings))
@@ -247,6 +255,8 @@ async def become(
         if err is not None:
             why = f"prepared rank {prepared}: {err}"
             break
+    if control is not None:  # they are the attempt's ranks now, or torn down: let go
+        control.forget(adopted.number)
     if why is None:
         return None
     emit("prepared_failed", reason=why, prepared=adopted.number)

@@ -1,5 +1,5 @@
-"""The job's services that outlive its attempts: where the heartbeat server binds, and how often
-the messages it drops are reported."""
+"""The job's services that outlive its attempts: where the heartbeat server binds, how often the
+messages it drops are reported, and the control channel's intake of hellos and its refusals."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from supervisor.launch import hosts
 from supervisor.launch.resolve import Resolved
 from supervisor.settings.config import HeartbeatConfig
+from supervisor.watch.control import ControlServer
 from supervisor.watch.heartbeat import HeartbeatServer, node_addresses
 
 BAD_MESSAGES_EVERY_S = 5.0
@@ -49,3 +50,28 @@ async def report_dropped(
                 by_reason=dict(server.dropped),
             )
             reported, last = dropped, now
+
+
+async def serve_control(
+    control: ControlServer, heartbeat: HeartbeatConfig, emit: Callable[..., None]
+) -> None:
+    """Take the ranks' hellos as they come (a rank owns its identity before its first command is
+    due), and say each refused claim of the control channel: a `control_refused` event when the
+    count moves, at most one every BAD_MESSAGES_EVERY_S (a flood must not flood the log)."""
+    reported, last = 0, -BAD_MESSAGES_EVERY_S
+    while True:
+        await asyncio.sleep(heartbeat.check_s)
+        control.drain()
+        by_reason = control.refusals()
+        total = sum(by_reason.values())
+        now = asyncio.get_running_loop().time()
+        if total != reported and now - last >= BAD_MESSAGES_EVERY_S:
+            newest = {"last": control.last_refused} if control.last_refused else {}
+            emit(
+                "control_refused",
+                total=total,
+                new=total - reported,
+                by_reason=dict(by_reason),
+                **newest,
+            )
+            reported, last = total, now

@@ -266,3 +266,5 @@ class StandbyKeeper:
     async def _end(self, attempt: Attempt, reason: str, stopped: bool = False) -> None:
         await attempt.end_standby(reason, stopped)
         self.unroute(attempt)
+        if self.job.control is not None:  # its processes are gone: none claims them again
+            self.job.control.forget(attempt.number)

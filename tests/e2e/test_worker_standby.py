@@ -1,15 +1,15 @@
-"""A warm standby (ES_STANDBY=1) under real mpiexec on CPU/gloo, told by a real ROUTER.
+"""A warm standby (ES_STANDBY=1) under real mpiexec on CPU/gloo, told by the supervisor's real
+control socket.
 
-The test plays the supervisor's two sockets: a PULL for the ranks' signed heartbeats and a
-ROUTER for the control channel (routing id `attempt/rank`). A standby told `go` trains exactly
-the uninterrupted run (fresh, and resumed from a crashed run's checkpoint), for FSDP, FSDP+TP and
-HSDP; told `exit`, or sent SIGTERM, it ends with 0 at once having trained nothing; while it
-waits it takes next to no CPU.
+The test plays the supervisor's two sockets: a PULL for the ranks' signed heartbeats, and the
+supervisor's own control socket (`ControlServer`: CURVE, the ranks' hellos). A standby told
+`go` trains exactly the uninterrupted run (fresh, and resumed from a crashed run's checkpoint),
+for FSDP, FSDP+TP and HSDP; told `exit`, or sent SIGTERM, it ends with 0 at once having trained
+nothing; while it waits it takes next to no CPU.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import signal
@@ -22,7 +22,8 @@ import psutil
 import pytest
 import zmq
 
-from contracts import control_msgs, messages
+from contracts import messages
+from supervisor.watch.control import ControlServer
 from tests.support import ITERS, TINY, inject_env, losses, mpiexec, rank_env, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -47,11 +48,8 @@ class FakeSupervisor:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         pull_port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        control_port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.addrs = (f"tcp://127.0.0.1:{pull_port}", f"tcp://127.0.0.1:{control_port}")
+        self.control = ControlServer(KEY, JOB, "127.0.0.1", "127.0.0.1")
+        self.addrs = (f"tcp://127.0.0.1:{pull_port}", self.control.address)
         self.phase: dict[int, str] = {}
         self.messages: list[tuple[float, dict]] = []  # (monotonic arrival, message)
         self.attempt = 0  # each launch is the next attempt (a standby is never the first)
@@ -111,17 +109,10 @@ class FakeSupervisor:
     def tell(self, action: str, ranks: int) -> float:
         """Send `action` to every rank; returns when it was sent (monotonic)."""
         for rank in range(ranks):
-            msg = control_msgs.control_message(JOB, self.attempt, rank, time.time(), action, 0)
-            frames = [control_msgs.control_identity(self.attempt, rank), messages.encode(KEY, msg)]
             deadline = time.monotonic() + 5
-            while True:
-                try:
-                    self.router.send_multipart(frames, flags=zmq.NOBLOCK)
-                    break
-                except zmq.ZMQError as exc:  # its DEALER not connected yet: retry a moment
-                    if exc.errno != errno.EHOSTUNREACH or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
+            while err := self.control.command(self.attempt, rank, action, time.time()):
+                assert time.monotonic() < deadline, err  # its DEALER not connected yet: retry
+                time.sleep(0.01)
         return time.monotonic()
 
     def first(self, kind: str, since: float) -> float | None:
@@ -129,8 +120,8 @@ class FakeSupervisor:
 
     def close(self) -> None:
         self.pull.close(0)
-        self.router.close(0)
         self.ctx.term()
+        self.control.close()
 
 
 @pytest.fixture

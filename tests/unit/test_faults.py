@@ -20,6 +20,7 @@ from supervisor.settings import config as C
 from supervisor.watch.control import ControlServer
 from tests.support import fake_checkpoints
 from worker.beat import ZmqBeacon
+from worker.control_channel import ControlChannel
 from worker.step_commands import StepFaults
 
 SHAPE = JobShape(train_iters=100, save_interval=10, world=4, nodes=2, ranks_per_node=2)
@@ -313,8 +314,9 @@ def test_control_channel_reaches_the_rank_and_only_that_rank(monkeypatch):
             time.sleep(0.01)
         assert server.send(3, 0, slow) == "rank not connected to the control channel"
         # A command for another attempt, or wrongly signed, is dropped by the rank.
-        server._sock.send_multipart([b"3/1", messages.encode(key, {**slow, "attempt": 2})])
-        server._sock.send_multipart([b"3/1", messages.encode(b"x" * 32, slow)])
+        conn = server.owner(3, 1)
+        server._sock.send_multipart([conn, messages.encode(key, {**slow, "attempt": 2})])
+        server._sock.send_multipart([conn, messages.encode(b"x" * 32, slow)])
         got = []
         while not got and time.monotonic() < deadline:
             got = beacon.commands()
@@ -391,12 +393,10 @@ def test_a_fault_to_many_ranks_never_stalls_the_event_loop():
     )  # fmt: skip
     ctx = zmq.Context()
     dealers = []
-    for r in range(connected):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, control_msgs.control_identity(0, r))
-        s.setsockopt(zmq.LINGER, 0)
+    for r in range(connected):  # the ranks' real ends (their hello, the job's CURVE keys)
+        ident = messages.RankIdentity("job", 0, r, world, "h", os.getpid())
+        s = ControlChannel(control.address, b"k" * 32, ident).open(ctx, zmq)
         s.setsockopt(zmq.RCVTIMEO, 5000)
-        s.connect(control.address)
         dealers.append(s)
     table = AttemptTable(attempt=0, world=world, launched_at=0.0)
     for r in range(world):

@@ -129,8 +129,10 @@ def fake_job(tmp_path, nodes, spares, emitted):
         prepared_plan=lambda env, node: _launch(WAITS, node),
     )
     control = SimpleNamespace(
-        command=lambda a, r, action, t, env=None: told.append((a, r, action, env)) and None
+        command=lambda a, r, action, t, env=None: told.append((a, r, action, env)) and None,
+        forgotten=[],  # the attempts whose identities it let go
     )
+    control.forget = control.forgotten.append
     job = SimpleNamespace(
         resolved=resolved,
         launcher=Launcher(),
@@ -169,6 +171,7 @@ def test_the_keeper_gives_the_new_node_list_its_ranks_and_ends_the_rest(tmp_path
         assert keeper.number is None and keeper.launches == {}  # none kept after a take
         await keeper.close("job over")  # n1's, not taken, ended (told exit first)
         assert (7, 1, "exit", {}) in [(a, r, act, e or {}) for a, r, act, e in told]
+        assert job.control.forgotten == []  # let go once the taken ones are told to become
         await adopted.group.teardown(0.0)
         return adopted
 
@@ -191,6 +194,7 @@ def test_a_node_not_all_waiting_sends_the_relaunch_cold_and_ends_every_one(tmp_p
         say_waiting(keeper, [0, 1])
         got = keeper.take(["n0", "n2"])
         await keeper.close("job over")
+        assert job.control.forgotten == [4]  # all told to exit: 4/r claimed no more
         return got, pids
 
     (adopted, why), pids = asyncio.run(scenario())
@@ -226,6 +230,7 @@ def test_a_become_names_the_rank_and_never_carries_the_key(tmp_path):
     assert (first["RANK"], second["RANK"], first["WORLD_SIZE"]) == ("0", "1", "2")
     assert first["MASTER_ADDR"] == "127.0.0.1" and first["MASTER_PORT"] == second["MASTER_PORT"]
     assert "prepared ranks of attempt 7" in (tmp_path / "009" / "command.txt").read_text()
+    assert job.control.forgotten == [7]  # they are attempt 9's ranks now: 7/r claimed no more
 
 
 def test_a_teardown_leaves_the_supervisor_s_own_helpers_alone(tmp_path):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import zmq
 
 from contracts import control_msgs, env_names, messages
+from supervisor.watch.control import ControlServer
 from worker import startup as S
 from worker.args import parse_args, plan_run
 from worker.beat import Beacon, ZmqBeacon
@@ -104,34 +105,31 @@ def test_warm_up_changes_nothing_the_run_computes(one_rank):
 # --- the beacon's wait ----------------------------------------------------------------------------
 @pytest.fixture
 def control():
-    """A ROUTER for the control channel, a PULL for the beats, and a standby's beacon (attempt 4,
-    rank 1) connected to both."""
+    """The supervisor's real control socket, a PULL for the beats, and a standby's beacon
+    (attempt 4, rank 1) connected to both."""
     ctx = zmq.Context()
-    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
-    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    r_port = router.bind_to_random_port("tcp://127.0.0.1")
+    key = b"k" * 32
+    server = ControlServer(key, "job", "127.0.0.1", "127.0.0.1")
+    pull = ctx.socket(zmq.PULL)
     p_port = pull.bind_to_random_port("tcp://127.0.0.1")
     ident = messages.RankIdentity("job", 4, 1, 2, "h", 1)
-    key = b"k" * 32
-    beacon = ZmqBeacon(f"tcp://127.0.0.1:{p_port}", key, ident, 0.05, f"tcp://127.0.0.1:{r_port}")
+    beacon = ZmqBeacon(f"tcp://127.0.0.1:{p_port}", key, ident, 0.05, server.address)
 
     def send(action: str, key: bytes = key, attempt: int = 4, env=None) -> None:
         frame = messages.encode(
             key, control_msgs.control_message("job", attempt, 1, time.time(), action, 0, env=env)
         )
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                return router.send_multipart([b"4/1", frame])
-            except zmq.ZMQError:  # not connected yet
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+        while (conn := server.owner(4, 1)) is None:  # not connected yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server._sock.send_multipart([conn, frame])  # as signed here, whatever it says
 
     yield beacon, send
     beacon.close()
-    router.close(0)
     pull.close(0)
     ctx.term()
+    server.close()
 
 
 @pytest.mark.parametrize("action", ["go", "exit"])
