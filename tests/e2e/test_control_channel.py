@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import subprocess
-import sys
 import time
 
 import zmq
@@ -18,7 +16,7 @@ from contracts import control_msgs, messages
 from supervisor.run import services
 from supervisor.settings.config import HeartbeatConfig
 from supervisor.watch.control import ControlServer, curve_public
-from tests.support import REPO
+from tests.e2e import control_intruder
 from worker.control_channel import ControlChannel
 
 TRIES = 100
@@ -51,12 +49,6 @@ def received(channel: ControlChannel, want: int, wait_s: float = BOUND_S) -> lis
     return [c["action"] for c in got]
 
 
-def ask(proc: subprocess.Popen, line: str) -> str:
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-    return proc.stdout.readline().strip()
-
-
 def test_a_keyless_intruder_neither_gets_nor_loses_a_ranks_command():
     """Issue 38's figure: for each of 100 identities the intruder connects first, on every way
     it has (the plain routing id, a rank's form of it, CURVE with a guessed server key, and with
@@ -64,16 +56,13 @@ def test_a_keyless_intruder_neither_gets_nor_loses_a_ranks_command():
     rank then gets its `stall` and its `go`, and the intruder gets nothing."""
     key = secrets.token_hex(32).encode()
     server = ControlServer(key, "job", "127.0.0.1", "127.0.0.1")
-    leaked = curve_public(control_msgs.curve_secret(key, control_msgs.CURVE_SERVER)).hex()
-    intruder = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e.control_intruder", server.address, leaked],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-    )  # fmt: skip
+    leaked = curve_public(control_msgs.curve_secret(key, control_msgs.CURVE_SERVER))
+    intruder = control_intruder.start(server.address, leaked)
     ctx = zmq.Context()
     delivered, stolen = 0, 0
     try:
         for attempt in range(TRIES):
-            assert ask(intruder, f"claim {attempt} 0") == "claimed"
+            assert control_intruder.ask(intruder, f"claim {attempt} 0") == "claimed"
             rank = rank_end(server, key, attempt)
             sock = rank.open(ctx, zmq)
             try:
@@ -84,11 +73,10 @@ def test_a_keyless_intruder_neither_gets_nor_loses_a_ranks_command():
             finally:
                 rank.close()
             delivered += got == ["stall", "go"]
-            stolen += int(ask(intruder, "report").removeprefix("got "))
+            stolen += int(control_intruder.ask(intruder, "report").removeprefix("got "))
             server.forget(attempt)
     finally:
-        intruder.stdin.close()
-        intruder.wait(10)
+        control_intruder.stop(intruder)
         ctx.term()
         server.close()
     print(f"the real rank got every command in {delivered} of {TRIES} tries; intruder: {stolen}")

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from contracts.env_names import ENV_MEM_ROOT
+from tests.e2e import control_intruder
 from tests.support import (
     ITERS,
     TINY,
@@ -114,6 +115,20 @@ def standby_processes(run, attempt: int) -> list[psutil.Process]:
     return procs
 
 
+def knock_as_the_standby(run, proc, attempt: int, ranks: int) -> subprocess.Popen:
+    """A keyless process knocking as each rank of the standby `attempt` on the supervisor's
+    control socket, found as a port scan would: the supervisor's listening TCP port that is not
+    its heartbeat's."""
+    start = wait_for(run, lambda e: e["event"] == "start", proc)
+    heartbeat = int(start["heartbeat"].rsplit(":", 1)[1])
+    conns = psutil.Process(start["pid"]).net_connections("tcp")
+    (port,) = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN} - {heartbeat}
+    intruder = control_intruder.start(f"tcp://127.0.0.1:{port}")
+    for rank in range(ranks):
+        assert control_intruder.ask(intruder, f"claim {attempt} {rank} 0.05") == "claimed"
+    return intruder
+
+
 def assert_no_standby_survives(run, procs: list[psutil.Process], after: str) -> None:
     _, alive = psutil.wait_procs(procs, timeout=20)
     assert not alive, f"standby processes left after {after}: {alive}"
@@ -145,7 +160,11 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
     run = tmp_path / "run"
     faults = (PACE, KILL_ALL) if before_ckpt else (PACE,)
     proc = start(write_config(tmp_path, ranks, worker, faults=faults, env=env))
+    intruder = None
     try:
+        # Before the standby's ranks connect, a keyless process knocks as each of them (issue 38,
+        # item 5): they get their `go` all the same, and it gets nothing.
+        intruder = knock_as_the_standby(run, proc, 1, ranks)
         first = wait_for(run, lambda e: e["event"] == "first_step" and e["attempt"] == 0, proc)
         ready = wait_for(run, lambda e: e["event"] == "standby_ready", proc, timeout=120)
         assert ready["mono"] > first["mono"] and ready["attempt"] == 1  # launched after step 1
@@ -158,10 +177,14 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
         if not before_ckpt:
             kill_ranks(run, 0, ranks)
         rc, out = finish(proc)
+        stolen = control_intruder.ask(intruder, "report")
     finally:
         if proc.poll() is None:
             proc.kill()
+        if intruder is not None:
+            control_intruder.stop(intruder)
     assert rc == 0, out
+    assert stolen == "got 0"
     evs = events(run)
     relaunch = next(e for e in evs if e["event"] == "relaunch")
     assert (relaunch["attempt"], relaunch["mode"]) == (1, "warm")
