@@ -142,11 +142,14 @@ class Resolved:
         )
 
     def summary(self) -> str:
-        """`mpiexec [hydra], 1 node(s) x 2 ranks = 2, worker worker.train` (validate's ok)."""
+        """`mpiexec [hydra], 2 node(s) x 2 ranks = 4 + 1 spare, worker worker.train` (validate's
+        ok): the ranks are the active nodes', so the spares are said apart."""
         launch = self.cfg.launch
+        spares = len(self.pool.spares)
+        extra = f" + {spares} spare{'' if spares == 1 else 's'}" if spares else ""
         return (
-            f"{launch.launcher} [{self.flavor}], {len(self.nodes)} node(s) x "
-            f"{launch.ranks_per_node} ranks = {self.world}, worker {self.cfg.worker.module}"
+            f"{launch.launcher} [{self.flavor}], {len(self.pool.active)} node(s) x "
+            f"{launch.ranks_per_node} ranks = {self.world}{extra}, worker {self.cfg.worker.module}"
         )
 
     def resolved_dict(self) -> dict[str, Any]:

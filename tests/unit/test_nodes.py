@@ -221,3 +221,16 @@ def test_a_stop_leaves_no_node_both_excluded_and_active_or_spare():
     assert change.action == "stop"
     assert (change.pool.active, change.pool.spares) == (("n0", "n2"), ())
     assert set(change.pool.excluded) == {"n1", "n3"}
+
+
+def test_validate_s_line_counts_the_active_nodes_and_says_the_spares_apart(tmp_path):
+    """Issue 40, item 9: 2 active nodes and 1 spare of 2 ranks each were `3 node(s) x 2 ranks
+    = 4`, a product that is not one."""
+    from supervisor.launch.resolve import Resolved
+
+    cfg = _cfg(emulate_nodes=True, nodes=["n0", "n1", "n2"], spares=1, ranks_per_node=2)
+    line = Resolved(cfg, tmp_path, ["n0", "n1", "n2"], "/bin/mpiexec", "hydra").summary()
+    assert "2 node(s) x 2 ranks = 4 + 1 spare," in line, line
+    one = _cfg(ranks_per_node=2)
+    line = Resolved(one, tmp_path, ["localhost"], "/bin/mpiexec", "hydra").summary()
+    assert "1 node(s) x 2 ranks = 2, worker" in line, line
