@@ -79,7 +79,8 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         startup_s=startup,
         restarts=sum(1 for e in ev if e.get("event") == "relaunch"),
         failures=len(failures),
-        faults=sum(1 for e in ev if e.get("event") == "fault"),
+        faults=sum(1 for f in failures if f.fault),  # a `slow` or `nan` fault fails nothing
+        fired=fired_by_action(ev),
         # and what a supervisor reached beyond where the next took the job up (it was killed)
         lost_steps=sum(f.lost_steps or 0 for f in failures) + sum(x.lost or 0 for x in lives),
         downtime_s=_union(
@@ -124,6 +125,16 @@ def analyze(data: RunData, baseline: RunData | None = None) -> Analysis:
         newest=newest,
         pool=pool_now(ev),
     )
+
+
+def fired_by_action(ev: list[dict]) -> dict[str, int]:
+    """The `fault` events by action (`{"slow": 3}`): what was injected, failure or not."""
+    out: dict[str, int] = {}
+    for e in ev:
+        if e.get("event") == "fault":
+            action = str(e.get("action") or "?")
+            out[action] = out.get(action, 0) + 1
+    return out
 
 
 def _final_step(done: dict | None, best: int | None) -> int | None:

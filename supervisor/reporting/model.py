@@ -171,7 +171,7 @@ class Totals:
     startup_s: float | None  # first launch -> first productive step
     restarts: int
     failures: int
-    faults: int
+    faults: int  # failures caused by an injected fault
     lost_steps: int
     downtime_s: float
     recompute_s: float
@@ -179,6 +179,7 @@ class Totals:
     overhead_s: float | None = None
     overhead_per_failure_s: float | None = None
     reason: str | None = None  # supervisor_exit's reason: why the job ended
+    fired: dict[str, int] = field(default_factory=dict)  # `fault` events by action
 
     @property
     def ended_because(self) -> str | None:

@@ -174,6 +174,7 @@ def totals_md(a: Analysis) -> list[str]:
         ["first launch → first step (s)", _s(t.startup_s)],
         ["restarts", _restarts(a)],
         ["failures (of them injected faults)", f"{t.failures} ({t.faults})"],
+        *([["faults injected (by action)", _fired(t.fired)]] if t.fired else []),
         ["lost steps", str(t.lost_steps)],
         ["downtime (s)", _s(t.downtime_s)],
         ["recomputing lost steps (s)", _s(t.recompute_s)],
@@ -190,6 +191,12 @@ def totals_md(a: Analysis) -> list[str]:
     if a.skipped_lines:
         rows.append(["metrics lines skipped (malformed)", str(a.skipped_lines)])
     return table(["total", "value"], rows)
+
+
+def _fired(fired: dict[str, int]) -> str:
+    """`4 (kill 1, slow 3)`: every `fault` event, a failure or not (a `slow` one is none)."""
+    parts = ", ".join(f"{action} {n}" for action, n in sorted(fired.items()))
+    return f"{sum(fired.values())} ({parts})"
 
 
 def _restarts(a: Analysis) -> str:
