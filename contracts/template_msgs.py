@@ -29,6 +29,9 @@ _LENGTH = struct.Struct(">I")
 # rank cold, keep them blocked until the rank has its handlers: one that came early (a stop while
 # the template imports) waits for them instead of ending the rank or being lost.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The line a template prints once its imports are done and it serves: until the supervisor reads
+# it, the template's start is taking its node's cores (its ranks' straggler scores wait).
+READY_LINE = "template: ready"
 
 
 class TemplateError(Exception):

@@ -113,7 +113,7 @@ class Template:
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, "listen")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        print(f"template: ready, pid {os.getpid()}", flush=True)
+        print(f"{template_msgs.READY_LINE}, pid {os.getpid()}", flush=True)
         while not self.ending:
             for key, _ in self.selector.select(self._next_deadline()):
                 self._ready(key)

@@ -8,7 +8,9 @@ ranks' computes; a rank whose median score over its last `window` observations i
 `threshold` is a straggler. Medians on both sides keep one noisy step, or one noisy rank, from
 moving anything. One finding per episode: a rank flagged is flagged again only after its
 window's median fell back to the threshold or below. A node's ranks flagged at once are one
-finding, named with their node.
+finding, named with their node. A node where the job's own processes are starting (its warm
+standby, its prepared ranks, a fork template: imports that take the node's cores) is not
+judged meanwhile: its ranks' observations of those steps are not scored (`StartingNodes`).
 
 Pure: fed observations, returns findings; the supervisor acts (supervisor.run.stragglers).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 # A median compute below this is taken as this: a rank of a job whose steps are all wait (or
@@ -74,12 +76,18 @@ class StragglerScore:
     flagged: set[int] = field(default_factory=set)
     observations: int = 0
     steps: deque[int] = field(default_factory=deque)  # the steps of the last `window` ones
+    judged: dict[int, deque[int]] = field(default_factory=dict)  # a rank's scored ones' steps
 
     def observe(
-        self, step: int, computes: Mapping[int, float], node_of: Callable[[int], str]
+        self,
+        step: int,
+        computes: Mapping[int, float],
+        node_of: Callable[[int], str],
+        busy: Collection[str] = (),
     ) -> list[StragglerFinding]:
         """One observation (each rank's latest step compute, at about `step`): the findings it
-        makes, one per node with a rank newly above the threshold."""
+        makes, one per node with a rank newly above the threshold. The ranks of `busy` nodes
+        (the job's own processes starting there) count in the median, but are not scored."""
         now = scores(computes)
         if not now:
             return []
@@ -89,10 +97,14 @@ class StragglerScore:
             self.steps.popleft()
         new: dict[str, list[tuple[int, float]]] = {}
         for rank, score in now.items():
+            if busy and node_of(rank) in busy:
+                continue
             hist = self.history.get(rank)
             if hist is None:
                 hist = self.history[rank] = deque(maxlen=self.window)
+                self.judged[rank] = deque(maxlen=self.window)
             hist.append(score)
+            self.judged[rank].append(step)
             over = window_score(hist, self.window)
             if over is None:
                 continue
@@ -109,10 +121,38 @@ class StragglerScore:
                 max(s for _, s in found),
                 step,
                 self.window,
-                self.steps[0],
+                min(self.judged[r][0] for r, _ in found),
             )
             for node, found in sorted(new.items())
         ]
+
+
+@dataclass
+class StartingNodes:
+    """Which steps each node's ranks took while the job's own processes started there (a
+    standby, prepared ranks, a fork template), from what the caller sees at each check: a node
+    starting now marks every step said so far, and goes on marking them for `settle_s` after
+    its start ended (a step computed during the start may be said a beat later)."""
+
+    settle_s: float
+    upto: dict[str, int] = field(default_factory=dict)  # node -> newest step marked
+    ended: dict[str, float] = field(default_factory=dict)  # node -> when its start was over
+
+    def note(self, starting: Collection[str], newest_step: int, now: float) -> None:
+        """At a check: the nodes starting now, the newest step any rank has said."""
+        for node in starting:
+            self.ended.pop(node, None)
+            self.upto[node] = max(self.upto.get(node, newest_step), newest_step)
+        for node in list(self.upto):
+            if node in starting:
+                continue
+            since = self.ended.setdefault(node, now)
+            if now - since <= self.settle_s:
+                self.upto[node] = max(self.upto[node], newest_step)
+
+    def busy_at(self, step: int) -> frozenset[str]:
+        """The nodes whose ranks are not judged at an observation of `step`."""
+        return frozenset(node for node, upto in self.upto.items() if step <= upto)
 
 
 def replace_now(found_step: int, ckpt_complete: int | None, last_step: int | None) -> bool:

@@ -96,6 +96,7 @@ class Attempt:
             lambda: len(job.resolved.pool.spares),
             self.emit,
             job.restarts_left,
+            job.starting,
         )
         self.replaced: StragglerFinding | None = None  # stopped for this straggler
         self.adopt = adopt  # prepared ranks to start as this attempt's, not a launch

@@ -87,6 +87,9 @@ class JobContext:
     control: ControlServer | None = None  # signed commands to ranks (faults, standby go/exit)
     restarts_left: Callable[[], int] = lambda: 1  # the job's (a straggler's relaunch is one)
     intervals: IntervalKeeper | None = None  # "auto" checkpoint intervals, when there are any
+    # The nodes where the job's own standby, prepared ranks or fork template are starting now
+    # (their imports take the node's cores: its ranks' straggler scores wait).
+    starting: Callable[[], set[str]] = set
 
     def rank_env(self, attempt: int, attempt_dir: Path, standby: bool) -> dict[str, str]:
         """The environment of one attempt's ranks: [launch] env, then the contract's names."""

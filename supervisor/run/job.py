@@ -38,6 +38,11 @@ from supervisor.watch.control import ControlServer, bind_for
 from supervisor.watch.rank_table import AttemptTable
 
 
+def starting_nodes(*keepers: Any) -> set[str]:
+    """Where the job's own standby, prepared ranks or fork templates are starting now."""
+    return set().union(*(k.starting_nodes() for k in keepers if k is not None))
+
+
 class Job:
     """Runs a resolved job to its end and returns the supervisor's exit code."""
 
@@ -113,7 +118,7 @@ class Job:
             self.resolved, self.job_id, self.key, server.address, self.launcher, self.faults,
             self.emit, lambda: server.drain(self._on_message), self.console, self.control,
             lambda: restarts.restarts_left(self.cfg.restart.max_restarts, self.restarts),
-            self.intervals,
+            self.intervals, lambda: starting_nodes(self.standby, self.prepared, self.templates),
         )  # fmt: skip
         if self.standby_off is None:
             self.standby = StandbyKeeper(

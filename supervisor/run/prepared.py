@@ -153,6 +153,17 @@ class PreparedRanks:
             out[node] = [st.rank for st in mine if st is not None and st.phase == "standby"]
         return out
 
+    def starting_nodes(self) -> set[str]:
+        """The nodes whose prepared ranks are launched and not all waiting yet."""
+        if self.table is None:
+            return set()
+        waiting, per_node = self.ready(), self.job.resolved.cfg.launch.ranks_per_node
+        return {
+            node
+            for node, run in self.launches.items()
+            if not run.exits and len(waiting.get(node, ())) < per_node
+        }
+
     def take(self, nodes: list[str]) -> tuple[Adopted | None, str | None]:
         """The prepared ranks for an attempt on `nodes`, or (None, why not). Those not taken
         are ended in the background; either way none are kept until `ensure`."""

@@ -192,6 +192,13 @@ class StandbyKeeper:
         their node (`node_loss`)."""
         return [a.table for a in (self.attempt, self._dropped) if a is not None]
 
+    def starting_nodes(self) -> set[str]:
+        """The nodes of a standby launched or launching and not ready yet."""
+        attempt = self.attempt
+        if attempt is None or attempt.ready_at is not None:
+            return set()
+        return set(attempt.nodes)
+
     def _end_dropped(self) -> None:
         attempt, self._dropped = self._dropped, None
         if attempt is not None:

@@ -1,15 +1,18 @@
 """An attempt's stragglers: scored as its ranks report, said in `straggler` events, and with
 `[stragglers] action = "replace"` a replacement set up for the next durable checkpoint.
 
-The score and the response are pure (supervisor.policy.stragglers); this feeds them, emits, and
-sets `replace_due` once the checkpoint after a finding is complete: the attempt then stops its
-ranks gracefully and the job relaunches without the slow node (supervisor.run.job).
+The score and the response are pure (supervisor.policy.stragglers); this feeds them (with the
+nodes where the job's own standby, prepared ranks or a fork template are starting: not judged
+meanwhile), emits, and sets `replace_due` once the checkpoint after a finding is complete: the
+attempt then stops its ranks gracefully and the job relaunches without the slow node
+(supervisor.run.job).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from contracts.exit_codes import ExitCode
@@ -19,6 +22,10 @@ from supervisor.policy.stragglers import StragglerFinding
 from supervisor.settings import checks
 from supervisor.settings.config import Config
 from supervisor.watch.step_times import StepTimes
+
+# A node's start is taken to slow its ranks' steps for this many heartbeat intervals after it
+# ended: a step computed during it may be said a beat later.
+SETTLE_BEATS = 3
 
 
 class StragglerWatch:
@@ -33,12 +40,15 @@ class StragglerWatch:
         spares: Callable[[], int],
         emit: Callable[..., None],
         restarts_left: Callable[[], int] = lambda: 1,
+        starting: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         st = cfg.stragglers
         self.cfg = cfg
         self.on = st.enabled
         self.times = StepTimes(world)
         self.score = stragglers.StragglerScore(st.threshold, st.window)
+        self.starting = starting  # the nodes where the job's own processes start now
+        self.busy = stragglers.StartingNodes(SETTLE_BEATS * cfg.heartbeat.interval_s)
         self.nodes = list(nodes)
         self.spares = spares
         self.restarts_left = restarts_left
@@ -58,14 +68,18 @@ class StragglerWatch:
         if self.on:
             self.times.take(msg)
 
-    def check(self, ckpt_complete: int | None) -> None:
-        """At each quiet check: score the new observations, say what they found; set
-        `replace_due` once a durable checkpoint newer than the pending finding's step is
-        complete, unless it is the job's last step (nothing is left to run on the spare)."""
+    def check(self, ckpt_complete: int | None, now: float | None = None) -> None:
+        """At each quiet check: score the new observations (not those of a node where the
+        job's own processes were starting), say what they found; set `replace_due` once a
+        durable checkpoint newer than the pending finding's step is complete, unless it is the
+        job's last step (nothing is left to run on the spare)."""
         if not self.on:
             return
+        now = time.monotonic() if now is None else now
+        self.busy.note(self.starting(), self.times.newest, now)
         for step, computes in self.times.observations():
-            for finding in self.score.observe(step, computes, self.node_of):
+            busy = self.busy.busy_at(step)
+            for finding in self.score.observe(step, computes, self.node_of, busy):
                 self._found(finding)
         pending = self.replacing
         if pending is not None and stragglers.replace_now(

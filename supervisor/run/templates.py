@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from contracts import env_names
+from contracts import env_names, template_msgs
 from supervisor.launch.processes import Launched
 from supervisor.policy import exits
 from supervisor.run.context import JobContext
@@ -41,6 +41,7 @@ class Templates:
         self.job = job
         self.launches: dict[str, Launched] = {}
         self.lost: dict[str, int] = {}  # node -> templates lost in a row there
+        self.ready: set[str] = set()  # nodes whose template said it serves
         self._watches: set[asyncio.Future] = set()
         self.over = False
 
@@ -80,7 +81,20 @@ class Templates:
         if started:
             self.job.emit("template_launch", nodes=started)
 
+    def starting_nodes(self) -> set[str]:
+        """The nodes whose template is still importing (it has not said `READY_LINE`)."""
+        out = set()
+        for node, run in self.launches.items():
+            if node in self.ready:
+                continue
+            if any(template_msgs.READY_LINE in line for line in tuple(run.tail)):  # pumps append
+                self.ready.add(node)
+            elif not run.exits:
+                out.add(node)
+        return out
+
     async def _start_one(self, node: str) -> bool:
+        self.ready.discard(node)
         with contextlib.suppress(OSError):
             self.folder.mkdir(parents=True, exist_ok=True)
         plan = self.job.resolved.template_plan(self.env(), node)

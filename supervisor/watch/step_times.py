@@ -26,6 +26,7 @@ class StepTimes:
         self.latest: dict[int, tuple[int, float]] = {}
         self.steps: dict[int, dict[int, float]] = {}  # rank -> step -> compute, not observed
         self.observed_step = -1  # the step of the last observation
+        self.newest = -1  # the newest step any rank has said
 
     def take(self, msg: dict[str, Any]) -> None:
         """A verified message of this attempt; those without compute seconds change nothing."""
@@ -38,12 +39,14 @@ class StepTimes:
                 self._step(rank, step, seconds)
             if compute is not None:
                 self.latest[rank] = (msg["step"], compute)
+            self.newest = max(self.newest, msg["step"])
         elif kind == "summary" and "compute" in msg:
             ranks = messages.expand_ranks(msg["ranks"])
             steps = messages.expand(msg["steps"])
             for rank, step, compute in zip(ranks, steps, msg["compute"], strict=True):
                 if compute is not None and 0 <= rank < self.world:
                     self.latest[rank] = (step, compute)
+                    self.newest = max(self.newest, step)
 
     def _step(self, rank: int, step: int, compute: float) -> None:
         self.latest[rank] = (step, compute)
