@@ -14,8 +14,9 @@ def error_of(rank_errors: Mapping[int, str], tail: Sequence[str]) -> str | None:
     traceback ends with the exception), else the last line of output that reads like an error
     and is no warning (`is_warning`: the rank went on after it, so it did not end the attempt).
     Two attempts that fail alike give the same line (no pids or times in it)."""
-    if rank_errors:
-        message = rank_errors[min(rank_errors)].strip().splitlines()
+    if rank_errors:  # a rank's own error before a survivor's word that its peer is gone
+        own = [r for r, m in rank_errors.items() if not peer_lost(m)] or list(rank_errors)
+        message = rank_errors[min(own)].strip().splitlines()
         return message[-1][:MAX_ERROR_CHARS] if message else None
     found = None
     after_warning = False  # the indented lines below a Python warning are part of it
@@ -31,6 +32,13 @@ def error_of(rank_errors: Mapping[int, str], tail: Sequence[str]) -> str | None:
         if _ERRORISH.search(text):
             found = text
     return found[:MAX_ERROR_CHARS] if found is not None else None
+
+
+def peer_lost(message: str) -> bool:
+    """A rank's error that says only that another rank is gone (gloo's "Connection closed by
+    peer", a reset, a broken pipe): what a survivor of another rank's failure reports, no fault
+    of its own."""
+    return _PEER_LOST.search(message) is not None
 
 
 def is_warning(line: str) -> bool:
@@ -69,6 +77,10 @@ _RANK_PREFIX = re.compile(r"^\[\d+\]\s?")
 _ERRORISH = re.compile(r"error|exception|could not|cannot|failed|denied|not found", re.I)
 _PY_WARNING = re.compile(r"\S.*:\d+: \w*Warning: ")
 _WARNING = re.compile(rf"warn(?:ing)?\b|\[W[\d ]|{_PY_WARNING.pattern}", re.I)
+_PEER_LOST = re.compile(
+    r"connection (reset|closed) by peer|broken pipe|remote process exited|peer .*(closed|died)",
+    re.IGNORECASE,
+)
 _UNRESOLVED_HOST = re.compile(r"[Cc]ould not resolve hostname ([^\s:]+)")
 _ALLOCATION_GONE = re.compile(
     r"Slurm job \d+ has expired|[Jj]ob allocation \d+ has been revoked|"

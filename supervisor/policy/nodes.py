@@ -14,6 +14,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from supervisor.policy import error_lines
+
 
 @dataclass(frozen=True)
 class NodePool:
@@ -103,13 +105,6 @@ def attribute(facts: FailureFacts, active: Sequence[str], ranks_per_node: int) -
     return Attribution(None, (), "no fact names a rank")
 
 
-# What a rank says when a peer is gone, not of its own fault (gloo, NCCL, MPI over sockets).
-_PEER_LOST = re.compile(
-    r"connection (reset|closed) by peer|broken pipe|remote process exited|peer .*(closed|died)",
-    re.IGNORECASE,
-)
-
-
 def own_errors(
     errors: Mapping[int, str], error_at: Mapping[int, float], first_gone: float
 ) -> tuple[int, ...]:
@@ -119,7 +114,7 @@ def own_errors(
     return tuple(
         r
         for r, at in error_at.items()
-        if at < first_gone and not _PEER_LOST.search(errors.get(r, ""))
+        if at < first_gone and not error_lines.peer_lost(errors.get(r, ""))
     )
 
 

@@ -46,7 +46,7 @@ class RankWatch:
             self.emit(note.event, **note.fields)
             if note.event == "rank_hello" and note.fields["host"] == hosts.this_host():
                 self.exits.watch(note.fields["rank"], note.fields["pid"])
-            elif note.event == "rank_error":
+            elif note.event in ("rank_error", "rank_peer_lost"):
                 self.error_at.setdefault(note.fields["rank"], now)
         if msg["kind"] == "phase" and msg["phase"] == "standby" and msg["rank"] == 0:
             prepared = msg.get("prepared")

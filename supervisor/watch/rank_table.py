@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts import messages
+from supervisor.policy import error_lines
 from supervisor.policy.limits import Limits, fixed_limits
 from supervisor.policy.liveness import Finding, RankState, judge_ranks
 from supervisor.settings.config import HeartbeatConfig
@@ -259,7 +260,9 @@ class AttemptTable:
             st.said_error_at = now
             if msg.get("cause") == "diverged" and self.diverged is None:
                 self.diverged = msg["message"]
-            events.append(EventToEmit("rank_error", {"rank": rank, "message": msg["message"]}))
+            # A survivor's word that a peer is gone is the other rank's failure, not its own.
+            said = "rank_peer_lost" if error_lines.peer_lost(msg["message"]) else "rank_error"
+            events.append(EventToEmit(said, {"rank": rank, "message": msg["message"]}))
         elif kind == "done":
             self._move(st, "done", msg["step"], now)
             first = not self.done_ranks

@@ -234,3 +234,22 @@ def test_validate_s_line_counts_the_active_nodes_and_says_the_spares_apart(tmp_p
     one = _cfg(ranks_per_node=2)
     line = Resolved(one, tmp_path, ["localhost"], "/bin/mpiexec", "hydra").summary()
     assert "1 node(s) x 2 ranks = 2, worker" in line, line
+
+
+def test_a_survivor_s_connection_closed_by_peer_is_no_rank_error():
+    """Issue 40, item 9: rank 1 killed, rank 0's gloo says "Connection closed by peer": that was
+    a `rank_error` (an error event, and the attempt's error line, rank 0 being the lowest)."""
+    from contracts import messages
+    from supervisor.policy.error_lines import error_of
+    from supervisor.watch.rank_table import AttemptTable
+    from tests.support import BEACON_JOB
+
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1234"
+    t = AttemptTable(attempt=0, world=2, launched_at=0.0)
+    zero, one = (messages.RankIdentity(BEACON_JOB, 0, r, 2, "h", 7) for r in (0, 1))
+    (said,) = t.update(zero.message("error", 1.0, message=peer), 1.0)
+    assert (said.event, said.fields) == ("rank_peer_lost", {"rank": 0, "message": peer})
+    (said,) = t.update(one.message("error", 1.0, message="ValueError: injected"), 1.0)
+    assert said.event == "rank_error"
+    assert error_of(t.errors, []) == "ValueError: injected"  # the rank's own, not the survivor's
+    assert error_of({0: peer}, []) == peer  # nothing else said: still a line
