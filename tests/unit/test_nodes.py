@@ -253,3 +253,43 @@ def test_a_survivor_s_connection_closed_by_peer_is_no_rank_error():
     assert said.event == "rank_error"
     assert error_of(t.errors, []) == "ValueError: injected"  # the rank's own, not the survivor's
     assert error_of({0: peer}, []) == peer  # nothing else said: still a line
+
+
+BANNER = [
+    "[0] step 236/100000 loss 10.6730 dt 451.7ms tps 2267",
+    "",
+    "===================================================================================",
+    "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+    "=   PID 3775 RUNNING AT vm",
+    "=   EXIT CODE: 9",
+    "=   CLEANING UP REMAINING PROCESSES",
+    "=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES",
+    "===================================================================================",
+    "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)",
+    "This typically refers to a problem with your application.",
+    "Please see the FAQ page for debugging suggestions",
+]  # an injected kill's attempts/NNN/output.log, as MPICH Hydra writes it
+
+
+def test_mpich_s_bad_termination_banner_is_one_line_on_the_console():
+    """Issue 40, item 9: every injected kill put MPICH's 10-line banner ("... Please see the
+    FAQ page ...") on the console; it is one line there with its facts, whole in output.log."""
+    import io
+
+    from supervisor.run.attempt_events import fold_banners, show_tail
+
+    tail = [*BANNER, "[1] after it"]
+    folded = fold_banners(tail)
+    assert folded == [
+        BANNER[0],
+        "[mpiexec] BAD TERMINATION: PID 3775 RUNNING AT vm, EXIT CODE: 9, Killed (signal 9); "
+        "the banner whole in output.log",
+        "[1] after it",
+    ]
+    console = io.StringIO()
+    show_tail(console, 3, tail)
+    text = console.getvalue()
+    assert "FAQ" not in text and "=====" not in text and text.count("BAD TERMINATION") == 1
+    assert launcher_named_ranks(tail, {1: 3775}) == (1,)  # the attribution reads it whole
+    assert fold_banners(BANNER[3:]) == BANNER[3:]  # not seen from its first rule: as it is
+    assert fold_banners(["=" * 40, "no banner"]) == ["=" * 40, "no banner"]
