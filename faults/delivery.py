@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts import control_msgs
-from faults import actions
+from faults.actions import send_signal
 from faults.protocols import ControlChannel, RankView
 from faults.spec import IN_STEP, FaultSpec
 
@@ -87,7 +87,7 @@ class Delivery:
             via = "control" if spec.via == "control" or act.kind in IN_STEP or remote else "signal"
             vias.append(via)
             if via == "signal":
-                err = actions.send_signal(st.pid, act.signum)
+                err = send_signal(st.pid, act.signum)
             else:
                 command = self._command(spec, attempt, st.rank, at_step)
                 err = self.control.send(attempt, st.rank, command)

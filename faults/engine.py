@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from contracts import ckpt_files, scratch
-from faults import actions, inflight
+from faults.actions import Damage, corrupt, now_pair, remove_tree, unmark
 from faults.delivery import Delivery
-from faults.inflight import InFlight, Key, Pending
+from faults.inflight import InFlight, Key, Pending, events
 from faults.protocols import ControlChannel, RankTable
 from faults.schedule import Facts, Firing, Schedule
 from faults.spec import DISRUPTIVE, IN_STEP, NUMERIC, FaultSpec
@@ -195,7 +195,7 @@ class FaultEngine:
 
     def _fire(self, f: Firing, table: RankTable) -> None:
         spec, act = f.spec, f.spec.action
-        wall, mono = actions.now_pair()
+        wall, mono = now_pair()
         extra: dict[str, Any] = {}
         elapsed = mono - self.started
         known = self.ckpts.newest_good()
@@ -266,7 +266,7 @@ class FaultEngine:
 
     def _resolved(self, done: list[Pending]) -> None:
         for p in done:
-            for name, fields in inflight.events(p):
+            for name, fields in events(p):
                 if name == "fault":
                     self._emit_fault(fields)
                 else:
@@ -286,15 +286,15 @@ class FaultEngine:
                 errors=[f"rank {r}: {why}" for r, why in sorted(failed.items())],
             )  # fmt: skip
 
-    def _damage(self, f: Firing) -> tuple[actions.Damage | None, list[str]]:
+    def _damage(self, f: Firing) -> tuple[Damage | None, list[str]]:
         """`corrupt` or `unmark` the newest complete checkpoint: (what it did, errors)."""
         act = f.spec.action
         if act.kind not in CKPT_DAMAGE or self.ckpt_dir is None:
             return None, []
         if act.kind == "corrupt":
-            damage = actions.corrupt(self.ckpt_dir, act.mode, f.ranks[0])
+            damage = corrupt(self.ckpt_dir, act.mode, f.ranks[0])
         else:
-            damage = actions.unmark(self.ckpt_dir)
+            damage = unmark(self.ckpt_dir)
         if damage is None:
             return None, [f"no complete checkpoint with shards in {self.ckpt_dir}"]
         self.ckpts.damaged.add(damage.step)
@@ -333,7 +333,7 @@ class FaultEngine:
         if env is None or not scratch.per_node(env):
             return node, None
         root = scratch.mem_root(env, node)
-        return node, root if actions.remove_tree(root) else None
+        return node, root if remove_tree(root) else None
 
     def _marker(self, step: int | None) -> dict[str, Any]:
         """The gate's evidence: the `.complete` the fault waited for, and when it was written."""

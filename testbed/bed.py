@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from testbed import etc_hosts, host, network, procs, run_dir, slurm
+import testbed.etc_hosts as etc_hosts
+import testbed.host as host
+import testbed.network as network
+import testbed.procs as procs
+import testbed.run_dir as run_dir
+import testbed.slurm as slurm
 from testbed.commands import BedError
 from testbed.layout import RUN_DIR, SCRATCH, BedPlan, host_hosts_file, plan
 from testbed.probe import available

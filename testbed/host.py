@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-from testbed import procs
+import testbed.procs as procs
 from testbed.commands import BedError
 from testbed.layout import SCRATCH, HostPlan, enter_argv
 from testbed.network import NETNS_DIR

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from testbed import network
+import testbed.network as network
 from testbed.commands import BedError, run
 
 TOOLS = ("ip", "nsenter", "unshare", "mount", "sh")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from contracts.intervals import AUTO, DURABLE, MEMORY
+from worker import guard
 from worker.args import TrainArgs, guard_config
 from worker.beat import Beacon
 from worker.ckpt import owner, resume
@@ -245,6 +246,7 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
         beacon=setup.beacon,
         say=setup.say,
         hooks=state.hooks,
+        data_check=guard.record_problem,  # the record is the loop's: its guard judges it
     )
     resumed = ckpt.load(chosen)
     setup.startup.mark("load")

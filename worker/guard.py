@@ -222,13 +222,6 @@ def rollback_range(
     return first, last
 
 
-def may_roll_back_to(ckpt_step: int | None, bad_step: int, own_steps: set[int]) -> bool:
-    """A rollback goes only to a checkpoint of this run's own past: one it saved or resumed
-    from, of a step before the bad one. A checkpoint directory can hold another run's (a run
-    given --no-resume): loading one would swap in that run's weights and step."""
-    return ckpt_step is not None and ckpt_step < bad_step and ckpt_step in own_steps
-
-
 def parse_ranges(text: str) -> tuple[Range, ...]:
     """`A-B,C-D` (or a single position `A`) to merged ranges; ValueError saying what is wrong."""
     out: list[Range] = []

@@ -21,7 +21,7 @@ from supervisor.settings.config import (
     flags_from_table,
     guard_flags,
 )
-from supervisor.settings.launcher_kinds import KIND_FACTS
+from supervisor.settings.launcher_kinds import FLAVOR_EMULATES, KIND_FACTS
 
 PHASE_NAMES = ("init", "load", "train", "save")
 # A job name becomes a path component (the run dir's {name}, the memory tier's and the stage
@@ -140,7 +140,7 @@ def check(cfg: Config) -> None:
     need(launch.spares >= 0, "launch.spares", "expected an integer >= 0")
     if launch.emulate_nodes:
         need(
-            launcher.emulates_nodes and launch.flavor != "pals",
+            launcher.emulates_nodes and FLAVOR_EMULATES.get(launch.flavor, False),
             "launch.emulate_nodes",
             'emulated nodes need MPICH\'s mpiexec (launcher = "mpiexec", flavor hydra)',
         )

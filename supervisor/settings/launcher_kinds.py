@@ -18,3 +18,6 @@ KIND_FACTS: dict[str, KindFacts] = {
     "srun": KindFacts(this_host_only=False, emulates_nodes=False),
     "local": KindFacts(this_host_only=True, emulates_nodes=False),
 }
+# `launch.flavor` (of a kind with flavors: mpiexec), and whether it may run emulated nodes: only
+# MPICH Hydra's fork launcher can ("auto" is judged again once the flavor is found).
+FLAVOR_EMULATES: dict[str, bool] = {"auto": True, "hydra": True, "pals": False}

@@ -115,8 +115,9 @@ def test_a_memory_slot_with_a_damaged_data_record_is_refused_like_a_torn_one():
     from worker.ckpt.memory.held import Held
 
     held = Held(slot=1, step=7, gen=3, record={}, path=Path("slot-1.bin"))
-    assert _data_problem(held, {"step": 7, "data": {**GOOD, "guard": GOOD_BASE}}) is None
-    said = _data_problem(held, {"step": 7, "data": {**GOOD, "skip": "9-2"}})
+    check = guard.record_problem  # what the loop hands the checkpoint package (worker.build)
+    assert _data_problem(check, held, {"step": 7, "data": {**GOOD, "guard": GOOD_BASE}}) is None
+    said = _data_problem(check, held, {"step": 7, "data": {**GOOD, "skip": "9-2"}})
     assert said.startswith("slot 1 (step 7): data skip: '9-2'")
 
 
@@ -155,8 +156,10 @@ def test_a_spike_in_the_warmup_enters_the_baseline_only_at_the_spike_limit():
 def test_a_rollback_goes_only_to_a_checkpoint_of_this_runs_own_past():
     """With --no-resume, a NaN at step 2 rolled back to the previous run's step 6 in the same
     directory and the run went on from there; now only its own, older checkpoints count."""
-    assert not guard.may_roll_back_to(6, 2, set())  # another run's, and ahead of the bad step
-    assert not guard.may_roll_back_to(4, 5, {3})  # another run's, though older
-    assert not guard.may_roll_back_to(5, 5, {5})  # never the bad step's own or a later one
-    assert not guard.may_roll_back_to(None, 5, {3})
-    assert guard.may_roll_back_to(3, 5, {3, 5})
+    from worker.ckpt.resume import may_roll_back_to
+
+    assert not may_roll_back_to(6, 2, set())  # another run's, and ahead of the bad step
+    assert not may_roll_back_to(4, 5, {3})  # another run's, though older
+    assert not may_roll_back_to(5, 5, {5})  # never the bad step's own or a later one
+    assert not may_roll_back_to(None, 5, {3})
+    assert may_roll_back_to(3, 5, {3, 5})

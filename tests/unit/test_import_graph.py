@@ -8,7 +8,13 @@ function counts as much as one at the top).
   `testbed` (real hosts on one machine, for the tests) imports none of the others.
 - Inside `supervisor/`, every module lives in a role subpackage of a layer; a module imports only
   its own subpackage and lower layers.
-- No module over 450 lines, no class over 300; launcher kinds are compared only in the launch code.
+- No file circle: `from pkg import module` reads `pkg/__init__.py` (the package's namespace), so it
+  counts as an import of that file too, and an `__init__` that imports the module back is a
+  circle. A module imports its siblings by their own path (`from pkg.module import name`).
+- `worker/ckpt/` imports none of the training loop's modules: what it reports to comes in as
+  its own protocols (`worker/ckpt/ports.py`).
+- No module over 450 lines, no class over 300; launcher kinds and flavors are compared only in
+  the launch code.
 """
 
 from __future__ import annotations
@@ -43,43 +49,57 @@ LAYERS = {
 MAX_MODULE_LINES = 450
 MAX_CLASS_LINES = 300
 LAUNCHER_NAMES = {"mpiexec", "srun", "local"}
+FLAVOR_NAMES = {"hydra", "pals"}  # launch.flavor: of mpiexec
+# What worker/ckpt/ may import of the worker besides itself: the rank's identity, the JSON
+# collectives and the usage error, none of which imports the loop (the closure is checked).
+CKPT_MAY_IMPORT = {"worker", "worker.collectives", "worker.dist", "worker.errors"}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def raw_imports(path: Path) -> list[str]:
-    """Every name imported anywhere in `path`, absolute (`from a import b` gives `a.b`)."""
-    here = module_name(path)
+def import_statements(path: Path, root: Path = REPO) -> list[tuple[str | None, list[str]]]:
+    """Every import anywhere in `path`: (the package or module a `from` names, None for a plain
+    `import`; the names it imports, absolute: `from a import b` gives `a.b`)."""
+    here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    found: list[str] = []
+    found: list[tuple[str | None, list[str]]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [a.name for a in node.names]
+            found.append((None, [a.name for a in node.names]))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            found += [f"{base}.{a.name}" for a in node.names]
+            found.append((base, [f"{base}.{a.name}" for a in node.names]))
     return found
+
+
+def raw_imports(path: Path) -> list[str]:
+    """Every name imported anywhere in `path`, absolute (`from a import b` gives `a.b`)."""
+    return [name for _, names in import_statements(path) for name in names]
 
 
 def project_files() -> list[Path]:
     return [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
 
 
-def graph() -> dict[str, set[str]]:
+def graph(files: list[Path] | None = None, root: Path = REPO) -> dict[str, set[str]]:
     """Module -> the project modules it imports (`from a import b`: `a.b` when a module, else
-    `a`)."""
-    files = project_files()
-    modules = {module_name(p) for p in files}
+    `a`; and `a` itself either way: the statement reads `a`'s namespace, its `__init__`)."""
+    files = project_files() if files is None else files
+    modules = {module_name(p, root) for p in files}
     out = {}
     for p in files:
-        here = module_name(p)
-        names = {n if n in modules else n.rpartition(".")[0] for n in raw_imports(p)}
+        here = module_name(p, root)
+        names: set[str] = set()
+        for base, imported in import_statements(p, root):
+            names |= {n if n in modules else n.rpartition(".")[0] for n in imported}
+            if base is not None:
+                names.add(base)
         out[here] = {n for n in names if n in modules and n != here}
     return out
 
@@ -178,17 +198,54 @@ def test_no_module_or_class_is_too_long():
     assert not long_modules and not long_classes, sorted(long_modules | long_classes)
 
 
-def test_launcher_kinds_are_compared_only_in_the_launch_code():
-    bad = set()
-    for p in (REPO / "supervisor").rglob("*.py"):
-        if "launch" in p.relative_to(REPO).parts:
-            continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Compare):
-                consts = [c.value for c in [node.left, *node.comparators]
-                          if isinstance(c, ast.Constant)]  # fmt: skip
-                if LAUNCHER_NAMES & {c for c in consts if isinstance(c, str)}:
-                    bad.add(f"{p.relative_to(REPO)}:{node.lineno}")
+def compared_names(source: str, names: set[str]) -> list[int]:
+    """The lines where one of `names` is compared (`==`, `!=`, `in` a literal tuple, list or
+    set)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            sides += [e for c in sides if isinstance(c, ast.Tuple | ast.List | ast.Set)
+                      for e in c.elts]  # fmt: skip
+            if names & {c.value for c in sides if isinstance(c, ast.Constant)}:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_launcher_kinds_and_flavors_are_compared_only_in_the_launch_code():
+    bad = {
+        f"{p.relative_to(REPO)}:{line}"
+        for p in (REPO / "supervisor").rglob("*.py")
+        if "launch" not in p.relative_to(REPO).parts
+        for line in compared_names(p.read_text(), LAUNCHER_NAMES | FLAVOR_NAMES)
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_name_rule_sees_every_way_of_comparing():
+    for source in ('f != "pals"', '"hydra" == f', 'f in ("pals", "x")', 'k not in {"srun"}'):
+        assert compared_names(source, LAUNCHER_NAMES | FLAVOR_NAMES) == [1], source
+    assert compared_names('FACTS = {"pals": False}', FLAVOR_NAMES) == []  # a table, no compare
+
+
+def closure(g: dict[str, set[str]], start: set[str]) -> set[str]:
+    seen, todo = set(), list(start)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += g.get(m, ())
+    return seen
+
+
+def test_the_checkpoint_package_imports_none_of_the_training_loop():
+    """worker/ckpt/ sits below the loop (worker.beat, worker.guard, worker.metrics, the loop
+    and its build): it takes what it reports to as protocols of its own (worker/ckpt/ports.py)
+    and is handed them."""
+    g = graph()
+    ckpt = {m for m in g if m == "worker.ckpt" or m.startswith("worker.ckpt.")}
+    reached = closure(g, {d for m in ckpt for d in g[m]}) - ckpt
+    bad = {m for m in reached if top(m) == "worker" and m not in CKPT_MAY_IMPORT}
     assert not bad, sorted(bad)
 
 
@@ -229,3 +286,17 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle():
     assert cycles(graph()) == []
+
+
+def test_a_circle_through_a_packages_init_is_found(tmp_path):
+    """`faults/engine.py` said `from faults import actions`, which runs `faults/__init__.py`,
+    which imports the engine: a circle of files the module graph alone did not show."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.engine import Engine\n")
+    (pkg / "actions.py").write_text("def act(): ...\n")
+    (pkg / "engine.py").write_text("from pkg import actions\n")
+    files = sorted(pkg.glob("*.py"))
+    assert cycles(graph(files, tmp_path)) == [["pkg", "pkg.engine"]]
+    (pkg / "engine.py").write_text("from pkg.actions import act\n")  # by its own path
+    assert cycles(graph(files, tmp_path)) == []

@@ -28,10 +28,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from contracts import ckpt_files
-from worker import collectives, guard
+from worker import collectives
 from worker.ckpt import rng, safe_load, storage
 from worker.ckpt.fail_points import NoFailPoints, SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
+from worker.ckpt.ports import DataCheck, no_data_check
 from worker.ckpt.resume import RunIdentity, start_reading
 from worker.errors import UsageError
 
@@ -75,6 +76,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         hooks: SaveFailPoints | None = None,
+        data_check: DataCheck = no_data_check,
     ):
         self.root = root
         self.rank, self.world = rank, world
@@ -84,6 +86,7 @@ class Checkpointer:
         self.verify = verify
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks = hooks or NoFailPoints()
+        self.data_check = data_check  # the loop's judge of a checkpoint's data record
         self.last_saved_step = -1
         self.own_steps: set[int] = set()  # loaded or saved by this process: the guard's rollback
 
@@ -199,7 +202,7 @@ class Checkpointer:
                 f"{self.identity.model_description}. Point --ckpt-dir elsewhere, or pass "
                 "--no-resume to start fresh"
             )
-        problem = guard.record_problem(meta.get("data"))
+        problem = self.data_check(meta.get("data"))
         if problem is not None:  # every rank reads the same meta.json: every rank refuses
             raise UsageError(
                 f"checkpoint {directory}: its data record is damaged ({problem}); remove "

@@ -25,8 +25,6 @@ import torch
 from contracts import ckpt_files
 from contracts.env_names import ENV_JOB_ID, node_name
 from contracts.intervals import DURABLE, MEMORY
-from worker import guard
-from worker.beat import Beacon
 from worker.ckpt import disk, memory, resume
 from worker.ckpt.async_save import AsyncCheckpointer, PollReport, Readiness, default_stage_root
 from worker.ckpt.checkpointer import Checkpointer, Resumed
@@ -34,10 +32,10 @@ from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory import MemoryChoice, MemoryTier, SlotRefused
 from worker.ckpt.memory.held import Held
 from worker.ckpt.memory.partner_link import PartnerStats
+from worker.ckpt.ports import DataCheck, Reporter, Timings
 from worker.ckpt.resume import Chosen, RunIdentity
 from worker.ckpt.settings import CkptSettings
 from worker.dist import RankInfo
-from worker.metrics import MetricsLog
 
 
 class CheckpointManager:
@@ -86,10 +84,11 @@ def create_manager(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    metrics: MetricsLog,
-    beacon: Beacon,
+    metrics: Timings,
+    beacon: Reporter,
     say: Callable[..., None],
     hooks: SaveFailPoints,
+    data_check: DataCheck,
 ) -> CheckpointManager:
     if not settings.ckpt_dir:
         return CheckpointManager()
@@ -105,6 +104,7 @@ def create_manager(
         optimizer=optimizer,
         scheduler=scheduler,
         hooks=hooks,
+        data_check=data_check,
     )
     memory_tier = None
     expect = resume.memory_expect(settings, info.rank, identity, info.host)
@@ -141,10 +141,10 @@ def create_manager(
     )
 
 
-def _data_problem(held: Held, meta: dict[str, Any]) -> str | None:
+def _data_problem(check: DataCheck, held: Held, meta: dict[str, Any]) -> str | None:
     """A slot whose data record (skipped ranges, guard baseline) is damaged is refused like
     a torn one: resumed as it is, it would train other data positions."""
-    problem = guard.record_problem(meta.get("data"))
+    problem = check(meta.get("data"))
     return None if problem is None else f"slot {held.slot} (step {held.step}): data {problem}"
 
 
@@ -155,8 +155,8 @@ class SyncManager(CheckpointManager):
     def __init__(
         self,
         base: Checkpointer,
-        metrics: MetricsLog,
-        beacon: Beacon,
+        metrics: Timings,
+        beacon: Reporter,
         say: Callable[..., None],
         memory_tier: MemoryTier | None = None,
     ):
@@ -188,7 +188,7 @@ class SyncManager(CheckpointManager):
                 # crafted record): refused alike, so that every rank reaches the agreement
                 problem = f"slot {held.slot} (step {held.step}): {type(exc).__name__}: {exc}"
             else:
-                problem = _data_problem(held, meta)
+                problem = _data_problem(self.base.data_check, held, meta)
             refused = memory.first_refusal(problem)
             if refused is None:
                 self.memory.resumed_from(held)
@@ -250,7 +250,7 @@ class SyncManager(CheckpointManager):
         )
         if chosen.source is None:
             return None
-        if not guard.may_roll_back_to(self._step_of(chosen), bad_step, self.base.own_steps):
+        if not resume.may_roll_back_to(self._step_of(chosen), bad_step, self.base.own_steps):
             self.say(
                 f"GUARD: the newest checkpoint ({chosen.source}) is not one this run saved "
                 f"before step {bad_step}: not rolling back to it",
@@ -361,8 +361,8 @@ class AsyncManager(SyncManager):
     def __init__(
         self,
         base: Checkpointer,
-        metrics: MetricsLog,
-        beacon: Beacon,
+        metrics: Timings,
+        beacon: Reporter,
         say: Callable[..., None],
         memory_tier: MemoryTier | None,
         *,

@@ -15,8 +15,8 @@ from typing import Any
 
 from contracts import ckpt_files, env_names
 from worker import collectives
-from worker.beat import Beacon
 from worker.ckpt import memory, rng, safe_load, storage
+from worker.ckpt.ports import Reporter
 from worker.ckpt.settings import CkptSettings
 
 DCP_METADATA = ".metadata"
@@ -47,7 +47,7 @@ def choose(
     settings: CkptSettings,
     rank: int,
     identity: RunIdentity,
-    beacon: Beacon,
+    beacon: Reporter,
     say: Callable,
     host: str,
 ) -> Chosen:
@@ -104,6 +104,14 @@ def choose_tiers(
     if chosen is None:
         say(f"no complete checkpoint in {root}: starting fresh", flush=True)
     return Chosen(chosen, why)
+
+
+def may_roll_back_to(ckpt_step: int | None, bad_step: int, own_steps: set[int]) -> bool:
+    """A rollback of the numerical guard goes only to a checkpoint of this run's own past: one
+    it saved or resumed from, of a step before the bad one. A checkpoint directory can hold
+    another run's (a run given --no-resume): loading one would swap in that run's weights and
+    step."""
+    return ckpt_step is not None and ckpt_step < bad_step and ckpt_step in own_steps
 
 
 def told(why: str | None, more: str | None) -> str | None:
