@@ -27,7 +27,39 @@ def _segments(curve: list[tuple[float, int, int]]) -> list[tuple[list[float], li
     return list(out.values())
 
 
+# What a failure's box says, under the steps' axes: its words defined where they are read.
+FAILURE_KEY = (
+    "a failure's box: #n and how it was detected; steps lost: the step reached less the step "
+    "resumed from;\nrestart: the new ranks' start to their first step (train/restart_seconds); "
+    "down: the failure to the first productive step"
+)
+
+
+def untimed_note(a: Analysis) -> str | None:
+    """Why some saves have no bar: no step after them timed their stall (a failure, a stop or
+    the job's end came first)."""
+    steps = [s.step for s in a.checkpoints.saves if not s.timed]
+    if not steps or not any(s.timed for s in a.checkpoints.saves):
+        return None
+    shown = ", ".join(str(x) for x in steps[:8]) + (", ..." if len(steps) > 8 else "")
+    return (
+        f"no bar: the save{'' if len(steps) == 1 else 's'} of step{'' if len(steps) == 1 else 's'}"
+        f" {shown}: no step came after to time the stall (a failure, a stop or the job's end)"
+    )  # fmt: skip
+
+
 def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = figure(a, labels)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def figure(a: Analysis, labels: tuple[str, str] = ("run", "baseline")):
+    """report.png's figure (the caller saves and closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,7 +110,8 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
         )
     _mark_node_events(ax, a)
     _mark_lifetimes(ax, a)
-    ax.set_xlabel("wall-clock (minutes since start)")
+    ax.set_xlabel("wall-clock (minutes since start)" + (f"\n{FAILURE_KEY}" if a.failures else ""),
+                  fontsize=9)  # fmt: skip
     ax.set_ylabel("training step")
     t = a.totals
     ax.set_title(
@@ -90,6 +123,8 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
     ax.grid(alpha=0.3)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
+    if node_marks(a):  # room above the steps for the node labels
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.15)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=9)
 
@@ -115,13 +150,11 @@ def plot(a: Analysis, out: Path, labels: tuple[str, str] = ("run", "baseline")) 
         n = len(a.checkpoints.saves)  # saves no later step timed: counted, no stall known
         text = f"{n} save{'' if n == 1 else 's'}, none timed" if n else "no checkpoints"
         bx.text(0.5, 0.5, text, ha="center", va="center", transform=bx.transAxes)
-    bx.set_xlabel("checkpoint step")
+    note = untimed_note(a)
+    bx.set_xlabel("checkpoint step" + (f"\n{note}" if note else ""), fontsize=9)
     bx.set_ylabel("training stall per save (s)")
     bx.grid(alpha=0.3, axis="y")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 TIER_COLORS = {"memory": "tab:cyan", "durable": "tab:orange"}
@@ -162,18 +195,21 @@ def node_marks(a: Analysis) -> list[tuple[float, str]]:
 
 
 def _mark_node_events(ax, a: Analysis) -> None:
-    """A dash-dot line and a label at the top of the axes, left of the line (a failure's label
-    goes to its right), or right of it early in the run (the axes begin at 0)."""
+    """A dash-dot line and a label 10 points below the top of the axes (its box clear of the
+    edge; the axes leave room above the steps), left of the line (a failure's label goes to its
+    right), or right of it early in the run (the axes begin at 0)."""
     early = 0.25 * a.totals.wall_s / 60
     for i, (x, text) in enumerate(node_marks(a)):
         ax.axvline(x, color=NODE_COLOR, ls="-.", lw=1.2,
                    label="node excluded / swapped / shrink" if i == 0 else None)  # fmt: skip
-        ax.text(
-            x,
-            0.98,
+        left = x < early
+        ax.annotate(
             text,
-            transform=ax.get_xaxis_transform(),
-            ha="left" if x < early else "right",
+            (x, 1.0),
+            xycoords=ax.get_xaxis_transform(),
+            xytext=(4 if left else -4, -10),
+            textcoords="offset points",
+            ha="left" if left else "right",
             va="top",
             fontsize=8.5,
             color=NODE_COLOR,
