@@ -226,11 +226,14 @@ def checkpoints_md(a: Analysis) -> list[str]:
         ["async drain (s)", _s(c.drain_median_s, 3), _s(c.drain_max_s, 3)],
         ["save → marker (s)", _s(c.marker_median_s, 3), _s(c.marker_max_s, 3)],
     ]  # fmt: skip
+    untimed = [str(s.step) for s in c.saves if not s.timed]
     return table(["checkpoints", "median", "max"], rows) + [
         "",
         "saves: every durable save, timed by the metrics of the step after it, or seen marked "
-        "complete (the last step's and a graceful stop's have no step after them: counted, not "
-        "timed); marked: those whose `.complete` marker rank 0 reported.",
+        "complete (the last step's, a graceful stop's and one a failure came right after have "
+        "no step after them: counted, not timed); marked: those whose `.complete` marker rank 0 "
+        "reported."
+        + (f" Not timed (no bar on report.png): step {', '.join(untimed)}." if untimed else ""),
     ]
 
 

@@ -79,3 +79,12 @@ def close(*figs) -> None:
 
     for fig in figs:
         plt.close(fig)
+
+
+def test_report_md_names_the_saves_no_step_timed(tmp_path: Path) -> None:
+    """The synthetic run's save of step 40 (the hang came before step 41): counted, and said
+    to have no stall known (report.png has no bar for it)."""
+    a = analyze(load_run(write_run(tmp_path / "run", synthetic_events(), synthetic_metrics())))
+    md = render(a)
+    assert "| saves (marked) | 4 (4) |" in md
+    assert "Not timed (no bar on report.png): step 40." in md
