@@ -14,6 +14,10 @@ from supervisor.policy.liveness import Finding
 
 FAILED = ("failure", "bad_input", "diverged")  # the outcomes that are failures
 DIVERGED_EXIT = "the numerical guard gave up (exit 3)"
+NO_HELLO_EXIT = (
+    "exit 0 and no rank said hello: the worker never spoke to the supervisor (its first message, "
+    "docs/worker-protocol.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,17 @@ def _signame(n: int, default: str | None = "signal") -> str | None:
         return f"{default} {n}" if default else None
 
 
-def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool) -> Outcome:
+def classify_exit(
+    returncode: int, *, done: bool, stopping: bool, stepped: bool, said_hello: bool = True
+) -> Outcome:
     """The attempt's outcome from the launcher's exit status and what the ranks said.
 
     - 0 and a rank said `done`: success.
     - 0 after the supervisor asked the ranks to stop: a graceful stop.
     - 2 before any step: the worker rejected its flags or inputs; relaunching cannot help.
     - 3: the numerical guard gave up (the run diverged); relaunching would diverge again.
-    - anything else (a signal, a code, or 0 without `done`): a failure.
+    - anything else (a signal, a code, or 0 without `done`): a failure, whose line names the
+      part of the worker protocol broken where it is one (no rank `said_hello`).
     """
     what = describe_returncode(returncode)
     if returncode == 0 and done:
@@ -58,6 +65,8 @@ def classify_exit(returncode: int, *, done: bool, stopping: bool, stepped: bool)
         return Outcome("bad_input", "the worker rejected its input (exit 2)")
     if returncode == WORKER_DIVERGED:
         return Outcome("diverged", DIVERGED_EXIT)
+    if returncode == 0 and not said_hello:
+        return Outcome("failure", NO_HELLO_EXIT)
     if returncode == 0:
         return Outcome("failure", "exit 0 before the worker said done")
     return Outcome("failure", what)
@@ -71,18 +80,19 @@ def attempt_outcome(
     stopping: bool,
     stepped: bool,
     diverged: str | None = None,
+    said_hello: bool = True,
 ) -> Outcome:
     """The ranks' word that their guard gave up (`diverged`: its line) decides first: the rank
     ends right after, and whichever of its exit or the finding it leads to is seen first (a
     rank gone, the launcher's status) says less. Else a finding (a rank gone, a hang, no
     progress) makes the attempt a failure, and else its exit status decides (None: no status
-    was collected, as for a process killed in teardown)."""
+    was collected, as for a process killed in teardown). `said_hello`: some rank did."""
     if diverged is not None and not done:
         return Outcome("diverged", diverged)
     if finding is not None:
         return Outcome("failure", f"{finding.kind}: {finding.reason}")
     rc = -signal.SIGKILL if returncode is None else returncode
-    return classify_exit(rc, done=done, stopping=stopping, stepped=stepped)
+    return classify_exit(rc, done=done, stopping=stopping, stepped=stepped, said_hello=said_hello)
 
 
 def said_why(outcome: Outcome, error: str | None) -> Outcome:

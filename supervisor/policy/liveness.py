@@ -24,7 +24,7 @@ class RankState:
     last_seen: float
     last_progress: float
     host: str = ""
-    pid: int = 0
+    pid: int = 0  # from its hello; 0: it has said none
     phase: str = "init"
     step: int = -1
     # The rank's process is gone (seen by the local launcher or a pid check on this host).
@@ -110,6 +110,7 @@ def judge_ranks(
     if gone:
         first, ended = min(gone, key=lambda p: p[1])
         said = ", silent since its error" if not first.exited else ""
+        said += "" if first.pid else ", never having said hello"
         return Finding(
             kind="rank_exit",
             ranks=tuple(s.rank for s, _ in gone),
@@ -142,13 +143,19 @@ def judge_ranks(
     if stalled:
         worst, limit = min(stalled, key=lambda p: p[0].last_progress + p[1])
         auto = ", auto" if worst.phase in lim.learned else ""
+        still = f"for {now - worst.last_progress:.1f} s"
+        if worst.phase == "init":  # it never left `init` (a hello gives a rank its pid)
+            said = "said hello, then" if worst.pid else "beats but no hello,"
+            reason = f"{said} no phase or step {still} (init timeout {_secs(limit)} s)"
+        else:
+            reason = (
+                f"step {worst.step} has not moved in phase {worst.phase!r} {still} "
+                f"(timeout {_secs(limit)} s{auto})"
+            )
         return Finding(
             kind="no_progress",
             ranks=tuple(s.rank for s, _ in stalled),
-            reason=(
-                f"step {worst.step} has not moved in phase {worst.phase!r} for "
-                f"{now - worst.last_progress:.1f} s (timeout {_secs(limit)} s{auto})"
-            ),
+            reason=reason,
             phase=worst.phase,
             step=worst.step,
             deadline=worst.last_progress + limit,

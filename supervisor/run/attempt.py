@@ -372,8 +372,9 @@ def end_outcome(end: WatchEnd, t: AttemptTable) -> Outcome:
     rc = end.exit.returncode if end.exit else None
     done, stepping = bool(t.done_ranks), end.stopping
     return exits.attempt_outcome(
-        end.finding, rc, done=done, stopping=stepping, stepped=t.stepped, diverged=t.diverged
-    )
+        end.finding, rc, done=done, stopping=stepping, stepped=t.stepped, diverged=t.diverged,
+        said_hello=any(st.pid for st in t.ranks.values()),  # a hello gives a rank its pid
+    )  # fmt: skip
 
 
 def exit_follow_s(finding: Finding, stepped: bool, said: Mapping[int, object]) -> float:

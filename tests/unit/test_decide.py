@@ -82,6 +82,30 @@ def test_missing_rank_judged_by_init_timeout():
     assert f.kind == "no_progress" and f.ranks == (1,) and "no hello" in f.reason
 
 
+def test_a_worker_that_breaks_its_protocol_gets_a_line_naming_the_part():
+    """docs/worker-protocol.md: a script of one's own that says no hello, never leaves `init`
+    after it, or exits 0 without `done` is told which part it broke, in the attempt's line."""
+    silent = attempt_outcome(None, 0, done=False, stopping=False, stepped=False, said_hello=False)
+    assert silent.kind == "failure" and "no rank said hello" in silent.detail
+    assert "worker-protocol" in silent.detail
+    spoke = attempt_outcome(None, 0, done=False, stopping=False, stepped=True, said_hello=True)
+    assert spoke.detail == "exit 0 before the worker said done"
+    # A hello gives a rank its pid: one still in `init` past the limit said it or did not.
+    hello = {0: rank(0, 100, 39, phase="init", step=0, pid=7)}
+    f = judge_ranks(hello, 1, now=100, launched_at=0, heartbeat=HB)
+    assert f.kind == "no_progress"
+    assert f.reason == "said hello, then no phase or step for 61.0 s (init timeout 60 s)"
+    beats = {0: rank(0, 100, 39, phase="init", step=0)}
+    f = judge_ranks(beats, 1, now=100, launched_at=0, heartbeat=HB)
+    assert f.reason.startswith("beats but no hello, no phase or step")
+    # A step that stops moving says so (the progress limit of its phase).
+    f = judge_ranks({0: rank(0, 100, 69, step=0, pid=7)}, 1, now=100, launched_at=0, heartbeat=HB)
+    assert f.reason == "step 0 has not moved in phase 'train' for 31.0 s (timeout 30 s)"
+    gone = {0: rank(0, 99, 99, phase="init", exited=True, exited_at=99.5)}
+    f = judge_ranks(gone, 1, now=100, launched_at=0, heartbeat=HB)
+    assert f.kind == "rank_exit" and f.reason.endswith("never having said hello")
+
+
 def test_done_ranks_are_not_judged_and_gone_ranks_come_first():
     ranks = {0: rank(0, 0, 0, phase="done"), 1: rank(1, 0, 0, phase="done", exited=True)}
     assert judge_ranks(ranks, 2, now=1000, launched_at=0, heartbeat=HB) is None
