@@ -1,17 +1,30 @@
 """A training script of one's own (docs/worker-protocol.md): the repository's minimal example
 (examples/minimal_worker.py, torch-free, the client in worker/beat.py) under the real supervisor
 with its own config's kill fault: killed once, relaunched, resumed from its checkpoint, done;
-and scripts that each break one part of the protocol, told which part in the attempt's line.
+stopped gracefully; refusing a bad flag in one line; and scripts that each break one part of
+the protocol, told which part in the attempt's line.
 """
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.support import REPO, events, job_toml, run_supervisor, supervisor_env
+from contracts.exit_codes import ExitCode
+from tests.support import (
+    REPO,
+    events,
+    finish_supervisor,
+    job_toml,
+    run_supervisor,
+    start_supervisor,
+    supervisor_env,
+    wait_for,
+)
 
 EXAMPLE = REPO / "examples" / "minimal.toml"
 
@@ -36,6 +49,31 @@ def test_the_minimal_example_is_killed_once_relaunched_and_done(tmp_path):
         w += 0.1 * (1.0 - w)
     for r in (0, 1):
         assert (run / "ckpt" / f"rank-{r}.json").read_text() == f'{{"step": 60, "w": {w!r}}}'
+
+
+def test_the_example_stops_gracefully_and_refuses_bad_input_in_one_line(tmp_path):
+    """The stop signal (SIGTERM from the local launcher): the step ends, each rank saves and
+    exits 0 without `done`, the job exit 5. A bad flag: exit 2 before any step, the job ends
+    with the script's own line and no relaunch."""
+    run = tmp_path / "run"
+    proc = start_supervisor(EXAMPLE, "--set", f"job.run_dir={run}", "--set", "faults=[]",
+                            "--set", "worker.step_s=0.1", "--no-report")  # fmt: skip
+    wait_for(run, lambda e: e["event"] == "ckpt_complete", proc, timeout=30)  # the save of 10
+    proc.send_signal(signal.SIGINT)
+    rc, out = finish_supervisor(proc, 60)
+    assert rc == ExitCode.INTERRUPTED, out[-4000:]
+    (end,) = [e for e in events(run) if e["event"] == "attempt_end"]
+    assert end["outcome"] == "stopped", end
+    saved = [json.loads((run / "ckpt" / f"rank-{r}.json").read_text())["step"] for r in (0, 1)]
+    assert min(saved) >= 10 and max(saved) < 60, saved  # saved where it stopped, not at the end
+
+    bad = tmp_path / "bad"
+    rc, out = run_supervisor(EXAMPLE, 60, "--set", f"job.run_dir={bad}", "--set", "faults=[]",
+                             "--set", "worker.train_iters=0", "--no-report")  # fmt: skip
+    assert rc == ExitCode.USAGE, out[-4000:]
+    (end,) = [e for e in events(bad) if e["event"] == "attempt_end"]
+    assert end["outcome"] == "bad_input" and end["error"].startswith("minimal_worker: error:")
+    assert not [e for e in events(bad) if e["event"] == "relaunch"]
 
 
 def test_the_example_needs_no_torch():
