@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from typing import Any
 
 from contracts.intervals import TIERS
-from contracts.messages import MAC_LEN, MAX_MESSAGE_BYTES, NUMBER, VERSION, BadMessage, _exact, sign
+from contracts.messages import (
+    MAC_LEN,
+    MAX_MESSAGE_BYTES,
+    NUMBER,
+    VERSION,
+    BadMessage,
+    _exact,
+    signed_json,
+)
 
 # --- supervisor -> ranks: control (fault injection, standby) -------------------------------------
 # signal: the rank signals itself (`signal` = the number); stall: it blocks inside its next step
@@ -30,13 +37,17 @@ CONTROL_ACTIONS = frozenset(
     {"signal", "stall", "slow", "nan", "spike", "go", "exit", "become", "interval"}
 )
 STANDBY_ACTIONS = frozenset({"go", "exit", "become"})
-CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
+# Every frame of the channel, either way: who it is for or from, when, and what it is.
+ENVELOPE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
     "job": str,
     "attempt": int,
     "rank": int,
     "t": NUMBER,
     "kind": str,
+}
+CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    **ENVELOPE_FIELDS,
     "action": str,
     "fault": int,
     "signal": int,
@@ -126,15 +137,7 @@ def _signed_object(
     (nothing read from a socket is unpickled)."""
     if not MAC_LEN < len(frame) <= MAC_LEN + limit:
         raise BadMessage(f"a control frame of {len(frame)} bytes", "frames")
-    mac, body = frame[:MAC_LEN], frame[MAC_LEN:]
-    if not hmac.compare_digest(sign(key, body), mac):
-        raise BadMessage("bad signature", "signature")
-    try:
-        message = json.loads(body.decode())
-    except ValueError as exc:
-        raise BadMessage(f"not JSON: {exc}", "json") from None
-    if not isinstance(message, dict):
-        raise BadMessage("not a JSON object", "json")
+    message = signed_json(key, frame)
     try:
         for name, kinds in exact:
             if message[name].__class__ not in kinds:
@@ -154,15 +157,7 @@ CURVE_SERVER = b"es-control-curve-server-v1"
 CURVE_CLIENT = b"es-control-curve-client-v1"
 HELLO_KIND = "control_hello"
 MAX_HELLO_BYTES = 512  # the supervisor's ROUTER takes no bigger frame from a rank (with its MAC)
-HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "v": int,
-    "job": str,
-    "attempt": int,
-    "rank": int,
-    "t": NUMBER,
-    "kind": str,
-    "conn": str,
-}
+HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {**ENVELOPE_FIELDS, "conn": str}
 _HELLO_EXACT = tuple((name, _exact(kind)) for name, kind in HELLO_FIELDS.items())
 
 

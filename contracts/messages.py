@@ -127,12 +127,9 @@ def encode(key: bytes, message: dict[str, Any]) -> bytes:
     return sign(key, body) + body
 
 
-def decode(key: bytes, frame: bytes, job: str | None = None) -> dict[str, Any]:
-    """Check size, signature and schema; return the message or raise BadMessage."""
-    if len(frame) <= MAC_LEN:
-        raise BadMessage(f"a frame of {len(frame)} bytes holds no signed message", "frames")
-    if len(frame) > MAC_LEN + MAX_MESSAGE_BYTES:
-        raise BadMessage(f"oversized message ({len(frame) - MAC_LEN} bytes)", "oversized")
+def signed_json(key: bytes, frame: bytes) -> dict[str, Any]:
+    """The JSON object of a frame (its MAC, then the body) signed with `key`; else raise
+    BadMessage. The caller has checked its size. Nothing read from a socket is unpickled."""
     mac, body = frame[:MAC_LEN], frame[MAC_LEN:]
     if not hmac.compare_digest(sign(key, body), mac):
         raise BadMessage("bad signature", "signature")
@@ -142,6 +139,16 @@ def decode(key: bytes, frame: bytes, job: str | None = None) -> dict[str, Any]:
         raise BadMessage(f"not JSON: {exc}", "json") from None
     if not isinstance(message, dict):
         raise BadMessage("not a JSON object", "json")
+    return message
+
+
+def decode(key: bytes, frame: bytes, job: str | None = None) -> dict[str, Any]:
+    """Check size, signature and schema; return the message or raise BadMessage."""
+    if len(frame) <= MAC_LEN:
+        raise BadMessage(f"a frame of {len(frame)} bytes holds no signed message", "frames")
+    if len(frame) > MAC_LEN + MAX_MESSAGE_BYTES:
+        raise BadMessage(f"oversized message ({len(frame) - MAC_LEN} bytes)", "oversized")
+    message = signed_json(key, frame)
     validate(message)
     if job is not None and message["job"] != job:
         raise BadMessage(f"message of another job {message['job']!r}", "other_job")
