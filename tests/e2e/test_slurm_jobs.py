@@ -25,14 +25,13 @@ import pytest
 
 import testbed
 from tests.e2e.test_nodes_e2e import last_losses, of
-from tests.e2e.test_testbed_jobs import PACE, PLAIN, WORKER, left_on_hosts, wait_until
+from tests.e2e.test_testbed_jobs import PACE, PLAIN, left_on_hosts, wait_until, write_job
 from tests.support import (
     REPO,
     events,
     finish_supervisor,
     read_metrics,
     supervisor_env,
-    toml_table,
     worker_flags,
 )
 from tests.testbed_support import bed_fixture, bed_module_fixture  # noqa: F401 (fixtures)
@@ -46,18 +45,8 @@ STEPD_GONE_S = 30  # Slurm ends a finished allocation's step daemons on its own
 def srun_config(tmp_path: Path, faults: list[dict], worker: dict, spares: int = 0,
                 restart: dict | None = None) -> Path:  # fmt: skip
     """A job of one rank per node of the allocation (`nodes = "auto"`), launched by srun."""
-    text = toml_table("[job]", {"name": "slurm", "run_dir": str(tmp_path / "run")})
-    text += toml_table("[launch]", {"launcher": "srun", "nodes": "auto", "ranks_per_node": 1,
-                                    "spares": spares})  # fmt: skip
-    text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1", "TMPDIR": str(testbed.SCRATCH)})
-    text += toml_table("[worker]", {**WORKER, **worker})
-    text += toml_table("[restart]", {"backoff_s": [0], **(restart or {})})
-    text += toml_table("[heartbeat]", {"interval_s": 0.25, "timeout_s": 5.0})
-    for fault in faults:
-        text += toml_table("[[faults]]", fault)
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return path
+    launch = {"launcher": "srun", "nodes": "auto"}
+    return write_job(tmp_path, "slurm", launch, faults, restart, worker, spares)
 
 
 def start_in_allocation(bed: testbed.Bed, config: Path, nodes: int) -> subprocess.Popen:

@@ -56,12 +56,16 @@ def bed_config(tmp_path: Path, bed: testbed.Bed, nodes: list[str], faults: list[
                restart: dict | None = None, worker: dict | None = None,
                spares: int = 0) -> Path:  # fmt: skip
     """A job on the bed's hosts `nodes`, one rank each, through Hydra's ssh launcher."""
-    text = toml_table("[job]", {"name": "bed", "run_dir": str(tmp_path / "run")})
-    text += toml_table("[launch]", {
-        "launcher": "mpiexec", "flavor": "hydra", "nodes": nodes, "ranks_per_node": 1,
-        "spares": spares,
-        "args": bed.launcher_args(),
-    })  # fmt: skip
+    launch = {"launcher": "mpiexec", "flavor": "hydra", "nodes": nodes, "args": bed.launcher_args()}
+    return write_job(tmp_path, "bed", launch, faults, restart, worker, spares)
+
+
+def write_job(tmp_path: Path, name: str, launch: dict, faults: list[dict],
+              restart: dict | None = None, worker: dict | None = None,
+              spares: int = 0) -> Path:  # fmt: skip
+    """The job file of a job on the bed, one rank per host, its launch `launch`."""
+    text = toml_table("[job]", {"name": name, "run_dir": str(tmp_path / "run")})
+    text += toml_table("[launch]", {**launch, "ranks_per_node": 1, "spares": spares})
     # the async stage dir in each host's own scratch (`<TMPDIR>/es-ckpt-<job>`: /tmp is shared)
     text += toml_table("[launch.env]", {"OMP_NUM_THREADS": "1", "TMPDIR": str(testbed.SCRATCH)})
     text += toml_table("[worker]", {**WORKER, **(worker or {})})
