@@ -251,13 +251,8 @@ def _stop_relay() -> None:
     """Every relay of this bed's socket (found by its command line, whichever checkout started
     it: one whose pid file is gone with a run dir removed by hand, or a crash, is found too)."""
     mark = f"relay.py\0serve\0{RELAY_SOCKET}\0".encode()  # by its socket: from any checkout
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                ours = mark in f.read()
-        except OSError:
-            continue
-        if ours:
+    for pid, cmd in procs.command_lines():
+        if mark in cmd:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

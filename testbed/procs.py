@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 from testbed.commands import BedError
 
@@ -24,6 +25,19 @@ def is_zombie(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return True
+
+
+def command_lines() -> Iterator[tuple[int, bytes]]:
+    """Every other process's pid and command line (its words NUL-ended); one gone is skipped."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                yield int(entry), f.read()
+        except OSError:
+            continue
 
 
 def members(kind: str, inodes: set[int]) -> list[int]:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import testbed.procs as procs
 from testbed.commands import BedError
 from testbed.layout import HEAD_ADDRESS, RUN_DIR, BedPlan, HostPlan
 
@@ -61,10 +62,9 @@ def _alive(pid_file: Path) -> bool:
     """The pid file's process runs (a zombie, killed and not yet reaped, does not)."""
     try:
         pid = int(pid_file.read_text().split()[0])
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError, IndexError):
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return not procs.is_zombie(pid)  # a process gone counts as one too
 
 
 def conf_text(bed: BedPlan, cpus: int) -> str:
@@ -198,14 +198,7 @@ def stop() -> None:
     """End every daemon of the bed's cluster (found by the bed's paths on their command lines:
     a slurmstepd too), here and in the hosts."""
     marks = (str(CONF).encode(), str(MUNGE_SOCKET).encode(), str(SLURM_DIR).encode())
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        if pid == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
+    for pid, cmd in procs.command_lines():
         name = Path(cmd.split(b"\0", 1)[0].decode(errors="replace")).name
         if name in ("munged", "slurmctld", "slurmd", "slurmstepd") and (
             any(m in cmd for m in marks) or name == "slurmstepd" and _stepd_ours(pid)
