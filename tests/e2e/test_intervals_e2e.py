@@ -10,6 +10,7 @@ switch at the same steps; and every step every attempt ran has the uninterrupted
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -89,9 +90,11 @@ def test_the_intervals_follow_a_failure_rate_that_changes(tmp_path, reference):
     shortest = min(e["new"] for e in dense)
     assert shortest < first["new"] / 2, durable  # the dense failures shortened it
     # the quiet spell: the estimate rises without a failure, and the interval with it
-    # (by how much is the host's pace: the spell is some 350 steps, 9-30 s of wall time)
-    assert len(quiet) >= 2, durable
-    assert quiet[-1]["mtbf_s"] > quiet[0]["mtbf_s"] and quiet[-1]["new"] > quiet[0]["new"], durable
+    # (by how much is the host's pace: the spell is some 350 steps, 3-30 s of wall time, so one
+    # change or several: each above the one before, the last above the failures' lowest)
+    for prev, e in itertools.pairwise(quiet):
+        assert e["mtbf_s"] > prev["mtbf_s"] and e["new"] > prev["new"], durable
+    assert quiet[-1]["mtbf_s"] > min(e["mtbf_s"] for e in dense), durable
     assert quiet[-1]["new"] > shortest, durable
     # every decision reached the running attempt's rank 0 (or a standby waiting)
     assert all(e["to"] for e in changed if e["why"] == "cost"), changed
