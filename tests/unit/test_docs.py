@@ -92,6 +92,15 @@ def test_every_config_table_is_on_the_page():
     assert sorted(page) == sorted(code), "tables on docs/configuration.md differ from the code"
 
 
+def test_the_page_s_list_of_tables_names_every_table():
+    """The list at the top of the page, where a reader looks first, names every top-level table."""
+    text = (DOCS / "configuration.md").read_text()
+    listed = text.split("The tables:", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`\[\[?([a-z_]+)\]\]?`", listed))
+    tops = {table.split(".")[0] for table in code_tables()}
+    assert tops <= named, f"the list of tables lacks {sorted(tops - named)}"
+
+
 @pytest.mark.parametrize("table", sorted(code_tables()))
 def test_every_config_key_is_on_the_page(table: str):
     page = config_page().get(table, {})
