@@ -1,10 +1,11 @@
 """The ranks' allocator setting: glibc's malloc asked for transparent huge pages.
 
 Why: a killed rank's memory is freed by the kernel before its exit can be seen, and that is the
-first part of every detection (0.2-0.28 s for a process holding 320 MB here, 0.02-0.09 s with
-huge pages). Torch's host tensors come from glibc's malloc, which marks its memory for huge
-pages with this tunable; glibc that lacks it ignores it, and a kernel with transparent huge
-pages off gives none. The user's own GLIBC_TUNABLES is kept, and a hugetlb setting of theirs wins.
+first part of every detection, shorter with huge pages (`bench/downtime.py`, with and without
+them: docs/benchmarks.md). Torch's host tensors come from glibc's malloc, which marks its memory
+for huge pages with this tunable; glibc that lacks it ignores it, and a kernel with transparent
+huge pages off gives none. The user's own GLIBC_TUNABLES is kept, and a hugetlb setting of
+theirs wins.
 """
 
 from __future__ import annotations
