@@ -16,8 +16,12 @@ import re
 import shutil
 import uuid
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from contracts import env_names
 
 STEP_PREFIX = "step-"
 MARKER = ".complete"  # written last, atomically: the checkpoint counts only once it exists
@@ -47,6 +51,18 @@ def job_tag(ckpt_dir: str, job_id: str | None) -> str:
     """What names a job's node-local scratch (async stage dir, memory tier): the job id when
     the supervisor gave one, else a hash of the durable dir (two jobs on a node never share)."""
     return job_id or hashlib.sha1(str(Path(ckpt_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def writer_of(env: Mapping[str, str], lease_epoch: int) -> dict[str, Any]:
+    """Who writes a checkpoint or a memory copy, recorded in it: the job and attempt (from the
+    supervisor's `ES_JOB_ID`/`ES_ATTEMPT`; empty without one) and the lease epoch the rank held.
+    A resume refuses what a fenced attempt wrote after its fence (`fenced_out`)."""
+    job = env.get(env_names.ENV_JOB_ID, "")
+    try:
+        attempt = int(env.get(env_names.ENV_ATTEMPT, "-1"))
+    except ValueError:
+        attempt = -1
+    return {"job": job, "attempt": attempt, "lease_epoch": lease_epoch} if job else {}
 
 
 SET_ASIDE = ".set-aside-"  # a reused step dir's old contents, awaiting deletion

@@ -33,8 +33,11 @@ from contracts.messages import (
 # interval: an "auto" tier's (`tier`: contracts.intervals.TIERS) new interval, `interval` steps,
 # from step `step` on (sent to rank 0, whose word every rank adopts in the step's agreement:
 # worker.intervals). Every other action's `tier` is "" and `interval` 0.
+# lease: the rank may go on writing until wall time `until` (renewal number `epoch`: the
+# supervisor's count); a rank whose lease ran out stops (worker.lease). Every other action's
+# `until` is 0.0 and `epoch` 0.
 CONTROL_ACTIONS = frozenset(
-    {"signal", "stall", "slow", "nan", "spike", "go", "exit", "become", "interval"}
+    {"signal", "stall", "slow", "nan", "spike", "go", "exit", "become", "interval", "lease"}
 )
 STANDBY_ACTIONS = frozenset({"go", "exit", "become"})
 # Every frame of the channel, either way: who it is for or from, when, and what it is.
@@ -58,6 +61,8 @@ CONTROL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "env": dict,
     "tier": str,
     "interval": int,
+    "until": NUMBER,
+    "epoch": int,
 }
 MAX_ENV_VARS = 256  # a `become`'s variables: the contract's and [launch] env's, with room
 _CONTROL_EXACT = tuple((name, _exact(kind)) for name, kind in CONTROL_FIELDS.items())
@@ -86,6 +91,8 @@ def control_message(
     env: dict[str, str] | None = None,
     tier: str = "",
     interval: int = 0,
+    until: float = 0.0,
+    epoch: int = 0,
 ) -> dict[str, Any]:
     return {
         "v": VERSION,
@@ -104,6 +111,8 @@ def control_message(
         "env": dict(env or {}),
         "tier": tier,
         "interval": int(interval),
+        "until": float(until),
+        "epoch": int(epoch),
     }
 
 

@@ -50,6 +50,11 @@ ENV_PREPARED_WORLD = "ES_PREPARED_WORLD"
 # a signed hello (contracts.control_msgs).
 ENV_CONTROL_ADDR = "ES_CONTROL_ADDR"
 
+# Optional: the seconds of a rank's lease (worker.lease; [heartbeat] lease_s), set with
+# ES_CONTROL_ADDR: renewed by the control action `lease`; a rank whose lease runs out stops
+# writing and SIGKILLs itself (a partition, or a supervisor gone).
+ENV_LEASE_S = "ES_LEASE_S"
+
 # Optional: the interval, in steps, that an "auto" tier (`--mem-ckpt-interval auto`,
 # `--save-interval auto`) starts with: the supervisor's latest, set at every launch once it has
 # one (contracts.intervals; later changes come as the control action `interval`). Unset: the rank

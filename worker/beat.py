@@ -18,7 +18,8 @@ The same thread, in the same one blocking wait, serves the rank's other sockets:
   summary of the node's beats per interval instead of its own beats; the node's other ranks send
   everything to that socket instead of the supervisor (their control channel, if any, still goes
   to the supervisor);
-- and at every beat it looks whether its launcher is gone (worker.parent_watch).
+- and at every beat it looks whether its launcher is gone (worker.parent_watch), and at every
+  wake and when it runs out whether the rank's lease did (worker.lease).
 
 This module must not import torch: the supervisor's tests and benchmarks use it as is.
 """
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from contracts import env_names, messages
-from worker import parent_watch
+from worker import lease, parent_watch
 from worker.beacon_relay import NodeRelay
 from worker.control_channel import ControlChannel
 from worker.errors import UsageError
@@ -175,6 +176,8 @@ class ZmqBeacon(Beacon):
         # This rank is its node's relay (bound at relay_addr), until the thread fails to bind.
         self._relay = NodeRelay(relay, relay_addr or "") if relay is not None else None
         self._control = ControlChannel(control_addr, key, identity) if control_addr else None
+        if control_addr:  # renewed on the control channel: none without it
+            lease.start_from_env()
         self._parent = ParentWatch(parent_watch.wanted())
         self._key = key
         self._id = identity
@@ -381,7 +384,11 @@ class ZmqBeacon(Beacon):
                         relay.summarize(push.send, self._phase, self._step, now, self._timing)
                     next_beat = now + self._interval
                     self._parent.check()
-                wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                lease.guard()  # fenced: this process ends here
+                wait_s = next_beat - time.monotonic()
+                if (left := lease.LEASE.left_s()) is not None:
+                    wait_s = min(wait_s, left + 0.01)  # wake when it runs out
+                wait_ms = max(0.0, wait_s) * 1000
                 ready = dict(poller.poll(wait_ms))
                 if control is not None and control.socket in ready:
                     control.receive(zmq)

@@ -2,11 +2,12 @@
 
 With `ES_CONTROL_ADDR` the beacon's thread also holds a DEALER socket to the supervisor's control
 server and verifies every command on it (signed, for this job, attempt and rank). A `signal` is
-carried out at once, by that thread (the rank signals itself); `stall`, `slow` and the rest must
-happen inside a step, so they are queued for the training loop (worker.step_commands); a
-standby's `go` and `exit` (and a prepared rank's `become`) are queued for `wait_standby`, where
-the main thread blocks until one comes (worker.standby, worker.prepared). The socket is the
-thread's alone (sockets are not thread-safe); the queues are how the two threads meet.
+carried out at once, by that thread (the rank signals itself), and so is a `lease` renewal
+(worker.lease); `stall`, `slow` and the rest must happen inside a step, so they are queued for
+the training loop (worker.step_commands); a standby's `go` and `exit` (and a prepared rank's
+`become`) are queued for `wait_standby`, where the main thread blocks until one comes
+(worker.standby, worker.prepared). The socket is the thread's alone (sockets are not
+thread-safe); the queues are how the two threads meet.
 
 The socket is a CURVE client with keys derived from the job's key (the supervisor admits no
 other: contracts.control_msgs), on a routing id of this process's own
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from contracts import control_msgs, messages, stack_files
-from worker import stack_dump
+from worker import lease, stack_dump
 
 # A standby's wait looks at the stop flag this often: a signal handler cannot safely wake a
 # thread blocked on a lock (it may interrupt the very code that holds it), so the wait is timed.
@@ -89,6 +90,8 @@ class ControlChannel:
                 if cmd["signal"] == stack_files.STACKS_SIGNAL and not stack_dump.installed():
                     continue  # its default action would end a process without the handler
                 os.kill(os.getpid(), cmd["signal"])
+            elif cmd["action"] == "lease":
+                lease.LEASE.renew(cmd["until"], cmd["epoch"])
             elif cmd["action"] in control_msgs.STANDBY_ACTIONS:
                 self._standby.put(cmd)
             else:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from contracts.intervals import DURABLE, MEMORY
-from worker import guard_recover, guard_step
+from worker import guard_recover, guard_step, lease
 from worker.args import TrainArgs
 from worker.beat import Beacon
 from worker.build import Setup, Training, build
@@ -60,6 +60,7 @@ def run(
     said_startup = False
     while step < args.train_iters:
         step += 1
+        lease.guard()  # a fenced rank takes no step
         started = time.perf_counter()
         CLOCK.start()
         t.hooks.in_step(step)

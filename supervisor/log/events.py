@@ -30,6 +30,7 @@ _LEVELS = {
     "teardown_survivors": "error",
     "bad_messages": "warning",
     "control_refused": "warning",
+    "fence_unwritten": "warning",
     "standby_lost": "warning",
     "template_lost": "warning",
     "standby_off": "warning",

@@ -297,15 +297,15 @@ class Attempt:
                 return WatchEnd("exit", exit_task, exit=exit_task.result())
             if watch_task in done:
                 finding, detected = watch_task.result()
+                self.job.fence(self.number, finding.kind)  # nothing its ranks write now is used
                 if finding.kind in ("hang", "no_progress"):
                     await self._found(finding, detected)
                 return await self._judged(finding, exit_task)
-            grace = self.cfg.restart.stop_grace_s
             if replace_task in done and not stop.count:  # the straggler's node is to go
                 self.replaced = self.stragglers.replacing
             why = "straggler" if self.replaced else None
             grace_end = await teardown.forward_stop(
-                running, exit_task, stop, grace, self.emit, self.table, why
+                running, exit_task, stop, self.cfg.restart.stop_grace_s, self.emit, self.table, why
             )
             return WatchEnd("stop", exit_task, exit=grace_end, stopping=True)
         finally:

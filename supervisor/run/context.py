@@ -8,12 +8,13 @@ the launch layer, so the job loop's unit tests can hand it a fake.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from contracts import env_names
+from contracts import env_names, fences
 from supervisor.host import memdir
 from supervisor.launch import malloc_env
 from supervisor.launch.plan import LaunchPlan
@@ -107,6 +108,8 @@ class JobContext:
         }
         if self.control is not None:
             env[env_names.ENV_CONTROL_ADDR] = self.control.address
+            if (lease := cfg.heartbeat.lease_seconds()) > 0:
+                env[env_names.ENV_LEASE_S] = repr(lease)
         if standby:
             env[env_names.ENV_STANDBY] = "1"
         if self.intervals is not None:  # the latest "auto" intervals
@@ -117,3 +120,21 @@ class JobContext:
         if relays.relay_wanted(cfg.heartbeat.relay, world, ranks_per_node):
             env[env_names.ENV_HEARTBEAT_RELAY] = "1"
         return env
+
+    def fence(self, attempt: int, why: str) -> None:
+        """Attempt `attempt` is over for the job (a finding ended it): its ranks' leases are
+        renewed no more, and what they write from now on, reached or not, is never used: the
+        fence record is on disk before anything resumes (contracts.fences)."""
+        if self.control is not None:
+            self.control.fence(attempt)
+        cfg = self.resolved.cfg
+        ckpt = cfg.worker.flags.get("ckpt_dir")
+        if not isinstance(ckpt, str) or not ckpt:
+            return
+        root = Path(cfg.launch.cwd or ".", ckpt).absolute()
+        record = fences.Fence(self.job_id, attempt, time.time(), why)
+        try:
+            fences.write(root, record)
+        except OSError as exc:  # no checkpoint dir yet (nothing saved), or it cannot be written
+            if root.is_dir():
+                self.emit("fence_unwritten", attempt=attempt, error=exc.strerror or str(exc))

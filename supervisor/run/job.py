@@ -105,7 +105,8 @@ class Job:
         self.server = server = services.bind_heartbeat(self.resolved, self.key, self.job_id)
         auto = intervals.auto_tiers(self.cfg)  # checkpoint intervals that tune themselves
         self.standby_off = self.resolved.standby_off  # None: a warm standby is kept
-        if self.standby_off is None or self.cfg.faults or auto:
+        leased = self.cfg.heartbeat.lease_seconds() > 0  # renewed on the control channel
+        if self.standby_off is None or self.cfg.faults or auto or leased:
             self.control = ControlServer(self.key.encode(), self.job_id, *bind_for(server.address))
         if auto is not None and self.control is not None:
             self.intervals = intervals.IntervalKeeper(auto, self.job_id, self.control, self.emit)

@@ -4,6 +4,7 @@ messages it drops are reported, and the control channel's intake of hellos and i
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from supervisor.launch import hosts
@@ -56,12 +57,19 @@ async def serve_control(
     control: ControlServer, heartbeat: HeartbeatConfig, emit: Callable[..., None]
 ) -> None:
     """Take the ranks' hellos as they come (a rank owns its identity before its first command is
-    due), and say each refused claim of the control channel: a `control_refused` event when the
+    due), renew the leases of the ranks the job keeps every beat interval, and say each refused
+    claim of the control channel: a `control_refused` event when the
     count moves, at most one every BAD_MESSAGES_EVERY_S (a flood must not flood the log)."""
     reported, last = 0, -BAD_MESSAGES_EVERY_S
+    lease_s, renewed = heartbeat.lease_seconds(), -float("inf")
     while True:
         await asyncio.sleep(heartbeat.check_s)
         control.drain()
+        now = asyncio.get_running_loop().time()
+        if lease_s > 0 and now - renewed >= heartbeat.interval_s:  # the ranks' leases
+            t = time.time()
+            control.renew(t + lease_s, t)
+            renewed = now
         by_reason = control.refusals()
         total = sum(by_reason.values())
         now = asyncio.get_running_loop().time()

@@ -17,6 +17,7 @@ from supervisor.settings.config import (
     AUTO,
     AUTO_PHASES,
     GUARD_FLAGS,
+    LEASE_RENEWALS,
     Config,
     flags_from_table,
     guard_flags,
@@ -207,6 +208,18 @@ def check(cfg: Config) -> None:
         "expected 0 < s <= 5",
     )
     need(0 <= heartbeat.port <= 65535, "heartbeat.port", "expected 0 (any) or a port number")
+    lease = heartbeat.lease_s
+    if lease != AUTO:
+        need(
+            _finite(lease) and (lease == 0 or lease >= LEASE_RENEWALS * heartbeat.interval_s),
+            "heartbeat.lease_s",
+            _got(
+                f"0 (no lease) or seconds >= {LEASE_RENEWALS} x interval_s "
+                f"({LEASE_RENEWALS * heartbeat.interval_s:g} s: renewed every interval_s, a few "
+                "may be late)",
+                lease,
+            ),
+        )
     more = f"seconds > interval_s ({heartbeat.interval_s:g})"
     for phase in PHASE_NAMES:
         v = getattr(heartbeat.progress, phase)

@@ -106,6 +106,8 @@ class RestartConfig:
 
 AUTO = "auto"  # a limit learned from the run's own step times and beats (limits.auto_*)
 AUTO_PHASES = ("train", "save")  # the phases that recur: "auto" has something to learn from
+LEASE_AUTO_S = 10.0  # [heartbeat] lease_s "auto": a rank cut off ends within this...
+LEASE_RENEWALS = 4  # ...or this many beat intervals, if longer: a few renewals may come late
 
 
 @dataclass
@@ -145,6 +147,17 @@ class HeartbeatConfig:
     # (supervisor.watch.relays): true, false, or "auto" (on for jobs of 1,024 ranks or more, with
     # more than one rank per node).
     relay: bool | Literal["auto"] = "auto"
+    # Fencing (worker.lease): every rank's lease, renewed every interval_s on the control
+    # channel; a rank not renewed for this long (cut off, or its supervisor gone) stops writing
+    # and ends itself. 0: no lease; "auto": LEASE_AUTO_S, or LEASE_RENEWALS x interval_s if longer.
+    lease_s: float | Literal["auto"] = "auto"
+
+    def lease_seconds(self) -> float:
+        """The lease in seconds (0: none)."""
+        if self.lease_s == "auto":
+            return max(LEASE_AUTO_S, LEASE_RENEWALS * self.interval_s)
+        return float(self.lease_s)
+
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     auto_max: AutoMaxConfig = field(default_factory=AutoMaxConfig)
 

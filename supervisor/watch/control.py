@@ -69,6 +69,8 @@ class ControlServer:
         self.last_refused = ""  # the newest refused claim, said in `control_refused`
         self._owners: dict[int, dict[int, bytes]] = {}  # attempt -> rank -> owning routing id
         self._ended: set[int] = set()  # attempts forgotten: their identities are claimed no more
+        self._fenced: set[int] = set()  # attempts whose leases are renewed no more
+        self.epoch = 0  # lease renewals so far (each round's number)
         self._ctx = zmq.Context()
         self._judge = _JobKeyOnly(
             curve_public(control_msgs.curve_secret(key, control_msgs.CURVE_CLIENT))
@@ -146,6 +148,28 @@ class ControlServer:
         again (keeps the table to the attempts alive)."""
         self._owners.pop(attempt, None)
         self._ended.add(attempt)
+        self._fenced.discard(attempt)
+
+    def fence(self, attempt: int) -> None:
+        """Renew `attempt`'s leases no more: its ranks stop within one lease (worker.lease),
+        reached or not."""
+        self._fenced.add(attempt)
+
+    def renew(self, until: float, t: float) -> int:
+        """One round of leases, until wall time `until`: to every rank that owns an identity of
+        an attempt neither fenced nor forgotten. Returns how many were sent."""
+        self.drain()
+        self.epoch += 1
+        sent = 0
+        for attempt, ranks in list(self._owners.items()):
+            if attempt in self._fenced or attempt in self._ended:
+                continue
+            for rank in list(ranks):
+                message = control_msgs.control_message(
+                    self.job, attempt, rank, t, "lease", 0, until=until, epoch=self.epoch
+                )
+                sent += self.send(attempt, rank, message) is None
+        return sent
 
     def send(self, attempt: int, rank: int, message: dict[str, Any]) -> str | None:
         """Queue one command for a rank; None when sent, else why not."""

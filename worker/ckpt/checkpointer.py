@@ -10,6 +10,7 @@ resharding through DCP when the world size or mesh differs.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from contracts import ckpt_files
-from worker import collectives
+from worker import collectives, lease
 from worker.ckpt import rng, safe_load, storage
 from worker.ckpt.fail_points import NoFailPoints, SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
@@ -166,8 +167,10 @@ class Checkpointer:
             meta = {
                 **meta,
                 "saved_at": time.time(),
+                "writer": ckpt_files.writer_of(os.environ, lease.epoch()),
                 "files": ckpt_files.record_files(directory, crcs),
             }
+            lease.guard()  # a fenced rank stamps no marker
             ckpt_files.mark_complete(directory, meta)
             doomed = ckpt_files.retention_plan(ckpt_files.scan(self.root), self.keep)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contracts import ckpt_files
+from worker import lease
 
 DCP_METADATA = ".metadata"
 COPY_CHUNK = 16 << 20
@@ -77,6 +78,7 @@ def copy_file_durably(
     """src -> dst through `.tmp-<name>`, fsync, rename. Across file systems the bytes are
     copied: with `with_crc` through Python once, to checksum them; otherwise inside the kernel
     (copy_file_range / sendfile). On one file system, a hard link."""
+    lease.guard()  # a fenced rank copies nothing more into the durable dir
     tmp = dst.with_name(f".tmp-{dst.name}")
     crc = None
     if same_file_system(src, dst.parent):

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contracts import ckpt_files, env_names
+from contracts import ckpt_files, env_names, fences
 from worker import collectives
 from worker.ckpt import memory, rng, safe_load, storage
+from worker.ckpt.memory.held import Held
 from worker.ckpt.ports import Reporter
 from worker.ckpt.settings import CkptSettings
 
@@ -91,16 +92,20 @@ def choose_tiers(
     match; `partner`: partner copies count too), else the newest durable checkpoint that
     verifies, else None. `why`: what was passed over before (a slot refused at load), kept in
     front of what this choice passes over."""
+    fenced = fences.read_all(root)  # attempts ended: what they wrote after that is refused
     if memory_at is not None:  # before the durable tier is read: it may not be needed
         newest_durable = None
         if rank == 0:
             candidates = ckpt_files.resume_candidates(ckpt_files.scan(root))
+            candidates = [f for f in candidates if _late(f.path, fenced) is None]
             newest_durable = candidates[0].step if candidates else None
-        in_memory, passed = choose_memory(*memory_at, newest_durable, say, partner)
+        in_memory, passed = choose_memory(*memory_at, newest_durable, say, partner, fenced)
         why = told(why, passed)
         if in_memory is not None:
             return Chosen(in_memory, why)
-    chosen = choose_checkpoint(root, rank=rank, verify=verify, log=lambda m: say(m, flush=True))
+    chosen = choose_checkpoint(
+        root, rank=rank, verify=verify, log=lambda m: say(m, flush=True), fenced=fenced
+    )
     if chosen is None:
         say(f"no complete checkpoint in {root}: starting fresh", flush=True)
     return Chosen(chosen, why)
@@ -150,6 +155,7 @@ def choose_memory(
     newest_durable: int | None,
     say: Callable,
     partner: bool = False,
+    fenced: dict[tuple[str, int], fences.Fence] | None = None,
 ) -> tuple[memory.MemoryChoice | None, str | None]:
     """Collective: every rank's slot of the newest step that every rank holds complete (itself,
     or with `partner`, through the copy a rank of another node holds: fetched now), when it is
@@ -162,6 +168,9 @@ def choose_memory(
             memory.hold(directory)
             held, refused = memory.find(directory, expect)
             holding = memory.find_held(directory, expect) if partner else {}
+            if fenced:  # copies a cut-off rank made after its attempt was fenced
+                held = _not_late(held, fenced, refused)
+                holding = {w: _not_late(c, fenced, refused) for w, c in holding.items()}
         except OSError as exc:  # this rank holds nothing usable; the agreement still needs it
             held, holding, refused = [], {}, [f"{directory}: {exc.strerror or exc}"]
         agreed = memory.agree(held, newest_durable, holding)
@@ -220,13 +229,24 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def choose_checkpoint(
-    root: Path, *, rank: int, verify: str, log: Callable[[str], None]
+    root: Path,
+    *,
+    rank: int,
+    verify: str,
+    log: Callable[[str], None],
+    fenced: dict[tuple[str, int], fences.Fence] | None = None,
 ) -> Path | None:
     """Collective: rank 0 picks the newest complete checkpoint whose files verify (a damaged
-    one is reported and the one before tried); every rank learns the choice."""
+    one is reported and the one before tried; one a fenced attempt marked after its fence is
+    removed); every rank learns the choice."""
     choice = None
     if rank == 0:
         for found in ckpt_files.resume_candidates(ckpt_files.scan(root)):
+            late = _late(found.path, fenced or {})
+            if late is not None:
+                log(f"WARNING: removing checkpoint {found.path.name}: {late}")
+                ckpt_files.remove_step_dir(found.path)
+                continue
             problem = _problem(found.path, verify == "crc")
             if problem is None:
                 choice = str(found.path)
@@ -234,6 +254,31 @@ def choose_checkpoint(
             log(f"WARNING: skipping checkpoint {found.path.name}: {problem}; trying the one before")
     choice = collectives.broadcast_json(choice, src=0)
     return Path(choice) if isinstance(choice, str) else None
+
+
+def _late(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str | None:
+    """Why a complete checkpoint is refused for its writer (`fences.late`); None: it is not."""
+    if not fenced:
+        return None
+    try:
+        meta = ckpt_files.read_meta(directory)
+    except (OSError, ValueError):
+        return None  # said by `_problem`
+    return fences.late(meta.get("writer"), meta.get("saved_at"), fenced)
+
+
+def _not_late(
+    held: list[Held], fenced: dict[tuple[str, int], fences.Fence], refused: list[str]
+) -> list[Held]:
+    """The copies no fenced attempt wrote after its fence; the others' reasons go to `refused`."""
+    kept = []
+    for h in held:
+        late = fences.late(h.record.get("writer"), h.record.get("saved_at"), fenced)
+        if late is None:
+            kept.append(h)
+        else:
+            refused.append(f"{h.path}: {late}")
+    return kept
 
 
 def _problem(directory: Path, check_crc: bool) -> str | None:

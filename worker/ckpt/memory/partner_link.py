@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import zmq
 
-from worker import collectives
+from worker import collectives, lease
 from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory.partner_copy import Incoming, PartnerStore
 from worker.ckpt.memory.partners import held_on, holders
@@ -224,6 +224,7 @@ class PartnerLink:
             body = json.dumps({"record": record, "seq": self._seq}, separators=(",", ":"))
             body = body.encode()
             frames = [_sign(self.key, body) + body, memoryview(data.numpy())]
+            lease.guard()  # a fenced rank sends its partner nothing more
             try:
                 tracker = self._push.send_multipart(
                     frames, flags=zmq.NOBLOCK, copy=False, track=True

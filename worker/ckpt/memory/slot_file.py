@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from worker import lease
 from worker.ckpt.memory.checksum import CHECK_CHUNK, digest_problem, page_sums_crc
 
 FORMAT = "es-mem-2"  # es-mem-1: no checksums
@@ -131,6 +132,7 @@ class MappedSlot:
         fd = os.open(tmp, flags, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps(record, separators=(",", ":")).encode())
+        lease.guard()  # a fenced rank's copy is never sealed
         os.replace(tmp, self.json_path)
         self.header[2] = gen
 

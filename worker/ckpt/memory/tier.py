@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from contracts import locks
-from worker import collectives
+from contracts import ckpt_files, locks
+from worker import collectives, lease
 from worker.ckpt import rng
 from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
@@ -225,6 +225,7 @@ class MemoryTier:
                 "meta": meta,
                 "table": stager.table(copy.result()),  # digests from the copy's page sums
                 "saved_at": time.time(),
+                "writer": ckpt_files.writer_of(os.environ, lease.epoch()),
             }
             record = checked(record)
             check_seconds = time.perf_counter() - started

@@ -1,0 +1,91 @@
+"""This process's lease: what fences a rank the supervisor can no longer reach (`ES_LEASE_S`).
+
+The supervisor renews the lease of every rank it keeps (running, standby, prepared) with a
+signed `lease` command on the control channel, every few seconds, until a wall-clock time
+(`until`). A rank whose lease ran out stops at once: no step, no save, no fan-out, no marker, no
+memory or partner copy after that moment; the process SIGKILLs itself, threads and all. That
+covers a rank cut off from the supervisor by a partition and a supervisor that died: either way
+no renewal comes (docs/architecture.md, "Fencing").
+
+Wall time, not the monotonic clock: a renewal that sat queued through a partition arrives with
+its old `until` and extends nothing. The clock starts when the rank's beacon starts (not at its
+launch), so slow imports never fence a rank before it could hear a renewal.
+
+A leaf (no torch, nothing of the training loop): worker/ckpt/ calls `guard()` before each write.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from contracts import env_names
+
+
+class Lease:
+    """Until when this process may write (wall time); None: no lease (unsupervised, or off)."""
+
+    def __init__(self) -> None:
+        self.until: float | None = None
+        self.epoch = 0  # the newest renewal's number (the supervisor's count)
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def start(self, seconds: float) -> None:
+        """The first grant, `seconds` from now (the beacon's start); 0: no lease."""
+        with self._lock:
+            self.seconds = seconds
+            self.until = time.time() + seconds if seconds > 0 else None
+
+    def renew(self, until: float, epoch: int) -> None:
+        """A renewal: only ever extends (a stale one, queued through a cut, does nothing)."""
+        with self._lock:
+            if self.until is not None and until > self.until:
+                self.until, self.epoch = until, max(self.epoch, epoch)
+
+    def left_s(self) -> float | None:
+        """Seconds until it runs out (negative: it has); None without a lease."""
+        until = self.until
+        return None if until is None else until - time.time()
+
+    def enforce(self) -> None:
+        """Stop this process at once if its lease ran out: nothing it does after this moment
+        reaches the job. SIGKILL, not an exit: no handler, no thread, no `finally` writes on."""
+        left = self.left_s()
+        if left is None or left > 0:
+            return
+        try:
+            sys.stderr.write(
+                f"fenced: the supervisor's lease ran out {-left:.1f}s ago (epoch {self.epoch}): "
+                "unreachable or gone; this rank stops writing and exits\n"
+            )
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+LEASE = Lease()  # one per process
+
+
+def start_from_env() -> None:
+    """Start the lease the supervisor asked for (`ES_LEASE_S`), if any."""
+    raw = os.environ.get(env_names.ENV_LEASE_S, "")
+    try:
+        seconds = float(raw) if raw else 0.0
+    except ValueError:
+        seconds = 0.0
+    if seconds > 0 and LEASE.until is None:
+        LEASE.start(seconds)
+
+
+def guard() -> None:
+    """Before a write the job may use (a step, a save, a marker, a copy): stop if fenced."""
+    LEASE.enforce()
+
+
+def epoch() -> int:
+    return LEASE.epoch
