@@ -31,8 +31,9 @@ from typing import Any
 
 from contracts import ckpt_files, scratch
 from faults.actions import Damage, corrupt, now_pair, remove_tree, unmark
-from faults.delivery import Delivery
+from faults.delivery import Delivered, Delivery
 from faults.inflight import InFlight, Key, Pending, events
+from faults.partition import Partitions
 from faults.protocols import ControlChannel, RankTable
 from faults.schedule import Facts, Firing, Schedule
 from faults.spec import DISRUPTIVE, IN_STEP, NUMERIC, FaultSpec
@@ -106,6 +107,7 @@ class FaultEngine:
         self.others = others
         self.nodes: list[str] = []  # the job's nodes in rank order (node:N is nodes[N])
         self.down: set[str] = set()  # nodes a node_loss took away: down until the job ends
+        self.partitions = Partitions(emit)  # nodes a partition cut off, until healed
 
     # --- hooks --------------------------------------------------------------------------------
     def attempt_started(self, attempt: int) -> None:
@@ -167,6 +169,7 @@ class FaultEngine:
 
     def close(self) -> None:
         self.delivery.cancel()
+        self.partitions.heal_all()  # cut until the job ends: healed now
         self._resolved(self.inflight.close())
         self.emit("fault_summary", total=self.total, fired=dict(self.applied))
         if self.owns_control:
@@ -204,7 +207,12 @@ class FaultEngine:
         sts = [table.ranks[r] for r in f.ranks]
         steps, phases = [st.step for st in sts], [st.phase for st in sts]
         attempt = self.attempt if self.attempt is not None else -1
-        sent = self.delivery.deliver(spec, f.n, attempt, sts, mono, f.at_step or 0)
+        if act.kind == "partition":  # nothing to the ranks: their node's link is cut
+            sent = Delivered(["link"] * len(sts), {}, [])
+            extra["node"], more = self._partition(f)
+            errors += more
+        else:
+            sent = self.delivery.deliver(spec, f.n, attempt, sts, mono, f.at_step or 0)
         errors += sent.errors
         lost = None
         if act.kind == "node_loss":  # its standby's ranks too, then (all killed) its memory
@@ -216,8 +224,10 @@ class FaultEngine:
         if act.kind in DISRUPTIVE and act.kind not in CKPT_DAMAGE:  # a rank's fault
             before = self.faulted.get(table.attempt, ())
             self.faulted[table.attempt] = tuple(sorted({*before, *f.ranks}))
-        if act.kind not in IN_STEP:
+        if act.kind not in IN_STEP and act.kind != "partition":
             extra["signal"] = signal.Signals(act.signum).name
+        if act.kind in ("slow", "partition"):
+            extra["duration_s"] = act.duration_s
         if act.kind == "slow":
             extra["slow"] = {"delay_s": act.delay_s, "duration_s": act.duration_s}
         if act.kind == "spike":
@@ -314,6 +324,17 @@ class FaultEngine:
                 pids += [st.pid for st in sts]
                 errors += [f"attempt {other.attempt} {e}" for e in sent.errors]
         return pids, errors
+
+    def _partition(self, f: Firing) -> tuple[str | list[str], list[str]]:
+        """partition: cut the target's node(s) off (a rank target: its node), healed after
+        `duration_s` (0: when the job ends). Their processes live on: the supervisor has to
+        find them out of reach, and their leases to stop them."""
+        per = max(1, self.ranks_per_node)
+        spec = f.spec
+        indices = spec.target.nodes if spec.target.kind == "node" else [f.ranks[0] // per]
+        names = [self.nodes[i] for i in indices if i < len(self.nodes)]
+        errors = self.partitions.cut_off(names, spec.action.duration_s)
+        return (names[0] if len(names) == 1 else names), errors
 
     def _lose_node(self, f: Firing) -> tuple[Any, Any]:
         """node_loss: the node goes down for the rest of the job, and its own memory root (with

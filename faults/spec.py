@@ -19,11 +19,14 @@ from contracts.config_table import ConfigError, Table, is_int
 
 ACTIONS = (
     "kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss", "nan", "spike",
+    "partition",
 )  # fmt: skip
 TIME_KEYS = ("at_s", "every_s", "mtbf_s")
 STEP_KEYS = ("at_step", "every_steps")
 # Actions that end the attempt: after one fires, other faults wait for the next attempt.
-DISRUPTIVE = frozenset({"kill", "term", "hang", "stall", "corrupt", "unmark", "node_loss"})
+DISRUPTIVE = frozenset(
+    {"kill", "term", "hang", "stall", "corrupt", "unmark", "node_loss", "partition"}
+)
 # Actions the rank must carry out inside its own step: always through the control channel.
 IN_STEP = frozenset({"stall", "slow", "nan", "spike"})
 # The numerical guard's faults (worker.guard_step): a bad step the ranks must catch, not a kill.
@@ -77,11 +80,23 @@ class Trigger:
 class Action:
     """What: `signal` for kill (SIGKILL by default); `delay_s`/`duration_s` for slow;
     `mode` (truncate | flip) for corrupt; node_loss SIGKILLs a node's ranks, takes its memory
-    root away, and leaves it down; nan poisons a gradient of the target ranks, spike scales
-    their loss by `factor` (the numerical guard's to catch)."""
+    root away, and leaves it down; partition cuts a node's network link for `duration_s` (0:
+    until the job ends), its processes left running (the test bed's `cut`); nan poisons a
+    gradient of the target ranks, spike scales their loss by `factor` (the numerical guard's to
+    catch)."""
 
     kind: Literal[
-        "kill", "term", "hang", "stall", "slow", "corrupt", "unmark", "node_loss", "nan", "spike"
+        "kill",
+        "term",
+        "hang",
+        "stall",
+        "slow",
+        "corrupt",
+        "unmark",
+        "node_loss",
+        "nan",
+        "spike",
+        "partition",
     ]
     signal: int = signal.SIGKILL
     delay_s: float = 0.0
@@ -186,6 +201,9 @@ def parse(table: dict[str, Any], index: int, source: str, shape: JobShape) -> Fa
     trigger = _trigger(p, shape)
     action = _action(p, shape)
     target = _target(p, shape)
+    if action.kind == "partition" and target.kind not in ("node", "rank"):
+        p.fail("target", f'partition cuts a node off: expected "node:N", "node:A-B" or "rank:R" '
+               f"(its node), got {str(target)!r}")  # fmt: skip
     if action.kind == "node_loss" and target.kind != "node":
         p.fail(
             "target",
@@ -294,6 +312,11 @@ def _action(p: Table, shape: JobShape) -> Action:
         fields["delay_s"] = p.number("delay_s", positive=True)
         fields["duration_s"] = p.number("duration_s", positive=True)
         allowed |= {"delay_s", "duration_s"}
+    if kind == "partition":
+        fields["duration_s"] = p.number("duration_s", 0.0)
+        if fields["duration_s"] < 0:
+            p.fail("duration_s", "expected seconds >= 0 (0: cut until the job ends)")
+        allowed.add("duration_s")
     if kind == "spike":
         fields["factor"] = p.number("factor", 100.0, positive=True)
         if fields["factor"] <= 1:

@@ -207,9 +207,12 @@ def resolve(cfg: Config, environ: dict[str, str] | None = None) -> Resolved:
             "node(s) the job starts on",
         )
     if cfg.faults:  # faults/: a rank or node beyond the resolved world is a config error too
-        from faults import check_world, shape_of
+        from faults import check_world, partition_problem, shape_of
 
         check_world(cfg.faults, cfg.source, shape_of(cfg, len(nodes) - cfg.launch.spares))
+        cuts = [f for f in cfg.faults if f.action.kind == "partition"]
+        if cuts and (why := partition_problem(nodes, cfg.launch.emulate_nodes)) is not None:
+            raise config_mod.ConfigError(cfg.source, f"faults[{cuts[0].index}].action", why)
     return Resolved(cfg, run_dir, nodes, executable, flavor, notes=[note] if note else [])
 
 

@@ -31,6 +31,7 @@ _LEVELS = {
     "bad_messages": "warning",
     "control_refused": "warning",
     "fence_unwritten": "warning",
+    "node_unreachable": "error",
     "standby_lost": "warning",
     "template_lost": "warning",
     "standby_off": "warning",

@@ -226,7 +226,7 @@ class Job:
                 return decision.exit_code, decision.reason
             stop = self.nodes.count_failure(result.attribution, result.number)
             if stop is None:  # a node known lost, or silent: checked again, out at once
-                stop = await self.nodes.recheck(result.number, silent_node(result))
+                stop = await self.nodes.recheck(result.number, *silent_node(result))
             if stop is not None:
                 self.give_up(number, ExitCode.NODES, stop, nodes=self.resolved.pool.as_dict())
                 return ExitCode.NODES, stop
@@ -363,12 +363,13 @@ def start_facts(resolved: Resolved, job_id: str, heartbeat: str, continues: bool
     }
 
 
-def silent_node(result: AttemptResult) -> str | None:
-    """The node a hang or a stall is laid on (its ranks went silent), or None."""
+def silent_node(result: AttemptResult) -> tuple[str | None, str]:
+    """The node a hang or a stall is laid on (its ranks went silent), and what was seen; or
+    (None, "")."""
     finding, blame = result.finding, result.attribution
     if finding is None or finding.kind not in ("hang", "no_progress") or blame is None:
-        return None
-    return blame.node
+        return None, ""
+    return blame.node, finding.reason
 
 
 def prepare_run_dir(resolved: Resolved) -> int:

@@ -43,12 +43,15 @@ class NodeKeeper:
         or whose directories the ranks could not write, is out before it costs an attempt."""
         return await self._check_nodes("pre-launch check", None, tries=1)
 
-    async def recheck(self, attempt: int, silent_node: str | None = None) -> str | None:
+    async def recheck(
+        self, attempt: int, silent_node: str | None = None, seen: str = ""
+    ) -> str | None:
         """After attempt `attempt` failed, before the relaunch: when a node is known lost (a
         `node_loss` fault), or the failure is laid on a host whose ranks went silent
         (`silent_node`), check the nodes again; a lost one does not answer and is out at once,
         a spare in its place, whatever its failure count. A check that no node answered (the
-        launcher failed) is tried again, RECHECK_TRIES in all."""
+        launcher failed) is tried again, RECHECK_TRIES in all. A silent host that fails it is out
+        of reach (cut off, or dead): said in a `node_unreachable` event with what was `seen`."""
         if silent_node is not None and (
             self.cfg.launch.emulate_nodes or hosts.is_this_host(silent_node)
         ):
@@ -56,9 +59,14 @@ class NodeKeeper:
         down = self.faults.nodes_down()
         if not nodes.recheck_before_relaunch(down, self.resolved.pool, silent_node):
             return None
-        return await self._check_nodes("node check before relaunch", attempt, RECHECK_TRIES)
+        unreachable = {silent_node: seen} if silent_node is not None else {}
+        return await self._check_nodes(
+            "node check before relaunch", attempt, RECHECK_TRIES, unreachable
+        )
 
-    async def _check_nodes(self, what: str, attempt: int | None, tries: int) -> str | None:
+    async def _check_nodes(
+        self, what: str, attempt: int | None, tries: int, silent: dict[str, str] | None = None
+    ) -> str | None:
         resolved = self.resolved
         if len(resolved.nodes) < 2 or resolved.kind.this_host_only:
             return None
@@ -68,6 +76,10 @@ class NodeKeeper:
                 break
         if not result.failed:
             return None
+        for node, seen in (silent or {}).items():
+            if node in result.failed:
+                at = {} if attempt is None else {"attempt": attempt}
+                self.emit("node_unreachable", node=node, seen=seen, check=result.failed[node], **at)
         reasons = {n: f"{what}: {why}" for n, why in result.failed.items()}
         return self._exclude(reasons, attempt)
 

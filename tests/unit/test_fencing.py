@@ -1,0 +1,127 @@
+"""Fencing's parts alone: the rank's lease (a real process that runs out of it ends itself), the
+fence records and what they refuse, the lease renewals on a real control channel, and the
+`partition` fault's config checks."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from contracts import ckpt_files, fences
+from contracts.config_table import ConfigError
+from faults import partition_problem
+from faults.spec import JobShape, parse
+from worker.lease import Lease
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_lease_only_grows_and_runs_out_by_the_wall_clock():
+    lease = Lease()
+    assert lease.left_s() is None  # no lease: never fenced
+    lease.enforce()
+    lease.start(5.0)
+    until = lease.until
+    lease.renew(until - 1, 7)  # stale: a renewal queued through a cut
+    assert lease.until == until and lease.epoch == 0
+    lease.renew(until + 3, 8)
+    assert lease.until == until + 3 and lease.epoch == 8
+    assert 7 < lease.left_s() <= 8
+
+
+def test_a_rank_whose_lease_runs_out_kills_itself_at_its_next_write():
+    code = (
+        "import os, time\n"
+        "os.environ['ES_LEASE_S'] = '0.3'\n"
+        "from worker import lease\n"
+        "lease.start_from_env()\n"
+        "lease.guard(); print('wrote', flush=True)\n"
+        "time.sleep(0.5)\n"
+        "lease.guard(); print('wrote after', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == -signal.SIGKILL, out
+    assert out.stdout.splitlines() == ["wrote"]
+    assert "fenced: the supervisor's lease ran out" in out.stderr
+
+
+def _meta(attempt: int, saved_at: float) -> tuple[dict, float]:
+    return {"job": "j", "attempt": attempt, "lease_epoch": 3}, saved_at
+
+
+def test_what_a_fenced_attempt_wrote_after_its_fence_is_refused(tmp_path):
+    assert fences.read_all(tmp_path) == {}  # no fences dir
+    fences.write(tmp_path, fences.Fence("j", 4, 1000.0, "hang"))
+    (tmp_path / fences.DIR / "junk.json").write_text("[1, 2]")  # not a record: ignored
+    (tmp_path / fences.DIR / "big.json").write_bytes(b"x" * (fences.MAX_RECORD_BYTES + 1))
+    found = fences.read_all(tmp_path)
+    assert list(found) == [("j", 4)]
+    assert fences.late(*_meta(4, 999.0), found) is None  # before its fence: good
+    assert "after the supervisor fenced it (hang)" in fences.late(*_meta(4, 1001.0), found)
+    assert fences.late({"job": "j", "attempt": 4}, None, found) is not None  # no time: refused
+    assert fences.late(*_meta(5, 2000.0), found) is None  # another attempt
+    assert fences.late(None, 2000.0, found) is None  # written without a supervisor
+    assert fences.late({"job": "other", "attempt": 4}, 2000.0, found) is None
+
+
+def test_a_checkpoint_names_its_writer():
+    env = {"ES_JOB_ID": "j", "ES_ATTEMPT": "6"}
+    assert ckpt_files.writer_of(env, 9) == {"job": "j", "attempt": 6, "lease_epoch": 9}
+    assert ckpt_files.writer_of({}, 9) == {}
+
+
+def test_the_supervisor_renews_only_the_attempts_it_keeps():
+    zmq = pytest.importorskip("zmq")
+    from contracts import control_msgs, messages
+    from supervisor.watch.control import ControlServer
+
+    key, job = b"k" * 32, "job-1"
+    server = ControlServer(key, job, "127.0.0.1", "127.0.0.1")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        from worker.control_channel import ControlChannel
+
+        for attempt in (1, 2):
+            ident = messages.RankIdentity(job=job, attempt=attempt, rank=0, world=1, host="h",
+                                          pid=1)  # fmt: skip
+            channel = ControlChannel(server.address, key, ident)
+            socks.append((attempt, channel.open(ctx, zmq)))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(server.owner(a, 0) for a in (1, 2)):
+            time.sleep(0.02)
+        server.fence(2)
+        assert server.renew(time.time() + 10, time.time()) == 1
+        got = {}
+        for attempt, sock in socks:
+            if sock.poll(2000 if attempt == 1 else 300):
+                got[attempt] = control_msgs.decode_control(key, sock.recv(), job, attempt, 0)
+        assert list(got) == [1] and got[1]["action"] == "lease" and got[1]["epoch"] == 1
+        server.forget(1)
+        assert server.renew(time.time() + 10, time.time()) == 0
+    finally:
+        for _, sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+        server.close()
+
+
+def test_a_partition_is_declared_on_a_node_and_needs_the_test_bed():
+    shape = JobShape(world=4, nodes=4)
+    spec = parse({"at_step": 5, "action": "partition", "target": "node:1", "duration_s": 30}, 0,
+                 "job.toml", shape)  # fmt: skip
+    assert spec.action.kind == "partition" and spec.action.duration_s == 30
+    assert parse({"at_step": 5, "action": "partition", "target": "rank:2"}, 0, "job.toml",
+                 shape).action.duration_s == 0  # fmt: skip
+    for bad in ({"target": "all"}, {"target": "node:1", "duration_s": -1},
+                {"target": "node:1", "signal": 9}):  # fmt: skip
+        with pytest.raises(ConfigError):
+            parse({"at_step": 5, "action": "partition", **bad}, 0, "job.toml", shape)
+    assert "emulated nodes" in partition_problem(["n0", "n1"], emulated=True)
+    assert "not a test-bed host: nowhere-9" in partition_problem(["nowhere-9"], emulated=False)
