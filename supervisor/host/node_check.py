@@ -22,7 +22,7 @@ from contracts import scratch
 from supervisor.host import hygiene, memdir, node_probe
 from supervisor.host.node_probe import MARK
 from supervisor.launch.plan import LaunchPlan
-from supervisor.launch.processes import child_setup, helper_process
+from supervisor.launch.processes import child_setup, helper_process, starting_helper
 from supervisor.launch.resolve import Resolved
 
 
@@ -130,16 +130,17 @@ async def run_program(
         hostfile,
     )
     spec = plan.procs[0]
-    proc = await asyncio.create_subprocess_exec(
-        *spec.argv,
-        env={**os.environ, **spec.env},
-        cwd=cfg.launch.cwd or None,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=child_setup,
-    )
+    with starting_helper():  # its pid comes an await after the fork: ours from the fork on
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            env={**os.environ, **spec.env},
+            cwd=cfg.launch.cwd or None,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=child_setup,
+        )
     with helper_process(proc.pid):
         return await _report(proc, plan, timeout)
 

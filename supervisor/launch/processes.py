@@ -94,6 +94,12 @@ _LIVE: weakref.WeakSet[Launched] = weakref.WeakSet()
 # teardown takes them or their descendants for its orphans (a standby ended while the node check
 # before a relaunch ran counted its 9 processes as its own).
 _HELPERS: set[int] = set()
+# When each helper being started began. Its process is ours from the fork, but asyncio gives its
+# pid an await later, and a teardown that looked in between took it for an orphan: it SIGTERMed
+# the node check's mpiexec, or counted it among the survivors of a standby it never belonged to.
+_STARTING: list[float] = []
+# psutil's create_time() rests on the boot time in whole seconds: two clocks a second apart.
+CLOCK_SLACK_S = 1.0
 
 
 @contextlib.contextmanager
@@ -104,6 +110,29 @@ def helper_process(pid: int) -> Iterator[None]:
         yield
     finally:
         _HELPERS.discard(pid)
+
+
+@contextlib.contextmanager
+def starting_helper() -> Iterator[None]:
+    """While in the block, a helper is being started: a child of ours created since is taken for
+    the helper's, never for an attempt's orphan. Hold its pid with `helper_process` right after,
+    with no await between the two blocks."""
+    began = time.time()
+    _STARTING.append(began)
+    try:
+        yield
+    finally:
+        _STARTING.remove(began)
+
+
+def is_orphan(created: float, launched: float, theirs: bool, helper_since: float | None) -> bool:
+    """Pure: whether a live child of ours (not a zombie), started at `created` (wall clock), is an
+    orphan of the launch started at `launched`: not in another live launch's tree or a helper's
+    (`theirs`), not older than the launch, and not started while a helper was being started
+    (`helper_since`: when the oldest such start began; None: none is)."""
+    if theirs or created < launched - CLOCK_SLACK_S:
+        return False
+    return helper_since is None or created < helper_since - CLOCK_SLACK_S
 
 
 def _helpers_tree() -> set[int]:
@@ -345,14 +374,16 @@ class Launched:
                 children = []
             others = {pid for run in list(_LIVE) if run is not self for pid in run._tree()}
             others |= _helpers_tree()
-            try:
-                for child in children:
-                    if child.status() != psutil.STATUS_ZOMBIE and child.pid not in found:
-                        if child.create_time() >= self.started_wall - 1:
-                            if child.pid not in others:
-                                found[child.pid] = child
-            except psutil.Error:
-                pass
+            helper_since = min(_STARTING, default=None)
+            for child in children:
+                try:
+                    if child.pid in found or child.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                    created = child.create_time()
+                except psutil.Error:  # gone meanwhile: nothing left to end or count
+                    continue
+                if is_orphan(created, self.started_wall, child.pid in others, helper_since):
+                    found[child.pid] = child
         return list(found.values())
 
 
