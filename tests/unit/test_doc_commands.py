@@ -158,12 +158,31 @@ def doc_commands() -> list[DocCommand]:
                         wrapper = part[: m.start()].strip()
                         wrapper = "" if wrapper == "exec" else wrapper
                         found.append(DocCommand(rel, n, part[m.start() :], wrapper, variables))
-        in_block = False
-        for n, line in enumerate(text.splitlines(), 1):
-            in_block ^= line.startswith("```")
-            if not in_block and not line.startswith("```"):
-                found += [DocCommand(rel, n, m.group(1)) for m in _INLINE.finditer(line)]
+        for n, para in prose(text):
+            found += [DocCommand(rel, n, m.group(1)) for m in _INLINE.finditer(para)]
     return found
+
+
+def prose(text: str) -> list[tuple[int, str]]:
+    """(first line, text) of each paragraph outside fenced blocks, its lines joined (a code
+    span may go on to the next line)."""
+    out: list[tuple[int, str]] = []
+    lines: list[str] = []
+    start, fenced = 0, False
+    for n, line in enumerate([*text.splitlines(), ""], 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        if line.strip() and not lines:
+            start = n
+        if line.strip():
+            lines.append(line.strip())
+        elif lines:
+            out.append((start, " ".join(lines)))
+            lines = []
+    return out
 
 
 def bench_scripts() -> list[str]:
@@ -186,7 +205,7 @@ def expanded(cmd: DocCommand, variables: dict[str, str]) -> list[list[str]]:
         if done == text:
             break
         text = done
-    words = shlex.split(text, comments=True)
+    words = [w for w in shlex.split(text, comments=True) if w != "..."]  # "and its flags"
     assert "|" not in words, f"{cmd.id}: a pipeline: {cmd.text}"
     filled = {**PLACEHOLDERS, **(EXPERIMENT if "experiment" in words[2:4] else {})}
     words = [filled.get(w, w) for w in words]
