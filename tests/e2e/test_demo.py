@@ -1,9 +1,12 @@
 """The README's demo, run from the shipped config as it is: it must show its failures every
-time, on any host, so that it can never silently stop demonstrating."""
+time, on any host, so that it can never silently stop demonstrating. Its console summary has
+the shape of the README's sample, line by line (numbers, times, paths and each relaunch's mode
+and resume tier masked), and every field of its events is in docs/architecture.md's table."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +15,34 @@ import pytest
 
 from supervisor.log.events import read_events
 from tests.support import REPO
+from tests.unit.test_event_fields import COMMON, documented
 
 DEMO = REPO / "configs" / "debug.toml"
+# What varies from run to run in the summary, masked in both (the README says so above it).
+_MASKS = [
+    (r"runs/debug-\d{8}-\d{6}", "RUN_DIR"),
+    (r"\d+(\.\d+)?( (s|ms|min)\b|%)", "T"),
+    (r"\d+", "N"),
+    (r"\b(step|failure|relaunch|copy|cop)(s|es|ies|y)?\b", r"\1"),
+    (r"\b(warm|cold)\b", "MODE"),
+    (r"\((durable|memory|partner)\)", "(TIER)"),
+    (r"^(#N stacks:).*", r"\1"),  # where the ranks stood: a line each
+]
+
+
+def shape(line: str) -> str:
+    """A summary line with what varies masked and its spacing collapsed."""
+    line = " ".join(line.split())
+    for pattern, to in _MASKS:
+        line = re.sub(pattern, to, line)
+    return line
+
+
+def readme_sample() -> list[str]:
+    """The README's sample of the demo's console summary."""
+    text = (REPO / "README.md").read_text()
+    block = next(b for b in text.split("```")[1::2] if "== debug: DONE" in b)
+    return block.strip("\n").splitlines()
 
 
 @pytest.mark.slow
@@ -56,3 +85,18 @@ def test_the_demo_shows_three_kinds_of_failure_and_finishes(tmp_path):
     summary = out[out.index(next(line for line in out if line.startswith("== debug: DONE"))) :]
     assert "3 failures (3 injected), 3 relaunches" in summary[1]
     assert len(summary) <= 12 and "Report: runs/" in "\n".join(summary)
+    # The README's sample is this run's shape: the same lines in the same order.
+    got, sample = [shape(line) for line in summary], [shape(line) for line in readme_sample()]
+    assert got == sample, "README.md's sample differs from this run's summary:\n" + "\n".join(
+        summary
+    )
+    # Every field it wrote is on docs/architecture.md (tests/unit/test_event_fields.py reads the
+    # code for the same; this is what one real run wrote).
+    page = documented()
+    undocumented = {
+        (e["event"], key)
+        for e in evs
+        for key in e
+        if key not in COMMON | page.get(e["event"], set())
+    }
+    assert not undocumented, f"the demo wrote fields docs/architecture.md lacks: {undocumented}"
