@@ -40,12 +40,13 @@ def path_of(root: Path, job: str, attempt: int) -> Path:
 
 
 def write(root: Path, fence: Fence) -> None:
-    """The record, atomically (a reader sees all of it or nothing)."""
-    directory = root / DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    ckpt_files.write_atomic(
-        path_of(root, fence.job, fence.attempt), json.dumps(fence.__dict__).encode()
-    )
+    """The record, atomically (a reader sees all of it or nothing); an attempt's first fence
+    stands (a later one would let through what was written in between)."""
+    path = path_of(root, fence.job, fence.attempt)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ckpt_files.write_atomic(path, json.dumps(fence.__dict__).encode())
 
 
 def read_all(root: Path) -> dict[tuple[str, int], Fence]:
@@ -87,3 +88,19 @@ def late(writer: Any, saved_at: Any, fences: dict[tuple[str, int], Fence]) -> st
         f"written by attempt {fence.attempt} after the supervisor fenced it "
         f"({fence.why}); never used"
     )
+
+
+def sweep(root: Path) -> list[int]:
+    """Remove every step dir under `root` that a fenced attempt wrote after its fence (its
+    `meta.json` says so); the steps removed. Nothing is read when no attempt is fenced."""
+    fenced = read_all(root)
+    removed = []
+    for found in ckpt_files.scan(root) if fenced else []:
+        try:
+            meta = ckpt_files.read_meta(found.path)
+        except (OSError, ValueError):
+            continue  # no record (a save cut short): retention's
+        if isinstance(meta, dict) and late(meta.get("writer"), meta.get("saved_at"), fenced):
+            ckpt_files.remove_step_dir(found.path)
+            removed.append(found.step)
+    return removed

@@ -117,6 +117,13 @@ class Injection:
         None, STEP, "the rank's loss at this step scaled by spike_factor (the numerical guard's)"
     )
     spike_factor: float = _point(100.0, FACTOR, "what spike_at_step scales the loss by")
+    write_when_cut_s: float | None = _point(
+        None,
+        SECONDS,
+        "once no lease renewal reached the rank for this long, it writes a complete checkpoint "
+        "far ahead (a copy of the newest) every 0.2 s until its lease stops it: a cut-off rank "
+        "that keeps saving",
+    )
     node_check_fail: tuple[str, ...] = _point(
         (), NODES, "the pre-launch node check fails on these nodes"
     )

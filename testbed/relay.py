@@ -1,5 +1,7 @@
-"""The bed's sshd: how a process inside one host reaches another host (`testbed/ssh` from n0, as
-Hydra's mpiexec does when the supervisor runs on n0, a PBS mother-superior node).
+"""The bed's sshd: how every `testbed/ssh` reaches a host, from the machine or from inside
+another host (from n0, as Hydra's mpiexec does when the supervisor runs on n0, a PBS
+mother-superior node). The command runs under this daemon, never under its caller: no process
+tree walked from the caller reaches into the host, as none reaches across a network.
 
 A host has its own PID namespace, and Linux lets no process enter a PID namespace that is not
 its own or below it: from n0, n1's init cannot be entered. So, as ssh reaches a daemon that
@@ -7,7 +9,8 @@ starts the command on the other machine, `testbed/ssh` run inside a host hands i
 directory, environment and standard streams (SCM_RIGHTS) to this daemon over a Unix socket in
 the bed's run dir (the file system is shared); the daemon, on the machine, runs `testbed/ssh`
 with them there and sends back its exit status. A client that goes away (its caller killed
-it) has its command's `testbed/ssh` ended, as sshd hangs up a session whose connection dropped.
+it) has its command's `testbed/ssh` ended, as sshd hangs up a session whose connection dropped;
+on a cut host only once it is healed (sshd would not hear of it before).
 
     python -I relay.py serve SOCKET      # started by `up`, in the machine's namespaces
     python -I relay.py client ARGS...    # testbed/ssh inside a host
@@ -27,9 +30,11 @@ import socket
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 
 SSH = Path(__file__).with_name("ssh")
+RUN = Path("/run/es-testbed")  # the bed's run dir (testbed/run_dir.py): each host's state
 HEADER = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
 POLL_S = 0.05
@@ -110,13 +115,14 @@ def _session(conn: socket.socket) -> None:
                     os.chdir(request["cwd"])
                 except OSError:
                     os.chdir("/")
-                os.execve(str(SSH), [str(SSH), *request["args"]], request["env"])
+                env = {**request["env"], "ES_TESTBED_SSH_DIRECT": "1"}
+                os.execve(str(SSH), [str(SSH), *request["args"]], env)
             finally:
                 os._exit(255)
         for fd in fds:
             os.close(fd)
         fds = []
-        status = _wait(pid, conn)
+        status = _wait(pid, conn, _host_of(request["args"]))
         conn.sendall(HEADER.pack(status))
     except (OSError, ValueError, ConnectionError):
         pass
@@ -126,16 +132,33 @@ def _session(conn: socket.socket) -> None:
         conn.close()
 
 
-def _wait(pid: int, conn: socket.socket) -> int:
-    """The command's exit status; a client gone first has its command's `testbed/ssh` ended."""
+def _host_of(args: list[str]) -> str:
+    """The host an ssh command line names (its first word that is not an option), as `client`."""
+    return next((a for a in args if not a.startswith("-")), "?").rpartition("@")[2]
+
+
+def _cut(host: str) -> bool:
+    try:
+        return (RUN / "hosts" / host / "state").read_text().strip() == "cut"
+    except OSError:
+        return False
+
+
+def _wait(pid: int, conn: socket.socket, host: str) -> int:
+    """The command's exit status; a client gone first has its command's `testbed/ssh` ended,
+    once the host hears of it: at once, or when a cut host is healed."""
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status) & 0xFF
         readable, _, _ = select.select([conn], [], [], POLL_S)
         if readable and not conn.recv(1, socket.MSG_PEEK):  # the client hung up
-            os.kill(pid, signal.SIGTERM)
-            _, status = os.waitpid(pid, 0)
+            while _cut(host) and not os.waitpid(pid, os.WNOHANG)[0]:
+                time.sleep(POLL_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
             return 255
 
 

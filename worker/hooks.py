@@ -22,6 +22,7 @@ from pathlib import Path
 from contracts import inject
 from contracts.env_names import ENV_INJECT
 from contracts.inject import AsyncPhase
+from worker import late_writes
 from worker.ckpt.fail_points import NoFailPoints
 from worker.errors import UsageError
 
@@ -37,7 +38,9 @@ class Hooks(NoFailPoints):
         return []
 
 
-def from_env(env: Mapping[str, str], rank: int, async_ckpt: bool) -> Hooks:
+def from_env(
+    env: Mapping[str, str], rank: int, async_ckpt: bool, ckpt_dir: str | None = None
+) -> Hooks:
     """This rank's hooks from `ES_INJECT` in `env`; UsageError (exit 2) on a bad value."""
     try:
         points = inject.read(env)
@@ -60,6 +63,8 @@ def from_env(env: Mapping[str, str], rank: int, async_ckpt: bool) -> Hooks:
         nan_at_step=points.nan_at_step,
         spike_at_step=points.spike_at_step,
         spike_factor=points.spike_factor,
+        write_when_cut_s=points.write_when_cut_s,
+        ckpt_dir=ckpt_dir,
     )
 
 
@@ -80,6 +85,8 @@ class InjectedFaults(Hooks):
     nan_at_step: int | None = None
     spike_at_step: int | None = None
     spike_factor: float = 100.0
+    write_when_cut_s: float | None = None
+    ckpt_dir: str | None = None
 
     def numeric_faults(self) -> list[tuple[int, str, float]]:
         if not self.armed:
@@ -90,6 +97,8 @@ class InjectedFaults(Hooks):
     def in_step(self, step: int) -> None:
         if not self.armed:
             return
+        if self.write_when_cut_s is not None and self.ckpt_dir:
+            late_writes.start(Path(self.ckpt_dir), self.write_when_cut_s)
         if step == self.raise_at_step:
             raise RuntimeError(f"injected failure at step {step}")
         if step == self.stall_at_step:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -57,12 +56,13 @@ class Lease:
         left = self.left_s()
         if left is None or left > 0:
             return
-        try:
-            sys.stderr.write(
-                f"fenced: the supervisor's lease ran out {-left:.1f}s ago (epoch {self.epoch}): "
-                "unreachable or gone; this rank stops writing and exits\n"
-            )
-            sys.stderr.flush()
+        line = (
+            f"fenced: the supervisor's lease ran out {-left:.1f}s ago (epoch {self.epoch}): "
+            "unreachable or gone; this rank stops writing and exits\n"
+        )
+        try:  # never blocks: a cut-off host's output pipe may be full
+            os.set_blocking(2, False)
+            os.write(2, line.encode())
         except (OSError, ValueError):
             pass
         os.kill(os.getpid(), signal.SIGKILL)

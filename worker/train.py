@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     try:  # the same answer on every rank: each says it and ends
         take_umask(os.environ)  # before anything is written
         args = parse_args(argv)
-        hooks = test_hooks.from_env(os.environ, info.rank, args.async_ckpt)
+        hooks = test_hooks.from_env(os.environ, info.rank, args.async_ckpt, args.ckpt_dir)
         cfg, layout = plan(args, info)
         standby = standby_requested(os.environ)
     except UsageError as exc:

@@ -32,6 +32,7 @@ _LEVELS = {
     "control_refused": "warning",
     "fence_unwritten": "warning",
     "node_unreachable": "error",
+    "fenced_writes_removed": "warning",
     "standby_lost": "warning",
     "template_lost": "warning",
     "standby_off": "warning",

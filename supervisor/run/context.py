@@ -121,17 +121,34 @@ class JobContext:
             env[env_names.ENV_HEARTBEAT_RELAY] = "1"
         return env
 
-    def fence(self, attempt: int, why: str) -> None:
-        """Attempt `attempt` is over for the job (a finding ended it): its ranks' leases are
-        renewed no more, and what they write from now on, reached or not, is never used: the
-        fence record is on disk before anything resumes (contracts.fences)."""
+    def let_go(self, attempt: int, why: str) -> None:
+        """An attempt's processes are gone: fenced (if no finding fenced it earlier), its
+        control identities claimed by none again, and what fenced attempts wrote after their
+        fences removed (`fenced_writes_removed`: a cut-off rank's late checkpoints)."""
+        self.fence(attempt, why)
         if self.control is not None:
-            self.control.fence(attempt)
+            self.control.forget(attempt)
+        root = self._ckpt_root()
+        swept = fences.sweep(root) if root is not None else []
+        if swept:
+            self.emit("fenced_writes_removed", steps=swept, ckpt_dir=str(root))
+
+    def _ckpt_root(self) -> Path | None:
         cfg = self.resolved.cfg
         ckpt = cfg.worker.flags.get("ckpt_dir")
         if not isinstance(ckpt, str) or not ckpt:
+            return None
+        return Path(cfg.launch.cwd or ".", ckpt).absolute()
+
+    def fence(self, attempt: int, why: str) -> None:
+        """Attempt `attempt` is over for the job (a finding ended it, or it ended): its ranks'
+        leases are renewed no more, and what they write from now on, reached or not, is never
+        used: the fence record is on disk before anything resumes (contracts.fences)."""
+        if self.control is not None:
+            self.control.fence(attempt)
+        root = self._ckpt_root()
+        if root is None:
             return
-        root = Path(cfg.launch.cwd or ".", ckpt).absolute()
         record = fences.Fence(self.job_id, attempt, time.time(), why)
         try:
             fences.write(root, record)

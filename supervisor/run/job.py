@@ -200,8 +200,7 @@ class Job:
         while True:
             number = attempt.number
             result = await self._attempt(attempt)
-            if self.control is not None:  # its processes are gone: none claims them again
-                self.control.forget(number)
+            self.context.let_go(number, result.outcome.kind)  # its processes are gone
             self.history.append(result.record)
             if self.intervals is not None:  # a failure: the rate the intervals are tuned for
                 self.intervals.attempt_ended(result.record)
