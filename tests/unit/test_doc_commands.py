@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tomllib
@@ -63,12 +62,12 @@ class NotHere:
     check: str  # "cli": run with `more`; "load": its config loaded (keys, types, values); "parse"
     more: tuple[str, ...] = ()  # overrides that stand in for what the place has
     variables: dict[str, str] = field(default_factory=dict)  # what the place's shell would set
-    nodefile: bool = False  # a PBS_NODEFILE of three names of this host
+    nodefile: bool = False  # a PBS_NODEFILE of three names that resolve on any host
 
 
 _PALS = NotHere(
     "a PBS job script for Cray PALS, whose mpiexec is not here: MPICH's stands in for it "
-    "(flavor auto), and three names of this host for the allocation's nodes",
+    "(flavor auto), and three loopback names for the allocation's nodes",
     "cli",
     more=("--set", "launch.flavor=auto"),
     variables={"PALS_MPIEXEC": str(Path(VENV_BIN) / "mpiexec")},
@@ -305,7 +304,7 @@ def test_a_supervisor_command_of_the_docs_exits_as_they_say(
         argv = cheap(argv) + list(not_here.more if not_here else ())
         if not_here is not None and not_here.nodefile:
             nodefile = tmp_path / "nodefile"
-            nodefile.write_text(f"127.0.0.1\nlocalhost\n{socket.gethostname()}\n")
+            nodefile.write_text("127.0.0.1\nlocalhost\n127.0.0.2\n")  # resolve anywhere
             monkeypatch.setenv("PBS_NODEFILE", str(nodefile))
         rc = cli.main(argv)
         said = capsys.readouterr()
