@@ -16,6 +16,7 @@ A leaf (no torch, nothing of the training loop): worker/ckpt/ calls `guard()` be
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -31,6 +32,7 @@ class Lease:
         self.until: float | None = None
         self.epoch = 0  # the newest renewal's number (the supervisor's count)
         self.seconds = 0.0
+        self.end_with: int | None = None  # a fork template's pid: ended first (worker.template)
         self._lock = threading.Lock()
 
     def start(self, seconds: float) -> None:
@@ -65,6 +67,9 @@ class Lease:
             os.write(2, line.encode())
         except (OSError, ValueError):
             pass
+        if self.end_with is not None and os.getppid() == self.end_with:
+            with contextlib.suppress(OSError):  # its template ends (and its other ranks with it)
+                os.kill(self.end_with, signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

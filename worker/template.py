@@ -15,7 +15,9 @@ random state that matters (the worker seeds everything it draws from). Its garba
 objects are frozen before the first fork so that a collection in a rank does not copy them.
 
 Its ranks die with it (PR_SET_PDEATHSIG), and a rank whose client ends is killed at once: the
-client is what the launcher owns, so a launcher's SIGKILL reaches the rank too. It serves only
+client is what the launcher owns, so a launcher's SIGKILL reaches the rank too. A rank whose lease
+ran out (worker.lease: its node cut off, or its supervisor gone) ends the template first: what
+could renew the template's ranks cannot reach the node. It serves only
 its own user (SO_PEERCRED) and clients that carry the job's key, and forks only the modules
 it was started for. It reads requests without blocking: a local process that connects and
 sends slowly or nothing holds up no rank's start.
@@ -296,7 +298,9 @@ class Template:
         os.environ.clear()
         os.environ.update(request["env"])
         _fresh_stdio()
-        from worker import startup
+        from worker import lease, startup
+
+        lease.LEASE.end_with = parent  # fenced, it ends its template too: the node is cut off
 
         started = request.get("started")
         startup.PROCESS_START = started if isinstance(started, float) else time.time()

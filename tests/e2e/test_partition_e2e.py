@@ -13,12 +13,27 @@ the heal no process of the fenced attempt is left on n1.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 
 from contracts import ckpt_files, fences
 from tests.e2e.test_nodes_e2e import last_losses, of
 from tests.e2e.test_testbed_jobs import PLAIN, bed_config, left_on_hosts, wait_until
-from tests.support import events, finish_supervisor, read_metrics, start_supervisor, worker_flags
+from tests.support import (
+    REPO,
+    events,
+    finish_supervisor,
+    read_metrics,
+    start_supervisor,
+    supervisor_env,
+    worker_flags,
+)
 from tests.testbed_support import bed_fixture, bed_module_fixture  # noqa: F401 (fixtures)
 from worker.late_writes import AHEAD
 
@@ -93,3 +108,42 @@ def test_a_node_cut_off_is_fenced_replaced_and_nothing_it_writes_is_used(bed, tm
     assert wait_until(lambda: not left_on_hosts(bed, job)["n1"]["procs"], LEASE_S + 5), (
         left_on_hosts(bed, job)["n1"]
     )
+
+
+def test_a_supervisor_cut_off_and_killed_leaves_no_rank_beyond_the_lease(bed, tmp_path):
+    """The supervisor on n0 (as on a PBS mother-superior node) with ranks on n0, n1 and n2 and a
+    standby beside them: n0 cut off, then the supervisor SIGKILLed. Nothing can tell the others
+    (no launcher, no connection reaches them): their ranks and standby ranks end by their
+    leases; once n0 is healed, nothing of the job is left on any host."""
+    config = bed_config(tmp_path, bed, bed.hosts[:3], [], worker={"train_iters": 100000})
+    command = [sys.executable, "-m", "supervisor", "run", str(config), "--quiet"]
+    proc = bed.popen("n0", command, cwd=str(REPO), env=supervisor_env(), stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)  # fmt: skip
+    run = tmp_path / "run"
+    try:
+        metrics = run / "attempts" / "000" / "metrics-0.jsonl"
+        ready = lambda: any(e["event"] == "standby_ready" for e in events(run))  # noqa: E731
+        assert wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= 6
+                          and ready(), 120), events(run)[-5:]  # fmt: skip
+        job = of(events(run), "start")[0]["job"]
+        supervisor = [p.pid for p in psutil.process_iter(["cmdline"])
+                      if p.info["cmdline"] == command]  # fmt: skip
+        assert len(supervisor) == 1, supervisor
+        before = left_on_hosts(bed, job)
+        assert all(before[h]["procs"] for h in bed.hosts[:3]), before
+        bed.cut("n0")
+        os.kill(supervisor[0], signal.SIGKILL)
+        killed = time.monotonic()
+        others = ("n1", "n2")
+        gone = wait_until(lambda: not any(left_on_hosts(bed, job)[h]["procs"] for h in others),
+                          LEASE_S + 5, every=0.25)  # fmt: skip
+        took = time.monotonic() - killed
+        assert gone, (took, {h: left_on_hosts(bed, job)[h] for h in others})
+        print(f"every process of the job on n1 and n2 gone {took:.1f} s after the kill")
+        bed.heal("n0")
+        assert wait_until(lambda: not any(s["procs"] for s in left_on_hosts(bed, job).values()),
+                          30), left_on_hosts(bed, job)  # fmt: skip
+    finally:
+        bed.heal("n0")
+        proc.kill()
+        proc.wait(timeout=30)

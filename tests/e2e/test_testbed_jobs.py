@@ -166,9 +166,9 @@ def test_a_supervisor_killed_on_n0_leaves_what_the_next_job_removes_on_every_hos
         assert all(f"es-mem-{job}" in before[h]["shm"] for h in bed.hosts[:3]), before
         killed = bed.exec("n0", ["pkill", "-KILL", "-f", f"supervisor run {config}"], timeout=30)
         assert killed.returncode == 0
-        # every process of the job, on every host, ends with it
+        # every process of the job, on every host, ends with it: within the lease (10 s) + 5 s
         assert wait_until(lambda: all(not s["procs"] for s in left_on_hosts(bed, job).values()),
-                          60), left_on_hosts(bed, job)  # fmt: skip
+                          15), left_on_hosts(bed, job)  # fmt: skip
     finally:
         proc.kill()
         proc.wait(timeout=30)
