@@ -4,6 +4,8 @@ fence records and what they refuse, the lease renewals on a real control channel
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -125,3 +127,90 @@ def test_a_partition_is_declared_on_a_node_and_needs_the_test_bed():
             parse({"at_step": 5, "action": "partition", **bad}, 0, "job.toml", shape)
     assert "emulated nodes" in partition_problem(["n0", "n1"], emulated=True)
     assert "not a test-bed host: nowhere-9" in partition_problem(["nowhere-9"], emulated=False)
+
+
+def _record(tmp_path: Path, name: str, data: bytes | dict) -> None:
+    raw = data if isinstance(data, bytes) else json.dumps(data).encode()
+    (tmp_path / fences.DIR / name).write_bytes(raw)
+
+
+def test_what_is_no_fence_record_is_ignored_and_never_hangs_a_reader(tmp_path):
+    """A FIFO or a link to a device named like a record used to block a reader (the supervisor
+    at an attempt's end, rank 0 at a resume); JSON nested deep raised RecursionError."""
+    (tmp_path / fences.DIR).mkdir()
+    good = {"job": "j", "attempt": 1, "at": 1000.0, "why": "hang"}
+    os.mkfifo(tmp_path / fences.DIR / "j-2.json")
+    os.symlink("/dev/zero", tmp_path / fences.DIR / "j-3.json")
+    _record(tmp_path, "j-4.json", b"[" * 2000 + b"]" * 2000)
+    _record(tmp_path, "j-5.json", b'{"job": "j", "attempt": 5, "at": NaN, "why": "x"}')
+    _record(tmp_path, "j-6.json", {**good, "attempt": "6"})
+    _record(tmp_path, "j-7.json", {**good, "attempt": 1})  # a copy under another name
+    _record(tmp_path, "j-8.json", {**good, "attempt": True})
+    _record(tmp_path, "j-1.json", good)
+    (tmp_path / fences.DIR / "j-9.json").mkdir()
+    assert list(fences.read_all(tmp_path)) == [("j", 1)]
+    assert fences.record({**good, "job": ["j"]}, "j-1.json") is None
+    fences.write(tmp_path, fences.Fence("j", 6, 2000.0, "hang"))  # junk there: replaced
+    assert fences.read_all(tmp_path)[("j", 6)].at == 2000.0
+    (tmp_path / fences.DIR).rename(tmp_path / "gone")
+    (tmp_path / fences.DIR).write_text("a file")
+    assert fences.read_all(tmp_path) == {}
+    with pytest.raises(OSError):  # the supervisor says `fence_unwritten`
+        fences.write(tmp_path, fences.Fence("j", 1, 1000.0, "hang"))
+
+
+def test_a_malformed_writer_or_time_neither_crashes_nor_loses_a_good_checkpoint(tmp_path):
+    """An unhashable `writer` field crashed `late` (and with it the supervisor's sweep and rank
+    0's resume); a checkpoint of no known `saved_at` was removed though it may be a good one."""
+    fences.write(tmp_path, fences.Fence("j", 1, 1000.0, "hang"))
+    fenced = fences.read_all(tmp_path)
+    for writer in ({"job": ["j"], "attempt": 1}, {"job": "j", "attempt": [1]}, [1], "j-1",
+                   {"job": "j", "attempt": True}):  # fmt: skip
+        assert fences.late(writer, 2000.0, fenced) is None  # names no attempt
+    for saved_at in (None, "2000", float("nan"), True, float("inf")):
+        assert "at no time it says" in fences.late({"job": "j", "attempt": 1}, saved_at, fenced)
+        assert not fences.removable({"job": "j", "attempt": 1}, saved_at, fenced)
+    metas = {
+        1: {"saved_at": 999.0},  # before its fence
+        2: {"saved_at": 1001.0},  # after: the one to remove
+        3: {},  # no time: refused, kept
+        4: {"saved_at": 5000.0, "writer": {"job": ["j"], "attempt": 1}},
+        5: [1, 2],
+        6: "[" * 2000 + "]" * 2000,
+    }
+    for step, meta in metas.items():
+        d = ckpt_files.step_dir(tmp_path, step)
+        d.mkdir()
+        if isinstance(meta, dict):
+            meta = json.dumps({"writer": {"job": "j", "attempt": 1}, "files": {}, **meta})
+        (d / ckpt_files.META).write_text(meta if isinstance(meta, str) else json.dumps(meta))
+        (d / ckpt_files.MARKER).write_text("")
+    assert fences.sweep(tmp_path) == [2]
+    assert [f.step for f in ckpt_files.scan(tmp_path)] == [1, 3, 4, 5, 6]
+
+
+def test_a_resume_skips_what_it_cannot_read_or_remove(tmp_path, one_rank_group, monkeypatch):
+    """A `meta.json` that is a list or nested deep crashed rank 0's resume; so did a late
+    checkpoint in a read-only dir (its removal raised)."""
+    from worker.ckpt import resume
+
+    fences.write(tmp_path, fences.Fence("j", 1, 1000.0, "hang"))
+    for step, meta in {1: json.dumps({"files": {}}), 2: "[1]", 3: "[" * 2000 + "]" * 2000,
+                       4: json.dumps({"files": [], "rng": []}),
+                       5: json.dumps({"files": {}, "writer": {"job": "j", "attempt": 1},
+                                      "saved_at": 2000.0})}.items():  # fmt: skip
+        d = ckpt_files.step_dir(tmp_path, step)
+        d.mkdir()
+        (d / ckpt_files.META).write_text(meta)
+        (d / ckpt_files.MARKER).write_text("")
+
+    def read_only(directory: Path) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(ckpt_files, "remove_step_dir", read_only)
+    said: list[str] = []
+    chosen = resume.choose_checkpoint(tmp_path, rank=0, verify="crc", log=said.append,
+                                      fenced=fences.read_all(tmp_path))  # fmt: skip
+    assert chosen == ckpt_files.step_dir(tmp_path, 1)
+    assert "skipping checkpoint step-5 (it cannot be removed: Read-only file system)" in said[0]
+    assert [s.split(":")[1].split()[-1] for s in said[1:]] == ["step-4", "step-3", "step-2"]

@@ -244,8 +244,7 @@ def choose_checkpoint(
         for found in ckpt_files.resume_candidates(ckpt_files.scan(root)):
             late = _late(found.path, fenced or {})
             if late is not None:
-                log(f"WARNING: removing checkpoint {found.path.name}: {late}")
-                ckpt_files.remove_step_dir(found.path)
+                log(f"WARNING: {_refuse(found.path, fenced or {})}: {late}")
                 continue
             problem = _problem(found.path, verify == "crc")
             if problem is None:
@@ -258,13 +257,33 @@ def choose_checkpoint(
 
 def _late(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str | None:
     """Why a complete checkpoint is refused for its writer (`fences.late`); None: it is not."""
-    if not fenced:
-        return None
-    try:
-        meta = ckpt_files.read_meta(directory)
-    except (OSError, ValueError):
+    meta = _meta(directory) if fenced else None
+    if not isinstance(meta, dict):
         return None  # said by `_problem`
     return fences.late(meta.get("writer"), meta.get("saved_at"), fenced)
+
+
+def _refuse(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str:
+    """Remove a checkpoint written after its attempt's fence; keep one of no known time (it
+    may be a good one, damaged) or one that cannot be removed (a read-only dir): refused
+    either way. What was done, the warning's start."""
+    meta = _meta(directory)
+    meta = meta if isinstance(meta, dict) else {}
+    if not fences.removable(meta.get("writer"), meta.get("saved_at"), fenced):
+        return f"skipping checkpoint {directory.name}"
+    try:
+        ckpt_files.remove_step_dir(directory)
+    except OSError as exc:
+        return f"skipping checkpoint {directory.name} (it cannot be removed: {exc.strerror or exc})"
+    return f"removing checkpoint {directory.name}"
+
+
+def _meta(directory: Path) -> Any:
+    """A step dir's `meta.json` as read; None when it cannot be (said by `_problem`)."""
+    try:
+        return ckpt_files.read_meta(directory)
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deep
+        return None
 
 
 def _not_late(
@@ -284,8 +303,10 @@ def _not_late(
 def _problem(directory: Path, check_crc: bool) -> str | None:
     try:
         meta = ckpt_files.read_meta(directory)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         return f"unreadable {ckpt_files.META}: {exc}"
+    if not isinstance(meta, dict) or not isinstance(meta.get("files", {}), dict):
+        return f"{ckpt_files.META} is not a checkpoint's record"
     problem = ckpt_files.verify_problem(directory, meta.get("files", {}), check_crc)
     if problem is None:
         problem = _unsafe(directory, meta)
