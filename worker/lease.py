@@ -33,6 +33,9 @@ class Lease:
         self.epoch = 0  # the newest renewal's number (the supervisor's count)
         self.seconds = 0.0
         self.end_with: int | None = None  # a fork template's pid: ended first (worker.template)
+        # The newest renewal that came already run out (seconds after its `until`, its epoch):
+        # renewals that reach the rank and extend nothing say its clock is ahead.
+        self.expired: tuple[float, int] | None = None
         self._lock = threading.Lock()
 
     def start(self, seconds: float) -> None:
@@ -44,8 +47,12 @@ class Lease:
     def renew(self, until: float, epoch: int) -> None:
         """A renewal: only ever extends (a stale one, queued through a cut, does nothing)."""
         with self._lock:
-            if self.until is not None and until > self.until:
+            if self.until is None:
+                return
+            if until > self.until:
                 self.until, self.epoch = until, max(self.epoch, epoch)
+            if (late := time.time() - until) > 0 and epoch >= self.epoch:
+                self.expired = (late, epoch)
 
     def left_s(self) -> float | None:
         """Seconds until it runs out (negative: it has); None without a lease."""
@@ -58,10 +65,7 @@ class Lease:
         left = self.left_s()
         if left is None or left > 0:
             return
-        line = (
-            f"fenced: the supervisor's lease ran out {-left:.1f}s ago (epoch {self.epoch}): "
-            "unreachable or gone; this rank stops writing and exits\n"
-        )
+        line = fenced_line(-left, self.epoch, self.expired)
         try:  # never blocks: a cut-off host's output pipe may be full
             os.set_blocking(2, False)
             os.write(2, line.encode())
@@ -71,6 +75,24 @@ class Lease:
             with contextlib.suppress(OSError):  # its template ends (and its other ranks with it)
                 os.kill(self.end_with, signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fenced_line(ago: float, epoch: int, expired: tuple[float, int] | None) -> str:
+    """Pure: what a fenced rank says. Renewals that came run out (newer than the last that
+    counted) mean the supervisor was heard: its host's clock is behind this one's (fencing takes
+    them to agree: docs/architecture.md, "Fencing"), or they were held up on the way."""
+    why = "unreachable or gone"
+    if expired is not None and expired[1] > epoch:
+        late, newest = expired
+        why = (
+            f"its renewals still come but already run out (epoch {newest}, {late:.1f}s after "
+            "its until): this host's clock is ahead of the supervisor's (run NTP), or they "
+            "are held up"
+        )
+    return (
+        f"fenced: the supervisor's lease ran out {ago:.1f}s ago (epoch {epoch}): {why}; "
+        "this rank stops writing and exits\n"
+    )
 
 
 LEASE = Lease()  # one per process

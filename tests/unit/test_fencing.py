@@ -18,7 +18,7 @@ from contracts import ckpt_files, fences
 from contracts.config_table import ConfigError
 from faults import partition_problem
 from faults.spec import JobShape, parse
-from worker.lease import Lease
+from worker.lease import Lease, fenced_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +34,21 @@ def test_a_lease_only_grows_and_runs_out_by_the_wall_clock():
     lease.renew(until + 3, 8)
     assert lease.until == until + 3 and lease.epoch == 8
     assert 7 < lease.left_s() <= 8
+
+
+def test_a_rank_whose_renewals_come_run_out_says_its_clock_may_be_ahead():
+    """A rank whose clock is ahead of its supervisor's by more than the lease hears every
+    renewal and is fenced all the same: it said "unreachable or gone", which it was not."""
+    lease = Lease()
+    lease.start(5.0)
+    until = lease.until
+    lease.renew(time.time() - 3, 4)  # as heard 3 s past its until
+    assert lease.until == until and lease.expired is not None and lease.expired[1] == 4
+    assert "this host's clock is ahead of the supervisor's" in fenced_line(
+        0.1, lease.epoch, lease.expired
+    )
+    lease.renew(until + 1, 6)  # a renewal that counted came after it
+    assert "unreachable or gone" in fenced_line(0.1, lease.epoch, lease.expired)
 
 
 def test_a_rank_whose_lease_runs_out_kills_itself_at_its_next_write():
