@@ -31,6 +31,7 @@ _LEVELS = {
     "bad_messages": "warning",
     "control_refused": "warning",
     "fence_unwritten": "warning",
+    "leases_lapsed": "warning",
     "node_unreachable": "error",
     "fenced_writes_removed": "warning",
     "standby_lost": "warning",

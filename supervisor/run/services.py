@@ -59,7 +59,9 @@ async def serve_control(
     """Take the ranks' hellos as they come (a rank owns its identity before its first command is
     due), renew the leases of the ranks the job keeps every beat interval, and say each refused
     claim of the control channel: a `control_refused` event when the
-    count moves, at most one every BAD_MESSAGES_EVERY_S (a flood must not flood the log)."""
+    count moves, at most one every BAD_MESSAGES_EVERY_S (a flood must not flood the log). A
+    round that comes more than a lease after the last (the supervisor was stopped, or starved)
+    is said first (`leases_lapsed`): the ranks have ended themselves, none hung."""
     reported, last = 0, -BAD_MESSAGES_EVERY_S
     lease_s, renewed = heartbeat.lease_seconds(), -float("inf")
     while True:
@@ -67,6 +69,8 @@ async def serve_control(
         control.drain()
         now = asyncio.get_running_loop().time()
         if lease_s > 0 and now - renewed >= heartbeat.interval_s:  # the ranks' leases
+            if renewed > -float("inf") and now - renewed > lease_s:
+                emit("leases_lapsed", gap_s=round(now - renewed, 3), lease_s=lease_s)
             t = time.time()
             control.renew(t + lease_s, t)
             renewed = now

@@ -229,3 +229,40 @@ def test_a_resume_skips_what_it_cannot_read_or_remove(tmp_path, one_rank_group, 
     assert chosen == ckpt_files.step_dir(tmp_path, 1)
     assert "skipping checkpoint step-5 (it cannot be removed: Read-only file system)" in said[0]
     assert [s.split(":")[1].split()[-1] for s in said[1:]] == ["step-4", "step-3", "step-2"]
+
+
+def test_a_supervisor_stopped_longer_than_a_lease_says_its_ranks_lapsed():
+    """A supervisor SIGSTOPped 15 s (lease 10 s) found its ranks gone and said only `hang: no
+    heartbeat for 15.1 s`: their leases had run out, none hung. Now `leases_lapsed` says so."""
+    import asyncio
+
+    from supervisor.run import services
+    from supervisor.settings.config import HeartbeatConfig
+
+    class Control:
+        rounds = 0
+        last_refused = None
+
+        def drain(self) -> None:
+            if self.rounds == 2:
+                time.sleep(0.8)  # the supervisor stopped, past the lease
+
+        def renew(self, until: float, t: float) -> int:
+            self.rounds += 1
+            return 2
+
+        def refusals(self) -> dict[str, int]:
+            return {}
+
+    events: list[tuple[str, dict]] = []
+
+    async def serve() -> None:
+        heartbeat = HeartbeatConfig(interval_s=0.02, check_s=0.01, lease_s=0.5)
+        task = asyncio.create_task(services.serve_control(
+            Control(), heartbeat, lambda e, **kw: events.append((e, kw))))  # fmt: skip
+        await asyncio.sleep(1.2)
+        task.cancel()
+
+    asyncio.run(serve())
+    assert {e for e, _ in events} == {"leases_lapsed"}
+    assert [kw["lease_s"] for _, kw in events if kw["gap_s"] >= 0.8] == [0.5]
