@@ -70,6 +70,11 @@ def read_all(root: Path) -> dict[tuple[str, int], Fence]:
     return found
 
 
+def after(fenced: dict[tuple[str, int], Fence], job: str) -> int:
+    """Pure: the first attempt number no fence record of `job` names (0 when none does)."""
+    return max((attempt + 1 for j, attempt in fenced if j == job), default=0)
+
+
 def _parse(path: Path) -> Fence | None:
     """The record at `path`; None for anything else. Read without blocking and at most
     MAX_RECORD_BYTES: a FIFO or a device named like a record must not hang a reader."""

@@ -133,6 +133,13 @@ class JobContext:
         if swept:
             self.emit("fenced_writes_removed", steps=swept, ckpt_dir=str(root))
 
+    def first_unfenced(self) -> int:
+        """The first attempt number none of this job's fence records names. A job continued
+        in a run dir whose `attempts/` was removed would else number its attempts from 0 again,
+        and all they saved would count as written after those attempts' fences: removed."""
+        root = self._ckpt_root()
+        return fences.after(fences.read_all(root), self.job_id) if root is not None else 0
+
     def _ckpt_root(self) -> Path | None:
         cfg = self.resolved.cfg
         ckpt = cfg.worker.flags.get("ckpt_dir")

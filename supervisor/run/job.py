@@ -82,6 +82,7 @@ class Job:
     async def run(self) -> ExitCode:
         first_attempt = prepare_run_dir(self.resolved)
         services = self._open()
+        first_attempt = max(first_attempt, self.context.first_unfenced())
         code, reason = ExitCode.ERROR, "internal error"
         try:
             self.scratch.open()

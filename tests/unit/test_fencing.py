@@ -266,3 +266,16 @@ def test_a_supervisor_stopped_longer_than_a_lease_says_its_ranks_lapsed():
     asyncio.run(serve())
     assert {e for e, _ in events} == {"leases_lapsed"}
     assert [kw["lease_s"] for _, kw in events if kw["gap_s"] >= 0.8] == [0.5]
+
+
+def test_a_continued_job_numbers_its_attempts_past_its_fenced_ones(tmp_path):
+    """A job continued in a run dir whose attempts/ was removed numbered its attempts from 0
+    again: its attempt 0 saved after the old attempt 0's fence, and its good checkpoints were
+    removed (`fenced_writes_removed`) at its end. Its first attempt now comes after them."""
+    for attempt in (0, 1, 4):
+        fences.write(tmp_path, fences.Fence("job-a", attempt, 1000.0, "hang"))
+    fences.write(tmp_path, fences.Fence("job-b", 9, 1000.0, "hang"))
+    fenced = fences.read_all(tmp_path)
+    assert fences.after(fenced, "job-a") == 5
+    assert fences.after(fenced, "job-c") == 0
+    assert fences.after({}, "job-a") == 0
