@@ -140,6 +140,21 @@ def late(writer: Any, saved_at: Any, fences: dict[tuple[str, int], Fence]) -> st
     )
 
 
+def late_step(directory: Path, fenced: dict[tuple[str, int], Fence]) -> str | None:
+    """Why the checkpoint in a step dir is refused for its writer (`late`, from its
+    `meta.json`); None when it is not, or when that record cannot be read (what verifies a
+    checkpoint says so)."""
+    if not fenced:
+        return None
+    try:
+        meta = ckpt_files.read_meta(directory)
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deep
+        return None
+    if not isinstance(meta, dict):
+        return None
+    return late(meta.get("writer"), meta.get("saved_at"), fenced)
+
+
 def removable(writer: Any, saved_at: Any, fences: dict[tuple[str, int], Fence]) -> bool:
     """Pure: `late`, and known to be (its `saved_at` a time after the fence): only that is
     removed. One of no known time is refused but kept (it may be a good one, damaged)."""

@@ -7,7 +7,7 @@ import argparse
 import tomllib
 from pathlib import Path
 
-from contracts import ckpt_files, locks
+from contracts import ckpt_files, fences, locks
 from contracts.exit_codes import ExitCode
 from supervisor.commands.tail import events_path
 from supervisor.log import events as events_mod
@@ -278,7 +278,10 @@ def _newest_checkpoint(resolved: dict, events: list[dict]) -> tuple[int | None, 
     else the `ckpt_complete` events."""
     ckpt_dir = resolved.get("worker", {}).get("ckpt_dir")
     if isinstance(ckpt_dir, str) and ckpt_dir and Path(ckpt_dir).is_dir():
-        found = ckpt_files.resume_candidates(ckpt_files.scan(Path(ckpt_dir)))
+        root = Path(ckpt_dir)
+        fenced = fences.read_all(root)  # what a resume refuses (a cut-off rank's) is not shown
+        found = ckpt_files.resume_candidates(ckpt_files.scan(root))
+        found = [f for f in found if fences.late_step(f.path, fenced) is None]
         if found:
             return found[0].step, f"step {found[0].step} ({ckpt_dir}/{found[0].path.name})"
     marks = [e["step"] for e in events if e.get("event") == "ckpt_complete" and "step" in e]

@@ -279,3 +279,19 @@ def test_a_continued_job_numbers_its_attempts_past_its_fenced_ones(tmp_path):
     assert fences.after(fenced, "job-a") == 5
     assert fences.after(fenced, "job-c") == 0
     assert fences.after({}, "job-a") == 0
+
+
+def test_status_shows_no_checkpoint_a_resume_refuses(tmp_path, capsys):
+    """`status` named a cut-off rank's late checkpoint (step 100001) as the newest, which every
+    resume refuses and the next sweep removes."""
+    from supervisor.commands import cli
+    from tests.support import make_run
+
+    run = make_run(tmp_path, finished=False)
+    fences.write(run / "ckpt", fences.Fence("j", 3, 1000.0, "hang"))
+    late = ckpt_files.step_dir(run / "ckpt", 100_001)
+    late.mkdir()
+    ckpt_files.mark_complete(late, {"writer": {"job": "j", "attempt": 3}, "saved_at": 1001.0})
+    cli.main(["status", str(run)])
+    out = capsys.readouterr().out
+    assert "checkpoint: step 20" in out and "100001" not in out

@@ -256,11 +256,9 @@ def choose_checkpoint(
 
 
 def _late(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str | None:
-    """Why a complete checkpoint is refused for its writer (`fences.late`); None: it is not."""
-    meta = _meta(directory) if fenced else None
-    if not isinstance(meta, dict):
-        return None  # said by `_problem`
-    return fences.late(meta.get("writer"), meta.get("saved_at"), fenced)
+    """Why a complete checkpoint is refused for its writer; None: it is not (or its record is
+    unreadable: said by `_problem`)."""
+    return fences.late_step(directory, fenced)
 
 
 def _refuse(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str:
