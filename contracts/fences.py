@@ -114,10 +114,14 @@ def _attempt(value: Any) -> int | None:
 
 def written_at(value: Any) -> float | None:
     """Pure: a record's time as a number; None when it is none (missing, text, a bool, NaN,
-    infinite): when such a record was written cannot be told."""
+    infinite, an integer beyond a float): when such a record was written cannot be told."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        at = float(value)
+    except OverflowError:  # JSON's integers have no bound
+        return None
+    return at if math.isfinite(at) else None
 
 
 def late(writer: Any, saved_at: Any, fences: dict[tuple[str, int], Fence]) -> str | None:

@@ -161,6 +161,7 @@ def test_what_is_no_fence_record_is_ignored_and_never_hangs_a_reader(tmp_path):
     _record(tmp_path, "j-6.json", {**good, "attempt": "6"})
     _record(tmp_path, "j-7.json", {**good, "attempt": 1})  # a copy under another name
     _record(tmp_path, "j-8.json", {**good, "attempt": True})
+    _record(tmp_path, "j-10.json", {**good, "attempt": 10, "at": 10**400})
     _record(tmp_path, "j-1.json", good)
     (tmp_path / fences.DIR / "j-9.json").mkdir()
     assert list(fences.read_all(tmp_path)) == [("j", 1)]
@@ -182,7 +183,7 @@ def test_a_malformed_writer_or_time_neither_crashes_nor_loses_a_good_checkpoint(
     for writer in ({"job": ["j"], "attempt": 1}, {"job": "j", "attempt": [1]}, [1], "j-1",
                    {"job": "j", "attempt": True}):  # fmt: skip
         assert fences.late(writer, 2000.0, fenced) is None  # names no attempt
-    for saved_at in (None, "2000", float("nan"), True, float("inf")):
+    for saved_at in (None, "2000", float("nan"), True, float("inf"), 10**400):
         assert "at no time it says" in fences.late({"job": "j", "attempt": 1}, saved_at, fenced)
         assert not fences.removable({"job": "j", "attempt": 1}, saved_at, fenced)
     metas = {
