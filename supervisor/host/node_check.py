@@ -31,6 +31,25 @@ class CheckResult:
     failed: dict[str, str]  # node -> why
     reported: int  # nodes that printed a report
 
+    def silent(self) -> list[str]:
+        """The nodes that printed no report (a process could not be started there, or the
+        launch for all was ended before it could say)."""
+        return [node for node, why in self.failed.items() if why == NO_REPORT]
+
+
+NO_REPORT = "no report: a process could not be started there"
+
+
+def merge(first: CheckResult, again: CheckResult, retried: Sequence[str]) -> CheckResult:
+    """Pure: a check of every node, then of `retried` (its silent ones; all of them when none
+    reported) again, each alone (`again`): the second word stands for the nodes it was about.
+    Nothing heard from any node is the launcher's failure, not theirs: no result at all."""
+    if not first.reported and not again.reported:
+        return CheckResult({}, 0)
+    failed = {n: why for n, why in first.failed.items() if n not in retried}
+    failed |= again.failed if again.reported else {n: NO_REPORT for n in retried}
+    return CheckResult(failed, first.reported + again.reported)
+
 
 def judge(lines: Iterable[str], nodes: Sequence[str]) -> CheckResult:
     """Pure: which of `nodes` failed the check, from the launcher's output lines."""
@@ -50,7 +69,7 @@ def judge(lines: Iterable[str], nodes: Sequence[str]) -> CheckResult:
     failed = {}
     for node in nodes:
         if node not in found:
-            failed[node] = "no report: a process could not be started there"
+            failed[node] = NO_REPORT
         elif found[node]:
             failed[node] = "; ".join(found[node])
     return CheckResult(failed, len(found))

@@ -93,12 +93,14 @@ class NodeKeeper:
         down = self.faults.nodes_down()
         lines = await node_check.run_on(resolved, every, dirs, NODE_CHECK_TIMEOUT_S, down)
         result = node_check.judge(lines, every)
-        if not result.reported and len(every) > 1 and not self.cfg.launch.emulate_nodes:
-            # one host that does not answer fails a launch over ssh for all: each alone
+        silent = result.silent() if result.reported else list(every)
+        if silent and len(every) > 1 and not self.cfg.launch.emulate_nodes:
+            # one host that does not answer fails a launch over ssh for all, the others' reports
+            # cut short by it: each silent one alone
             lines = await node_check.run_on(
-                resolved, every, dirs, NODE_CHECK_TIMEOUT_S, down, each=True
+                resolved, silent, dirs, NODE_CHECK_TIMEOUT_S, down, each=True
             )
-            result = node_check.judge(lines, every)
+            result = node_check.merge(result, node_check.judge(lines, silent), silent)
         seconds = asyncio.get_running_loop().time() - started
         self.emit(
             "node_check",

@@ -200,6 +200,22 @@ def test_the_pre_launch_check_reads_reports_among_the_launchers_words():
     assert judge(["mpiexec: command not found"], ["n0", "n1"]).failed == {}
 
 
+def test_the_silent_nodes_are_checked_again_each_alone_and_that_word_stands():
+    """A dead host fails a launch over ssh for all, and the others' reports may be cut short
+    with it (seen on the test bed: n0 and n2 silent beside the dead n1): the silent ones are
+    checked again, each alone, and only what that says of them counts."""
+    from supervisor.host.node_check import NO_REPORT, CheckResult, merge
+
+    first = CheckResult({"n0": NO_REPORT, "n1": NO_REPORT, "n2": NO_REPORT, "n4": "full"}, 2)
+    assert first.silent() == ["n0", "n1", "n2"]
+    again = CheckResult({"n1": NO_REPORT}, 2)  # n0 and n2 answered alone, n1 did not
+    assert merge(first, again, first.silent()) == CheckResult({"n4": "full", "n1": NO_REPORT}, 4)
+    # nothing heard alone either: the silent ones stay silent, the others' words stand
+    assert merge(first, CheckResult({}, 0), ["n0", "n1", "n2"]).failed == first.failed
+    # nothing heard at all, twice: the launcher's failure, no node's
+    assert merge(CheckResult({}, 0), CheckResult({}, 0), ["n0", "n1"]) == CheckResult({}, 0)
+
+
 def test_a_directory_is_checked_where_it_would_be_made(tmp_path):
     from supervisor.host.node_check import dirs_to_check
     from supervisor.host.node_probe import writable_problem
