@@ -164,11 +164,11 @@ class ControlServer:
         for attempt, ranks in list(self._owners.items()):
             if attempt in self._fenced or attempt in self._ended:
                 continue
-            for rank in list(ranks):
+            for rank, conn in list(ranks.items()):  # drained once above, not once a rank
                 message = control_msgs.control_message(
                     self.job, attempt, rank, t, "lease", 0, until=until, epoch=self.epoch
                 )
-                sent += self.send(attempt, rank, message) is None
+                sent += self._send_to(conn, message) is None
         return sent
 
     def send(self, attempt: int, rank: int, message: dict[str, Any]) -> str | None:
@@ -176,6 +176,9 @@ class ControlServer:
         conn = self.owner(attempt, rank)
         if conn is None:
             return NOT_CONNECTED
+        return self._send_to(conn, message)
+
+    def _send_to(self, conn: bytes, message: dict[str, Any]) -> str | None:
         frame = messages.encode(self.key, message)
         try:
             self._sock.send_multipart([conn, frame], flags=zmq.NOBLOCK)
