@@ -144,25 +144,41 @@ def late(writer: Any, saved_at: Any, fences: dict[tuple[str, int], Fence]) -> st
     )
 
 
-def late_step(directory: Path, fenced: dict[tuple[str, int], Fence]) -> str | None:
-    """Why the checkpoint in a step dir is refused for its writer (`late`, from its
-    `meta.json`); None when it is not, or when that record cannot be read (what verifies a
-    checkpoint says so)."""
-    if not fenced:
-        return None
+def _step_record(directory: Path) -> dict[str, Any] | None:
+    """A step dir's `meta.json` as an object; None when it cannot be read as one (what
+    verifies a checkpoint says so)."""
     try:
         meta = ckpt_files.read_meta(directory)
     except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deep
         return None
-    if not isinstance(meta, dict):
-        return None
-    return late(meta.get("writer"), meta.get("saved_at"), fenced)
+    return meta if isinstance(meta, dict) else None
+
+
+def late_step(directory: Path, fenced: dict[tuple[str, int], Fence]) -> str | None:
+    """Why the checkpoint in a step dir is refused for its writer (`late`, from its
+    `meta.json`); None when it is not, or when that record cannot be read."""
+    meta = _step_record(directory) if fenced else None
+    return None if meta is None else late(meta.get("writer"), meta.get("saved_at"), fenced)
 
 
 def removable(writer: Any, saved_at: Any, fences: dict[tuple[str, int], Fence]) -> bool:
     """Pure: `late`, and known to be (its `saved_at` a time after the fence): only that is
     removed. One of no known time is refused but kept (it may be a good one, damaged)."""
     return late(writer, saved_at, fences) is not None and written_at(saved_at) is not None
+
+
+def discard(directory: Path, fenced: dict[tuple[str, int], Fence]) -> str | None:
+    """Remove a step dir that a fenced attempt is known to have written after its fence
+    (`removable`, from its `meta.json`): None when removed; else why it is kept ("" when it is
+    not known to be late: not late, of no known time, or with no record to tell)."""
+    meta = _step_record(directory)
+    if meta is None or not removable(meta.get("writer"), meta.get("saved_at"), fenced):
+        return ""
+    try:
+        ckpt_files.remove_step_dir(directory)
+    except OSError as exc:
+        return f"it cannot be removed: {exc.strerror or exc}"
+    return None
 
 
 def sweep(root: Path) -> list[int]:
@@ -174,16 +190,4 @@ def sweep(root: Path) -> list[int]:
         found = ckpt_files.scan(root) if fenced else []
     except OSError:
         return []
-    removed = []
-    for f in found:
-        try:
-            meta = ckpt_files.read_meta(f.path)
-        except (OSError, ValueError, RecursionError):
-            continue  # no record (a save cut short): retention's
-        if isinstance(meta, dict) and removable(meta.get("writer"), meta.get("saved_at"), fenced):
-            try:
-                ckpt_files.remove_step_dir(f.path)
-            except OSError:
-                continue
-            removed.append(f.step)
-    return removed
+    return [f.step for f in found if discard(f.path, fenced) is None]

@@ -23,6 +23,7 @@ from supervisor.launch.resolve import Resolved
 from supervisor.policy.access import access_for
 from supervisor.run.fault_hooks import FaultHooks
 from supervisor.run.intervals import IntervalKeeper
+from supervisor.settings import worker_flags
 from supervisor.watch import relays
 from supervisor.watch.control import ControlServer
 
@@ -128,7 +129,7 @@ class JobContext:
         self.fence(attempt, why)
         if self.control is not None:
             self.control.forget(attempt)
-        root = self._ckpt_root()
+        root = worker_flags.ckpt_root(self.resolved.cfg)
         swept = fences.sweep(root) if root is not None else []
         if swept:
             self.emit("fenced_writes_removed", steps=swept, ckpt_dir=str(root))
@@ -137,15 +138,8 @@ class JobContext:
         """The first attempt number none of this job's fence records names. A job continued
         in a run dir whose `attempts/` was removed would else number its attempts from 0 again,
         and all they saved would count as written after those attempts' fences: removed."""
-        root = self._ckpt_root()
+        root = worker_flags.ckpt_root(self.resolved.cfg)
         return fences.after(fences.read_all(root), self.job_id) if root is not None else 0
-
-    def _ckpt_root(self) -> Path | None:
-        cfg = self.resolved.cfg
-        ckpt = cfg.worker.flags.get("ckpt_dir")
-        if not isinstance(ckpt, str) or not ckpt:
-            return None
-        return Path(cfg.launch.cwd or ".", ckpt).absolute()
 
     def fence(self, attempt: int, why: str) -> None:
         """Attempt `attempt` is over for the job (a finding ended it, or it ended): its ranks'
@@ -153,7 +147,7 @@ class JobContext:
         used: the fence record is on disk before anything resumes (contracts.fences)."""
         if self.control is not None:
             self.control.fence(attempt)
-        root = self._ckpt_root()
+        root = worker_flags.ckpt_root(self.resolved.cfg)
         if root is None:
             return
         record = fences.Fence(self.job_id, attempt, time.time(), why)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from supervisor.host import memdir
 from supervisor.launch import hosts
+from supervisor.settings import worker_flags
 from supervisor.watch.control import ControlServer, bind_for
 
 if TYPE_CHECKING:
@@ -113,7 +113,6 @@ def for_job(
     owns_control = control is None
     if control is None:
         control = ControlServer(key.encode(), job_id, *bind_for(heartbeat_address))
-    ckpt = cfg.worker.flags.get("ckpt_dir")
     mem_env = None
     if memdir.wanted(cfg.worker.flags):  # where the ranks keep it (a node_loss takes it away)
         mem_env = {**os.environ, **cfg.launch.env, **memdir.rank_env(cfg.launch)}
@@ -122,7 +121,7 @@ def for_job(
         job_id=job_id,
         world=world,
         ranks_per_node=cfg.launch.ranks_per_node,
-        ckpt_dir=Path(cfg.launch.cwd or ".", ckpt).absolute() if ckpt else None,
+        ckpt_dir=worker_flags.ckpt_root(cfg),
         this_host=hosts.this_host(),
         emit=emit,
         control=control,

@@ -7,6 +7,7 @@ so this costs the supervisor milliseconds.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from supervisor.settings import worker_spec
@@ -34,3 +35,12 @@ def with_defaults(cfg: Config) -> dict[str, Any]:
     """`[worker]` with every key left out at the worker's own default (its spec's; a worker
     without a spec: the keys given)."""
     return {**worker_spec.flag_defaults(spec_of(cfg)), **cfg.worker.flags}
+
+
+def ckpt_root(cfg: Config) -> Path | None:
+    """The job's checkpoint dir as the supervisor reaches it (`[worker] ckpt_dir`, resolved:
+    relative to `[launch] cwd`, where the ranks run); None without one."""
+    ckpt = cfg.worker.flags.get("ckpt_dir")
+    if not isinstance(ckpt, str) or not ckpt:
+        return None
+    return Path(cfg.launch.cwd or ".", ckpt).absolute()

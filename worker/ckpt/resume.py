@@ -97,7 +97,7 @@ def choose_tiers(
         newest_durable = None
         if rank == 0:
             candidates = ckpt_files.resume_candidates(ckpt_files.scan(root))
-            candidates = [f for f in candidates if _late(f.path, fenced) is None]
+            candidates = [f for f in candidates if fences.late_step(f.path, fenced) is None]
             newest_durable = candidates[0].step if candidates else None
         in_memory, passed = choose_memory(*memory_at, newest_durable, say, partner, fenced)
         why = told(why, passed)
@@ -242,7 +242,7 @@ def choose_checkpoint(
     choice = None
     if rank == 0:
         for found in ckpt_files.resume_candidates(ckpt_files.scan(root)):
-            late = _late(found.path, fenced or {})
+            late = fences.late_step(found.path, fenced or {})
             if late is not None:
                 log(f"WARNING: {_refuse(found.path, fenced or {})}: {late}")
                 continue
@@ -255,33 +255,14 @@ def choose_checkpoint(
     return Path(choice) if isinstance(choice, str) else None
 
 
-def _late(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str | None:
-    """Why a complete checkpoint is refused for its writer; None: it is not (or its record is
-    unreadable: said by `_problem`)."""
-    return fences.late_step(directory, fenced)
-
-
 def _refuse(directory: Path, fenced: dict[tuple[str, int], fences.Fence]) -> str:
     """Remove a checkpoint written after its attempt's fence; keep one of no known time (it
     may be a good one, damaged) or one that cannot be removed (a read-only dir): refused
-    either way. What was done, the warning's start."""
-    meta = _meta(directory)
-    meta = meta if isinstance(meta, dict) else {}
-    if not fences.removable(meta.get("writer"), meta.get("saved_at"), fenced):
-        return f"skipping checkpoint {directory.name}"
-    try:
-        ckpt_files.remove_step_dir(directory)
-    except OSError as exc:
-        return f"skipping checkpoint {directory.name} (it cannot be removed: {exc.strerror or exc})"
-    return f"removing checkpoint {directory.name}"
-
-
-def _meta(directory: Path) -> Any:
-    """A step dir's `meta.json` as read; None when it cannot be (said by `_problem`)."""
-    try:
-        return ckpt_files.read_meta(directory)
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deep
-        return None
+    either way (`fences.discard`). What was done, the warning's start."""
+    kept = fences.discard(directory, fenced)
+    if kept is None:
+        return f"removing checkpoint {directory.name}"
+    return f"skipping checkpoint {directory.name}" + (f" ({kept})" if kept else "")
 
 
 def _not_late(
