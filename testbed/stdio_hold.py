@@ -44,6 +44,15 @@ def relay(host_dir: Path, argv: list[str], report: int) -> None:
     to_child = child.stdin.fileno()
     routes = {0: to_child, child.stdout.fileno(): 1, child.stderr.fileno(): 2}
     reading = set(routes)
+    poll = select.poll()  # the sides still read from
+    for fd in reading:
+        poll.register(fd, select.POLLIN)
+
+    def stop_reading(fd: int) -> None:
+        if fd in reading:
+            reading.discard(fd)
+            poll.unregister(fd)
+
     caller_gone = False
     watch = select.poll()
     watch.register(1, 0)  # POLLERR once the caller's end of our stdout is closed
@@ -56,22 +65,19 @@ def relay(host_dir: Path, argv: list[str], report: int) -> None:
             break
         if not (reading - {0}) and child.poll() is not None:
             break  # the command ended and said all it had
-        poll = select.poll()
-        for fd in reading:
-            poll.register(fd, select.POLLIN)
         events = poll.poll(LOOK_S * 1000)
         if watch.poll(0):  # our stdout's reader is gone: the caller ended
             caller_gone = True
         for fd, ev in events:
             data = os.read(fd, CHUNK) if ev & (select.POLLIN | select.POLLHUP) else b""
             if not data:  # that side closed its end
-                reading.discard(fd)
+                stop_reading(fd)
                 if fd == 0:
                     _close(to_child)
                 continue
             if not _write_all(routes[fd], data):
                 if routes[fd] == to_child:
-                    reading.discard(0)
+                    stop_reading(0)
                 else:
                     caller_gone = True
     for stream in (child.stdin, child.stdout, child.stderr):  # the host hears the link end
