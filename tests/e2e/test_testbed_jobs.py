@@ -125,11 +125,13 @@ def test_a_job_on_three_hosts_resumes_from_memory_bit_exact_and_leaves_nothing(
     # nothing of the job on any host
     cleaned = of(evs, "node_clean")
     assert [e["when"] for e in cleaned] == ["start", "end"] and not cleaned[-1]["silent"], cleaned
-    assert sorted(set(cleaned[-1]["paths"])) == [
-        f"/dev/shm/es-mem-{job}",
-        f"{testbed.SCRATCH}/es-ckpt-{job}",
-    ]  # fmt: skip  (each host's own: removed there, three times)
-    assert cleaned[-1]["count"] == 6
+    own = [p for p in cleaned[-1]["paths"] if job in p]
+    mine = [f"/dev/shm/es-mem-{job}", f"{testbed.SCRATCH}/es-ckpt-{job}"]
+    assert sorted(set(own)) == mine and len(own) == 6, cleaned[-1]  # each host's own, 3 times
+    # /tmp is the machine's, shared by the hosts: a Hydra or MPICH file an earlier test's killed
+    # proxy left there (older than the sweep's minimum age) is swept too, and rightly
+    strays = [p for p in cleaned[-1]["paths"] if job not in p]
+    assert all(p.startswith(("/tmp/hydra_hwloc_xmlfile_", "/tmp/mpich_")) for p in strays), strays
     left = left_on_hosts(bed, job)
     for host, seen in left.items():
         assert seen["procs"] == [], (host, seen)
