@@ -215,6 +215,7 @@ def figures(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict:
         "ended": traced.ended or None, "clean_ended": (clean.ended or None) if clean else None,
         "given": [[x.fault.index, x.fault.kind, x.how] for x in traced.fired],
         "late_s": [round(s, 2) for s in shifts], "rows": traced.rows, "notes": traced.notes,
+        "standby_cpu_s": median(traced.standby_cpu_s),
     }  # fmt: skip
     out["exact"] = check(args, traced, clean, tmp)
     return out
@@ -261,6 +262,7 @@ def summarize(runs: list[dict]) -> dict:
         "by_kind": kinds,
         "relaunch": dict(Counter(r["relaunch"] for r in rows if r.get("relaunch"))),
         "source": dict(Counter(r["source"] for r in rows if r.get("source"))),
+        "standby_cpu_s": median(r.get("standby_cpu_s") for r in runs),
         "steps_wrong": sum(e["wrong"] for e in exact) if exact else None,
         "steps_checked": sum(e["checked"] for e in exact) if exact else None,
     }
@@ -286,7 +288,9 @@ def fmt(v, digits: int = 2) -> str:
 def show_run(system: str, i: int, f: dict) -> None:
     print(f"\n{system}, run {i}: clean {fmt(f['clean_steps'])} steps, trace "
           f"{f['trace_steps']} steps, goodput {fmt(f['goodput'], 3)}; start-up "
-          f"{fmt(f['startup_s'])} s (clean {fmt(f['clean_startup_s'])} s)")  # fmt: skip
+          f"{fmt(f['startup_s'])} s (clean {fmt(f['clean_startup_s'])} s)"
+          + (f"; a standby's CPU {fmt(f['standby_cpu_s'])} s (median)"
+             if f.get("standby_cpu_s") is not None else ""))  # fmt: skip
     for note in (f["ended"], f["clean_ended"], *f["notes"]):
         if note:
             print(f"  NOTE: {note}")
@@ -327,6 +331,7 @@ def show_summary(system: str, s: dict) -> None:
     print(
         f"  relaunches: {s['relaunch'] or '–'}; resumed from: {s['source'] or '–'}; steps "
         f"wrong: {fmt(s['steps_wrong'])} of {fmt(s['steps_checked'])} checked"
+        + (f"; a standby's CPU {fmt(s['standby_cpu_s'])} s" if s["standby_cpu_s"] else "")
     )
 
 

@@ -76,6 +76,8 @@ def run(
     result.skipped = [(e["attempt"], e["step"]) for e in evs if e["event"] == "numeric_fault"]
     resumed = {e["attempt"]: e["step"] for e in evs if e["event"] == "resumed"}  # one per rank
     result.resumes = sorted(resumed.items())
+    ready = (e.get("cpu_s") for e in evs if e["event"] == "standby_ready")
+    result.standby_cpu_s = [c for c in ready if c is not None]
     return result
 
 

@@ -51,6 +51,7 @@ class Outcome:
     resumes: list[tuple[int, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     run_dir: Path | None = None
+    standby_cpu_s: list[float] = field(default_factory=list)  # each standby's, as it said ready
 
 
 def wait_first_step(read: Callable[[], list[dict]], proc: subprocess.Popen) -> dict:

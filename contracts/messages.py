@@ -41,7 +41,8 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"phase": str},
     "beat": {"phase": str, "step": int},
     "step": {"step": int, "loss": NUMBER, "dt": NUMBER},
-    "phase": {"phase": str, "step": int},  # + `prepared` (str) when the phase is standby
+    # + `prepared` (str) and `cpu_s` (the process's CPU seconds so far) when the phase is standby
+    "phase": {"phase": str, "step": int},
     "ckpt": {"step": int, "state": str},
     # + `source` (str): RESUME_SOURCES; + `why` (str, at most MAX_WHY): what the memory tier
     # passed over and why (a slot a rank refused, naming the rank)

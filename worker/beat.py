@@ -211,7 +211,9 @@ class ZmqBeacon(Beacon):
 
     def standby(self, prepared: str) -> None:
         self._phase, self._step = "standby", 0
-        self._put("phase", phase="standby", step=0, prepared=prepared)
+        # the CPU its preparation took (a new standby's cost to the ranks training beside it)
+        cpu_s = round(time.process_time(), 3)
+        self._put("phase", phase="standby", step=0, prepared=prepared, cpu_s=cpu_s)
 
     def step(self, step: int, loss: float, dt: float) -> None:
         if "compute" in self._timing:  # before the step is said: a beat that says it has it

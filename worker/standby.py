@@ -38,6 +38,10 @@ from worker.dist import select_device
 from worker.parallel import clip_grad_norm
 
 ACCELERATORS = ("cuda", "xpu")
+# The warm-up batch: one sequence of this many tokens (at most the model's). What the first step
+# sets up (FSDP's lazy state and its collectives, autograd, the optimizer's ops) does not depend
+# on the batch; a full batch doubled a new standby's CPU, taken from the ranks training beside it.
+WARMUP_TOKENS = 16
 PREPARED_ON_CPU = "imports, process group, mesh, model, optimizer, warm-up step"
 
 
@@ -78,15 +82,15 @@ def wait(setup: Setup, stop_requested: Callable[[], bool], prepared: str) -> boo
 
 
 def warm_up(setup: Setup, group: Group, state: State) -> None:
-    """One forward and backward on a batch of zeros (not drawn from the data), an update of
-    copies (`warm_update`), gradients discarded, every random generator as it was: the first
-    real step runs warm (kernels, autograd, FSDP's lazy set-up and its collectives, the
-    optimizer's ops) and computes what it would have computed cold. The loop's per-step
-    all-reduce is warmed too."""
+    """One forward and backward on a short sequence of zeros (not drawn from the data;
+    `WARMUP_TOKENS`), an update of copies (`warm_update`), gradients discarded, every random
+    generator as it was: the first real step runs warm (autograd, FSDP's lazy set-up and its
+    collectives, the optimizer's ops) and computes what it would have computed cold. The loop's
+    per-step all-reduce is warmed too. Caches keyed by activation shapes (DTensor's sharding
+    under tensor parallelism) fill on the first real step."""
     saved = rng.states(group.device_type)
-    tokens = torch.zeros(
-        (setup.args.batch_size, setup.cfg.seq_len), dtype=torch.int64, device=group.device
-    )
+    length = min(setup.cfg.seq_len, WARMUP_TOKENS)
+    tokens = torch.zeros((1, length), dtype=torch.int64, device=group.device)
     logits = state.model(tokens)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
     loss.backward()

@@ -8,6 +8,7 @@ progress while the attempt runs, liveness alone while a standby waits for `go`.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ class RankWatch:
         self.exits = LocalExits(table)  # when this host's ranks end, to the millisecond
         self.error_at: dict[int, float] = {}  # rank -> when its error message came (monotonic)
         self.prepared = ""  # what a standby holds ready, as its rank 0 says it
+        self.cpu_s: dict[int, float] = {}  # rank -> the CPU seconds its standby's preparation took
         self.ready_at: float | None = None  # monotonic: every standby rank said it waits
         self._last_progress_event = 0.0
 
@@ -48,10 +50,12 @@ class RankWatch:
                 self.exits.watch(note.fields["rank"], note.fields["pid"])
             elif note.event in ("rank_error", "rank_peer_lost"):
                 self.error_at.setdefault(note.fields["rank"], now)
-        if msg["kind"] == "phase" and msg["phase"] == "standby" and msg["rank"] == 0:
-            prepared = msg.get("prepared")
-            if isinstance(prepared, str):
+        if msg["kind"] == "phase" and msg["phase"] == "standby":
+            prepared, cpu_s = msg.get("prepared"), msg.get("cpu_s")
+            if isinstance(prepared, str) and msg["rank"] == 0:
                 self.prepared = prepared[:200]
+            if type(cpu_s) in (int, float) and math.isfinite(cpu_s):
+                self.cpu_s[msg["rank"]] = float(cpu_s)
 
     async def until_finding(
         self, running: Running, on_quiet_check: Callable[[float], None]
@@ -103,6 +107,7 @@ class RankWatch:
                         "standby_ready",
                         seconds=round(now - table.launched_at, 6),
                         prepared=self.prepared,
+                        cpu_s=max(self.cpu_s.values(), default=None),
                     )
                 if now - last_refresh > REFRESH_TREE_S:
                     last_refresh = now

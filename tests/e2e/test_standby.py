@@ -171,6 +171,7 @@ def test_a_warm_relaunch_is_the_same_run(tmp_path, reference, mem_root, layout, 
         ready = wait_for(run, lambda e: e["event"] == "standby_ready", proc, timeout=120)
         assert ready["mono"] > first["mono"] and ready["attempt"] == 1  # launched after step 1
         assert "model" in ready["prepared"] and "warm-up" in ready["prepared"]
+        assert 0 < ready["cpu_s"] < 60, ready  # the CPU its preparation took, as a rank said it
         if not before_ckpt:
             wait_for(run, lambda e: e["event"] == "ckpt_complete" and e["step"] >= 10, proc)
         if memory:  # past the durable step: the memory copies are the newer
