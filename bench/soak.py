@@ -331,7 +331,7 @@ def show_summary(system: str, s: dict) -> None:
     print(
         f"  relaunches: {s['relaunch'] or '–'}; resumed from: {s['source'] or '–'}; steps "
         f"wrong: {fmt(s['steps_wrong'])} of {fmt(s['steps_checked'])} checked"
-        + (f"; a standby's CPU {fmt(s['standby_cpu_s'])} s" if s["standby_cpu_s"] else "")
+        + ("" if s["standby_cpu_s"] is None else f"; a standby's CPU {fmt(s['standby_cpu_s'])} s")
     )
 
 

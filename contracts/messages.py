@@ -177,6 +177,8 @@ def validate(message: dict[str, Any]) -> None:
         validate_summary(message)
     if kind == "beat" or kind == "step":
         validate_timing(message)
+    if kind == "phase" and "cpu_s" in message and not _seconds(message["cpu_s"]):
+        raise BadMessage("field 'cpu_s': expected seconds >= 0")
     if kind == "step" and "cost" in message:
         validate_cost(message["cost"])
     if kind == "numeric_fault":

@@ -8,7 +8,6 @@ progress while the attempt runs, liveness alone while a standby waits for `go`.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +53,7 @@ class RankWatch:
             prepared, cpu_s = msg.get("prepared"), msg.get("cpu_s")
             if isinstance(prepared, str) and msg["rank"] == 0:
                 self.prepared = prepared[:200]
-            if type(cpu_s) in (int, float) and math.isfinite(cpu_s):
+            if cpu_s is not None:  # validated with the message (contracts.messages)
                 self.cpu_s[msg["rank"]] = float(cpu_s)
 
     async def until_finding(

@@ -84,3 +84,16 @@ def test_an_error_may_say_its_cause():
         with pytest.raises(messages.BadMessage) as err:
             messages.decode(KEY, frames("error", message="x", cause=bad), job="j")
         assert err.value.reason == "schema"
+
+
+def test_a_standby_may_say_the_cpu_its_preparation_took():
+    """A standby's phase message carries `cpu_s` (its process's CPU seconds): a number of
+    seconds >= 0, or the message is malformed."""
+    phase = {"phase": "standby", "step": 0, "prepared": "imports"}
+    assert "cpu_s" not in messages.decode(KEY, frames("phase", **phase), job="j")  # as before
+    msg = messages.decode(KEY, frames("phase", **phase, cpu_s=0.42), job="j")
+    assert msg["cpu_s"] == 0.42
+    for bad in (-1, "0.4", None, True, [0.4], 1e9):
+        with pytest.raises(messages.BadMessage) as err:
+            messages.decode(KEY, frames("phase", **phase, cpu_s=bad), job="j")
+        assert err.value.reason == "schema"
