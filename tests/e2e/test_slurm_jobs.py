@@ -13,6 +13,7 @@ read from SLURM_JOB_NODELIST.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,7 +53,7 @@ def srun_config(tmp_path: Path, faults: list[dict], worker: dict, spares: int = 
 def start_in_allocation(bed: testbed.Bed, config: Path, nodes: int) -> subprocess.Popen:
     """`salloc --no-kill -N nodes python -m supervisor run CONFIG`: the allocation lives on when
     one of its nodes fails (without `--no-kill` Slurm ends the whole job with the node)."""
-    argv = ["salloc", "--no-kill", f"--nodes={nodes}", "--quiet",
+    argv = ["salloc", "--no-kill", f"--nodes={nodes}", "--verbose",
             sys.executable, "-m", "supervisor", "run", str(config)]  # fmt: skip
     env = {**supervisor_env(), **bed.slurm_env()}
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -72,6 +73,35 @@ def slurm_left(bed: testbed.Bed) -> dict[str, list[str]]:
                        timeout=30)  # fmt: skip
         out[host] = [line for line in got.stdout.splitlines() if line.strip()]
     return {k: v for k, v in out.items() if v}
+
+
+def wait_in_allocation(bed: testbed.Bed, proc: subprocess.Popen, run: Path, what, timeout: float):
+    """Until `what()`; the test fails at once if salloc or the supervisor ended first, and on
+    either failure says what the supervisor printed and what Slurm saw (its nodes, its queue,
+    the controller's last log lines): a job that never started is then explained."""
+    if wait_until(lambda: what() or proc.poll() is not None, timeout) and what():
+        return
+    env = {**os.environ, **bed.slurm_env()}
+    queue = subprocess.run(["squeue", "--all", "--noheader"], env=env, capture_output=True,
+                           text=True, timeout=30).stdout  # fmt: skip
+    log = testbed.slurm.SLURM_DIR / "slurmctld.log"
+    tail = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
+    nodes = testbed.slurm.node_states()
+    children: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):  # the supervisor (salloc's child) holds the pipe
+        children = psutil.Process(proc.pid).children()
+    for child in children:
+        child.send_signal(signal.SIGTERM)  # it stops its ranks and steps
+    if not children and proc.poll() is None:  # salloc still waits for its allocation
+        proc.kill()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = ""
+    pytest.fail(f"rc {proc.returncode}; events {events(run)[-5:]}\nnodes "
+                f"{nodes}\nqueue {queue}\nslurmctld:\n"
+                + "\n".join(tail) + f"\noutput:\n{(out or '')[-4000:]}")  # fmt: skip
 
 
 def assert_nothing_left(bed: testbed.Bed, job: str) -> None:
@@ -96,8 +126,8 @@ def test_a_host_killed_under_srun_is_resumed_on_the_spare_from_its_partner(
     metrics = run / "attempts" / "000" / "metrics-0.jsonl"
     ready = lambda: any(e["event"] == "prepared_ready" for e in events(run))  # noqa: E731
     try:
-        assert wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= 25
-                          and ready(), 150), events(run)[-5:]  # fmt: skip
+        wait_in_allocation(bed, proc, run, lambda: metrics.exists()
+                           and len(read_metrics(metrics)) >= 25 and ready(), 150)  # fmt: skip
         killed_at = max(r["step"] for r in read_metrics(metrics))
         bed.kill("n1")
         rc, out = finish_supervisor(proc, JOB_TIMEOUT)
@@ -136,9 +166,9 @@ def test_srun_standby_resumes_from_memory_and_a_sigterm_stops_with_a_checkpoint(
     try:
         # the SIGTERM once the warm attempt has stepped a few steps: far from its last (it runs
         # at full speed, ~40 ms a step: a fixed sleep let it finish first on a fast host)
-        assert wait_until(lambda: any(e["event"] == "relaunch" for e in events(run))
-                          and warm.exists() and len(read_metrics(warm)) >= 3,
-                          150), events(run)[-5:]  # fmt: skip
+        wait_in_allocation(bed, proc, run, lambda: any(e["event"] == "relaunch"
+                           for e in events(run)) and warm.exists() and len(read_metrics(warm)) >= 3,
+                           150)  # fmt: skip
         (supervisor,) = psutil.Process(proc.pid).children()  # salloc's command
         supervisor.send_signal(signal.SIGTERM)
         rc, out = finish_supervisor(proc, JOB_TIMEOUT)
