@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from worker import priority
 from worker.build import (
     Group,
     Setup,
@@ -53,12 +54,18 @@ def build_after_go(setup: Setup, stop_requested: Callable[[], bool]) -> Training
         if not wait(setup, stop_requested, "imports"):
             return None
         return build(setup)
-    group = join_group(setup)
-    state = build_state(setup, group)
-    warm_up(setup, group, state)
+    with priority.lowest_session():  # its CPU from what the training ranks leave idle
+        group = join_group(setup)
+        state = priority.at_lowest_priority(lambda: warmed_state(setup, group))
     if not wait(setup, stop_requested, PREPARED_ON_CPU):
         return None
     return resume_from(setup, group, state, choose(setup, group))
+
+
+def warmed_state(setup: Setup, group: Group) -> State:
+    state = build_state(setup, group)
+    warm_up(setup, group, state)
+    return state
 
 
 def wait(setup: Setup, stop_requested: Callable[[], bool], prepared: str) -> bool:

@@ -51,9 +51,12 @@ MAX_CLASS_LINES = 300
 LAUNCHER_NAMES = {"mpiexec", "srun", "local"}
 FLAVOR_NAMES = {"hydra", "pals"}  # launch.flavor: of mpiexec
 # What worker/ckpt/ may import of the worker besides itself: the rank's identity, the JSON
-# collectives, the usage error and the rank's lease, none of which imports the loop (the closure
-# is checked).
-CKPT_MAY_IMPORT = {"worker", "worker.collectives", "worker.dist", "worker.errors", "worker.lease"}
+# collectives, the usage error, the rank's lease and the threads' priority, none of which
+# imports the loop (the closure is checked).
+CKPT_MAY_IMPORT = {
+    "worker", "worker.collectives", "worker.dist", "worker.errors", "worker.lease",
+    "worker.priority",
+}  # fmt: skip
 
 
 def module_name(path: Path, root: Path = REPO) -> str:

@@ -4,7 +4,6 @@ the state dict handed again is the one DCP would give, until something replaces 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -206,22 +205,6 @@ def test_a_piece_that_fails_fails_the_copy():
     assert job.done.is_set() and job.error is not None
     with pytest.raises(RuntimeError):
         s.finish(live, job)
-
-
-def test_the_copy_worker_runs_at_the_lowest_priority():
-    seen = {}
-
-    def look():
-        slot_copy.lowest_priority()
-        tid = threading.get_native_id()
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
-
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    t = threading.Thread(target=look)
-    t.start()
-    t.join()
-    assert seen["nice"] == 19
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # that thread only
 
 
 def test_the_loop_finishes_a_copy_its_worker_has_not_started(tmp_path):

@@ -5,8 +5,8 @@ copied and then read again from memory for the checksum; the seal makes each ten
 from the sums (`checksum.digest_of_sums`).
 
 The pieces are a `CopyJob`: the tier's copy worker does them at the lowest priority (nice 19,
-`lowest_priority`), and the loop does those still left when it must wait for the copy. Each
-piece's copy and sums run without the GIL; a thread holds it only between two pieces.
+`worker.priority.lowest_priority`), and the loop does those still left when it must wait for
+the copy. Each piece's copy and sums run without the GIL; a thread holds it only between two pieces.
 
 The plan (which bytes go where, in pieces) is made once for a state dict's containers and
 reused while the same ones come back (`StateView` hands the same while they hold the live
@@ -15,7 +15,6 @@ tensors): a step's copy is two torch calls a piece, no walk of the state dict.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -58,19 +57,6 @@ class _Plan:
 
     def serves(self, state: dict[str, Any]) -> bool:
         return self.model is _part(state, "model") and self.optim_state is _optim_state(state)
-
-
-def lowest_priority() -> None:
-    """For the copy worker's thread: nice 19 (Linux sets it per thread), so that it runs on CPU
-    time the training leaves idle and yields when a training thread, this rank's or another's,
-    wants the core; a copy still unfinished when the optimizer step needs it is finished by the
-    loop (`CopyJob`). Not SCHED_IDLE: on a host that other work keeps busy, a thread starved
-    while it holds the GIL would hold the training thread for as long (nice 19 still gets its
-    share, a small one)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux: the process's priority
-        pass
 
 
 class CopyJob:

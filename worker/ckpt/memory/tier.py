@@ -25,14 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from contracts import ckpt_files, locks
-from worker import collectives, lease
+from worker import collectives, lease, priority
 from worker.ckpt import rng
 from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.live_state import loaded_in_place, prefill_adamw_state
 from worker.ckpt.memory.checksum import checked
 from worker.ckpt.memory.held import Held, find, forget, hold, release
 from worker.ckpt.memory.partner_link import PartnerLink, connect_partners
-from worker.ckpt.memory.slot_copy import CopyJob, SlotStager, lowest_priority
+from worker.ckpt.memory.slot_copy import CopyJob, SlotStager
 from worker.ckpt.memory.slot_file import (
     HEADER_BYTES,
     SLOTS,
@@ -108,7 +108,7 @@ class MemoryTier:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem-ckpt")
         # The copy's pieces, on CPU time nothing else wants; the loop finishes what is left.
         self._worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="mem-copy", initializer=lowest_priority
+            max_workers=1, thread_name_prefix="mem-copy", initializer=priority.lowest_priority
         )
         self._job: CopyJob | None = None  # the copy in flight's pieces, once it has started
         self._published = threading.Event()  # set once they are (or the copy is over)
