@@ -7,12 +7,16 @@ memory tier's copy. Linux weighs CPU in two ways, and a rank meets both:
   `kernel.sched_autogroup_enabled`, tasks not in a cgroup of their own), a group against
   another is weighed by the group's nice, whatever the nice of its threads. The launcher (and
   the fork template) gives each rank a session of its own, so a standby's thread at nice 19
-  took as much of a core as a training rank did (measured: a nice-19 spinner in a session of
-  its own cut the debug preset's steps by 35 %; its session at nice 19, by 0-20 %).
+  took as much of a core as a training rank did (measured once each, the debug preset's 2
+  ranks on 2 cores, 40 s: 69-79 steps alone, 47 beside a nice-19 spinner in a session of its
+  own, 62 beside one whose session was at nice 19).
   `lowest_session` lowers the whole process's group while it prepares and gives the nice back
   after: raising an autogroup's nice back to what it was needs no privilege (only below 0
   does), but the kernel takes one change a 100 ms on the whole host from an unprivileged
   process, so a change is retried for a while.
+
+A standby's preparation is not moved to a thread at nice 19 where there are no autogroups: its
+warm-up must run in the thread that trains (DTensor keeps its sharding cache per thread).
 """
 
 from __future__ import annotations
@@ -22,12 +26,9 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
-T = TypeVar("T")
 LOWEST = 19
 AUTOGROUP = Path("/proc/self/autogroup")
 RETRY_S = 0.02
@@ -42,13 +43,6 @@ def lowest_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST)
     except (AttributeError, OSError):  # not Linux: the process's priority
         pass
-
-
-def at_lowest_priority(work: Callable[[], T]) -> T:
-    """`work()` in a thread of its own at nice 19, waited for (its exception raised here).
-    Threads `work` starts inherit nice 19: it must leave none that outlives it on the CPU."""
-    with ThreadPoolExecutor(1, "es-lowest", lowest_priority) as pool:
-        return pool.submit(work).result()
 
 
 def autogroup_nice(text: str) -> int | None:

@@ -29,13 +29,6 @@ def test_the_calling_thread_alone_runs_at_the_lowest_priority():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # that thread only
 
 
-def test_work_at_the_lowest_priority_returns_its_value_and_raises_its_error():
-    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
-    assert priority.at_lowest_priority(nice) == 19
-    with pytest.raises(ZeroDivisionError):
-        priority.at_lowest_priority(lambda: 1 / 0)
-
-
 @pytest.mark.parametrize(
     ("text", "nice"),
     [("/autogroup-42 nice 0\n", 0), ("/autogroup-7 nice 19", 19), ("/autogroup-7 nice -5", -5),
