@@ -48,6 +48,9 @@ WORKER = {**TINY_JOB_WORKER, "train_iters": 24, "save_interval": 8, "mem_ckpt_in
 # ready well before it on 2 busy cores; the warm attempt runs at full speed (the fault fires once).
 PACE = {"name": "pace", "at_step": 1, "action": "slow", "target": "all", "delay_s": 1.5,
         "duration_s": 600}  # fmt: skip
+# Steps of ~0.3 s, not ~0.085: a job of 60 steps then outlasts its standby's and prepared
+# ranks' start (4.3 s from the first step, seen in CI: the kill came after the last step).
+STEP_PACE = {**PACE, "delay_s": 0.2}
 PLAIN = {k: v for k, v in WORKER.items() if k not in ("save_interval", "mem_ckpt_interval",
                                                       "async_ckpt")}  # fmt: skip
 
@@ -201,7 +204,7 @@ def test_a_host_killed_is_resumed_on_the_spare_from_its_partner(bed, tmp_path, r
     want = reference(3, *worker_flags({**PLAIN, "train_iters": 60}))
     hosts = bed.hosts  # n0..n3: n3 the spare
     worker = {"train_iters": 60, "save_interval": 20, "async_ckpt": False}
-    config = bed_config(tmp_path, bed, hosts, [], restart={"exclude_after": 2},
+    config = bed_config(tmp_path, bed, hosts, [STEP_PACE], restart={"exclude_after": 2},
                         worker=worker, spares=1)  # fmt: skip
     proc = start_supervisor(config)
     run = tmp_path / "run"
