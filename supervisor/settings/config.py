@@ -134,8 +134,10 @@ class AutoMaxConfig:
 class HeartbeatConfig:
     interval_s: float = 1.0
     # Liveness: no message from a rank for this long means it is lost; "auto": learned from
-    # the beats' own gaps while the ranks train (within [heartbeat.auto_max]).
-    timeout_s: float | Literal["auto"] = 10.0
+    # the beats' own gaps while the ranks train (within [heartbeat.auto_max], its maximum until
+    # learned and outside training). Beats come from a thread of their own, so a slow step does
+    # not delay them: a stopped rank is found in about 4 beat intervals instead of 10 s.
+    timeout_s: float | Literal["auto"] = AUTO
     # How often the supervisor judges liveness and progress.
     check_s: float = 0.1
     # Where to bind: "auto" is loopback when every node is this host, else all interfaces.

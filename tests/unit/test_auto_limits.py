@@ -206,8 +206,14 @@ def test_saves_and_the_liveness_timeout_are_learned_too():
 
 
 def test_a_table_without_auto_limits_learns_nothing():
-    t = AttemptTable(attempt=1, world=2, launched_at=0.0, heartbeat=HeartbeatConfig())
+    fixed = HeartbeatConfig(timeout_s=10.0)
+    t = AttemptTable(attempt=1, world=2, launched_at=0.0, heartbeat=fixed)
     assert t.learner is None and t.limits is None
+
+
+def test_the_liveness_timeout_is_learned_by_default():
+    t = AttemptTable(attempt=1, world=2, launched_at=0.0, heartbeat=HeartbeatConfig())
+    assert t.learner is not None and t.limits.timeout_s == 10.0
 
 
 # --- config and status ------------------------------------------------------------------------
