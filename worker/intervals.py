@@ -13,7 +13,8 @@ What rank 0 holds, in order of authority:
   one: at the next step; the agreement keeps the ranks together either way);
 - until the supervisor speaks (a first attempt, a run without a supervisor): its own Young/Daly
   interval from the costs it measures, its step times and the prior MTBF (`--mtbf-prior-s`);
-- before any cost is measured: one copy or save at the run's first step, to measure it.
+- before any cost is measured: one copy or save at the run's first step, to measure it (the
+  memory tier: one more at the next step, `COLD_COPIES`).
 
 No torch here: the loop hands the values in and out as numbers.
 """
@@ -31,6 +32,13 @@ from worker.errors import UsageError
 
 RECENT = 20  # the costs and step times a rank's own tuning takes the median of
 MIN_STEP_SAMPLES = 3  # step times before a rank tunes itself (the first step of a run is not one)
+# A tier's first copies in a process whose cost is not a sample. The memory tier's first fills
+# a new slot (page faults): measured on the debug preset, its stall was 0.16 s at a job's first
+# step and 0.026 s after a take-over, where the copies after it stalled 0.001-0.003 s; taken as
+# C it set an interval 5x too long until the first failure. So "auto" copies at the first two
+# steps and measures the second. A durable save's first is a sample: a second save to measure
+# would cost a whole save.
+COLD_COPIES = {intervals.MEMORY: 1, intervals.DURABLE: 0}
 
 
 @dataclass
@@ -44,6 +52,7 @@ class Tier:
     pending: list[tuple[int, int]] = field(default_factory=list)  # (from step, every), told
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     last: int = 0  # "auto": the step of the last copy or save (or the step resumed from)
+    cold: int = 0  # copies still to come whose cost is not a sample (COLD_COPIES)
 
 
 class Intervals:
@@ -65,11 +74,12 @@ class Intervals:
             value = flags[tier]
             if tier == intervals.MEMORY and not memory_on:
                 value = 0  # "auto" without --ckpt-dir: no memory tier
+            cold = COLD_COPIES[tier]
             if value != intervals.AUTO:
-                self.tiers[tier] = Tier(auto=False, every=int(value))
+                self.tiers[tier] = Tier(auto=False, every=int(value), cold=cold)
                 continue
             told = started_by(env, tier)
-            self.tiers[tier] = Tier(True, told, told, steered=told is not None)
+            self.tiers[tier] = Tier(True, told, told, steered=told is not None, cold=cold)
         self.steps: deque[float] = deque(maxlen=RECENT)
         self.first_step = 1
         self.changed: dict[str, int] = {}  # agreed changes not yet put on a metrics record
@@ -92,8 +102,8 @@ class Intervals:
             return bool(t.every) and step % t.every == 0
         if step <= t.last:  # rolled back (the numerical guard) to before it
             t.last = step - 1
-        if t.every is None:  # nothing measured yet: once, at the run's first step
-            due = step == self.first_step
+        if t.every is None:  # nothing measured yet: at the run's first step (and the cold ones)
+            due = self.first_step <= step <= self.first_step + COLD_COPIES[tier]
         else:
             due = step - t.last >= t.every
         if due:
@@ -139,19 +149,27 @@ class Intervals:
         if tier in self.tiers and self.tiers[tier].auto and every >= 1:
             self.tiers[tier].pending.append((from_step, every))
 
-    def after_step(self, step: int, dt: float, costs: Mapping[str, float]) -> None:
+    def after_step(self, step: int, dt: float, costs: Mapping[str, float]) -> dict[str, float]:
         """A step's seconds (a run's first step, slow with its start-up, is left out) and what
         the copies and saves since the last step cost it. Rank 0, not told by the supervisor
-        yet, tunes each "auto" tier itself from them (offered at the next step's agreement)."""
+        yet, tunes each "auto" tier itself from them (offered at the next step's agreement).
+        Returns the costs that are samples (a tier's cold copies left out): the supervisor's."""
+        samples = {}
+        for name, seconds in costs.items():
+            tier = self.tiers.get(name)
+            if tier is not None and tier.cold > 0:
+                tier.cold -= 1
+            else:
+                samples[name] = seconds
         if self.rank != 0:
-            return
+            return samples
         if step > self.first_step:
             self.steps.append(dt)
-        for name, seconds in costs.items():
+        for name, seconds in samples.items():
             if name in self.tiers:
                 self.tiers[name].costs.append(seconds)
         if len(self.steps) < MIN_STEP_SAMPLES:
-            return
+            return samples
         for tier in self.tiers.values():
             if tier.auto and not tier.steered and tier.costs:
                 every = intervals.retune(
@@ -163,6 +181,7 @@ class Intervals:
                     intervals.HYSTERESIS,
                 )
                 tier.proposed = every or tier.proposed
+        return samples
 
 
 def started_by(env: Mapping[str, str], tier: str) -> int | None:

@@ -168,8 +168,7 @@ def report_intervals(t: Training, step: int, dt: float) -> None:
     """What the copies and saves since the last step cost it, for the intervals' tuning (rank 0
     tells the supervisor too, on its step message); an interval changed goes on the metrics
     record."""
-    costs = t.ckpt.take_costs()
-    t.intervals.after_step(step, dt, costs)
+    costs = t.intervals.after_step(step, dt, t.ckpt.take_costs())  # the samples
     if costs and t.info.rank == 0:
         t.beacon.costs(costs)
     for tier, every in t.intervals.take_changed().items():
