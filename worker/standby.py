@@ -109,18 +109,38 @@ def warm_up(setup: Setup, group: Group, state: State) -> None:
 
 
 def warm_update(optimizer: torch.optim.Optimizer) -> None:
-    """One step of a throwaway optimizer of the same kind and settings over copies of the
-    parameters, with their gradients: the ops of an update run once before `go`, so the first
-    real one is a steady one (on sharded parameters DTensor works out each op's sharding the
-    first time it meets it: 0.17 s of CPU per rank on the debug preset, measured here). The
+    """One step of a throwaway optimizer of the same kind and settings over copies of one
+    parameter of each kind (`update_kind`), with their gradients: the ops of an update run once
+    before `go`, so the first real one is a steady one (on sharded parameters DTensor works out
+    each op's sharding the first time it meets it: 0.17 s of CPU per rank on the debug preset,
+    measured here). One of a kind is enough for that cache, and the rest cost a standby CPU
+    that the ranks training beside it need (a full copy was a third of its preparation). The
     parameters are not touched and the real optimizer keeps no state, as a cold start has
     none; the copies and their moments are dropped here."""
-    groups = []
-    for group in optimizer.param_groups:
+    groups, seen = [], set()
+    for index, group in enumerate(optimizer.param_groups):
         copies = []
         for param in group["params"]:
+            kind = (index, *update_kind(param))
+            if kind in seen:
+                continue
+            seen.add(kind)
             copy = param.detach().clone()
             copy.grad = param.grad
             copies.append(copy)
-        groups.append({**group, "params": copies})
-    type(optimizer)(groups).step()
+        if copies:
+            groups.append({**group, "params": copies})
+    if groups:
+        type(optimizer)(groups).step()
+
+
+def update_kind(param: torch.Tensor) -> tuple:
+    """What an update's ops, and DTensor's sharding of them, depend on: the tensor's type,
+    shape, strides and dtype, its gradient's, and where a DTensor lies (mesh and placements)."""
+    grad = param.grad
+    return (
+        type(param).__name__, tuple(param.shape), tuple(param.stride()), param.dtype,
+        repr(getattr(param, "placements", None)), id(getattr(param, "device_mesh", None)),
+        None if grad is None else (type(grad).__name__, tuple(grad.shape), grad.dtype,
+                                   repr(getattr(grad, "placements", None))),
+    )  # fmt: skip
