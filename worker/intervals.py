@@ -14,7 +14,7 @@ What rank 0 holds, in order of authority:
 - until the supervisor speaks (a first attempt, a run without a supervisor): its own Young/Daly
   interval from the costs it measures, its step times and the prior MTBF (`--mtbf-prior-s`);
 - before any cost is measured: one copy or save at the run's first step, to measure it (the
-  memory tier: one more at the next step, `COLD_COPIES`).
+  memory tier: at its first three steps, the third the measure, `COLD_COPIES`).
 
 No torch here: the loop hands the values in and out as numbers.
 """
@@ -32,13 +32,15 @@ from worker.errors import UsageError
 
 RECENT = 20  # the costs and step times a rank's own tuning takes the median of
 MIN_STEP_SAMPLES = 3  # step times before a rank tunes itself (the first step of a run is not one)
-# A tier's first copies in a process whose cost is not a sample. The memory tier's first fills
-# a new slot (page faults): measured on the debug preset, its stall was 0.16 s at a job's first
-# step and 0.026 s after a take-over, where the copies after it stalled 0.001-0.003 s; taken as
-# C it set an interval 5x too long until the first failure. So "auto" copies at the first two
-# steps and measures the second. A durable save's first is a sample: a second save to measure
-# would cost a whole save.
-COLD_COPIES = {intervals.MEMORY: 1, intervals.DURABLE: 0}
+# A tier's first copies in a process whose cost is not a sample. The memory tier's first does
+# its one-time set-up in the hand-over (the state view, the check that the state fits, the
+# partner link), and each of its two slots (`slot_file.SLOTS`) is filled for the first time by
+# the first copy into it. Measured on the debug preset: the first stalled 0.16 s at a job's
+# first step and 0.026-0.053 s after a take-over, those after it 0.001-0.003 s; taken as C,
+# the first set the interval at 28 steps until the first failure, not 3-4. So "auto" copies at
+# the first three steps and measures from the third. A durable save's first is a sample:
+# another save to measure would cost a whole save.
+COLD_COPIES = {intervals.MEMORY: 2, intervals.DURABLE: 0}
 
 
 @dataclass

@@ -119,9 +119,12 @@ def warm_update(optimizer: torch.optim.Optimizer) -> None:
     none; the copies and their moments are dropped here."""
     groups, seen = [], set()
     for index, group in enumerate(optimizer.param_groups):
+        # A foreach or fused update is one op over the group's list: only the whole list warms
+        # it (on CPU the default is neither: one op per parameter).
+        whole = bool(group.get("foreach") or group.get("fused"))
         copies = []
         for param in group["params"]:
-            kind = (index, *update_kind(param))
+            kind = (index, id(param)) if whole else (index, *update_kind(param))
             if kind in seen:
                 continue
             seen.add(kind)
@@ -141,6 +144,6 @@ def update_kind(param: torch.Tensor) -> tuple:
     return (
         type(param).__name__, tuple(param.shape), tuple(param.stride()), param.dtype,
         repr(getattr(param, "placements", None)), id(getattr(param, "device_mesh", None)),
-        None if grad is None else (type(grad).__name__, tuple(grad.shape), grad.dtype,
-                                   repr(getattr(grad, "placements", None))),
+        None if grad is None else (type(grad).__name__, tuple(grad.shape), tuple(grad.stride()),
+                                   grad.dtype, repr(getattr(grad, "placements", None))),
     )  # fmt: skip

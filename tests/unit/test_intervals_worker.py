@@ -50,8 +50,9 @@ def test_a_fixed_interval_is_a_multiple_and_0_is_off():
 def test_auto_copies_at_the_first_steps_to_measure_then_waits_for_a_tuned_interval():
     (r,) = ranks(world=1, durable=AUTO)
     r.begin(11)  # resumed from step 10
-    # The memory tier's first copy is cold (a new slot): its second is the measure.
-    assert [s for s in range(11, 30) if r.due(MEMORY, s)] == [11, 12]
+    # The memory tier's first copies are cold (its set-up, each slot's first fill): its third
+    # is the measure, one for each slot.
+    assert [s for s in range(11, 30) if r.due(MEMORY, s)] == [11, 12, 13]
     assert [s for s in range(11, 30) if r.due(DURABLE, s)] == [11]
     (off,) = ranks(world=1, memory_on=False)  # "auto" without --ckpt-dir: no memory tier
     assert not any(off.due(MEMORY, s) for s in range(1, 30))
@@ -71,7 +72,7 @@ def test_auto_counts_from_the_last_copy_so_a_change_leaves_no_longer_gap():
         said = [r.due(MEMORY, step) for r in world]
         assert said[0] == said[1], step
         due += [step] if said[0] else []
-    assert due == [1, 2, 7, 12, 17, 24]  # 17 + 7, not 21 (the next multiple of 7)
+    assert due == [1, 2, 3, 8, 13, 20, 27]  # 13 + 7, not 14 (the next multiple of 7)
     for r in world:  # the guard rolled back to step 12: counted from the step before it
         assert not r.due(MEMORY, 12) and [s for s in range(13, 21) if r.due(MEMORY, s)] == [18]
     resumed = ranks(env={ENV_MEM_CKPT_INTERVAL: "7"})
@@ -85,11 +86,11 @@ def test_rank_0_tunes_itself_from_the_prior_and_every_rank_adopts_it_at_the_same
     for r in world:
         r.begin(1)
     agree(world, 1)
-    costs = {2: {MEMORY: 0.3}, 3: {MEMORY: 0.02}}  # the first copy cold, the second 0.02 s
+    costs = {2: {MEMORY: 0.3}, 3: {MEMORY: 0.1}, 4: {MEMORY: 0.02}}  # two cold, then 0.02 s
     for step in range(1, 6):  # 0.1 s steps
         for r in world:
             sampled = r.after_step(step, 0.1, costs.get(step, {}))
-            assert sampled == ({MEMORY: 0.02} if step == 3 else {})  # what rank 0 tells
+            assert sampled == ({MEMORY: 0.02} if step == 4 else {})  # what rank 0 tells
     want = intervals.interval_steps(0.02, 0.1, 100.0, 1000)
     assert world[0].tiers[MEMORY].proposed == want
     assert world[1].tiers[MEMORY].proposed is None  # only rank 0's word counts
@@ -124,6 +125,13 @@ def test_a_launch_starts_with_the_supervisors_interval():
     assert all(r.tiers[MEMORY].steered for r in world)
     with pytest.raises(UsageError, match=ENV_SAVE_INTERVAL):
         ranks(durable=AUTO, env={ENV_SAVE_INTERVAL: "0"})
+
+
+def test_a_cold_copy_for_each_memory_slot():
+    from worker.ckpt.memory.slot_file import SLOTS
+    from worker.intervals import COLD_COPIES
+
+    assert COLD_COPIES[MEMORY] == SLOTS and COLD_COPIES[DURABLE] == 0
 
 
 def test_the_flags_take_auto_and_numbers():

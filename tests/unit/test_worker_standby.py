@@ -27,7 +27,7 @@ from worker.guard import GuardConfig
 from worker.guard_step import GuardRun
 from worker.loop import train_step
 from worker.metrics import MetricsLog
-from worker.standby import warm_up
+from worker.standby import warm_up, warm_update
 from worker.train import standby_requested
 
 TINY = "--dim 32 --n-layers 2 --n-heads 4 --n-kv-heads 2 --ffn-dim 64 --vocab-size 128 --seq-len 32"
@@ -100,6 +100,29 @@ def test_warm_up_changes_nothing_the_run_computes(one_rank):
         lc, lw = train_step(T(cold), step, False), train_step(T(warm), step, False)
         assert lc.loss == lw.loss and lc.verdict is None is lw.verdict, step
     assert same_params(cold.model, warm.model)
+
+
+def test_the_warm_update_copies_one_parameter_of_each_kind():
+    made = []
+
+    class Recording(torch.optim.AdamW):  # says how many parameters each group it is made with has
+        def __init__(self, groups, **kw):
+            made.append([len(g["params"]) for g in groups])
+            super().__init__(groups, **kw)
+
+    def linears(*shapes):
+        return [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+
+    plain, listed = linears((8, 8), (8, 8), (8, 8), (4, 8)), linears((8, 8), (8, 8))
+    for p in plain + listed:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in plain + listed]
+    optimizer = Recording([{"params": plain}, {"params": listed, "foreach": True}], lr=0.1)
+    warm_update(optimizer)
+    # Two kinds in the first group; a foreach group is one op over its list: all of it.
+    assert made == [[4, 2], [2, 2]]
+    assert all(torch.equal(p, b) for p, b in zip(plain + listed, before, strict=True))
+    assert not optimizer.state
 
 
 # --- the beacon's wait ----------------------------------------------------------------------------
