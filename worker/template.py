@@ -50,6 +50,7 @@ REQUEST_TIMEOUT_S = 10.0  # a client that connected says what it wants within th
 MAX_PENDING = 256  # connections that have not said what they want yet; more are closed at once
 PR_SET_NAME = 15
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+STARTED_WITH = template_msgs.start_env(os.environ)  # before any import could change it
 
 
 def main() -> int:
@@ -235,6 +236,8 @@ class Template:
             env.get(env_names.ENV_HEARTBEAT_KEY, "").encode(), self.key.encode()
         ):
             return "not this job's key"
+        if differs := template_msgs.start_env_differs(STARTED_WITH, env):
+            return differs
         if request.get("module") not in MODULES:
             return f"module {request.get('module')!r} is not one this template runs"
         argv, wanted = request.get("argv"), request.get("fds")

@@ -93,11 +93,18 @@ class JobContext:
     # (their imports take the node's cores: its ranks' straggler scores wait).
     starting: Callable[[], set[str]] = set
 
+    def launch_env(self) -> dict[str, str]:
+        """[launch] env and what the supervisor adds to it that a process reads as it starts (the
+        malloc tunable): a template's and its ranks' (a forked rank runs with its template's)."""
+        launch = self.resolved.cfg.launch
+        huge_pages = malloc_env.huge_pages_env(launch.huge_pages, launch.env, os.environ)
+        return {**launch.env, **huge_pages}
+
     def rank_env(self, attempt: int, attempt_dir: Path, standby: bool) -> dict[str, str]:
-        """The environment of one attempt's ranks: [launch] env, then the contract's names."""
+        """The environment of one attempt's ranks: `launch_env`, then the contract's names."""
         cfg = self.resolved.cfg
         env = {
-            **cfg.launch.env,
+            **self.launch_env(),
             env_names.ENV_JOB_ID: self.job_id,
             env_names.ENV_ATTEMPT: str(attempt),
             env_names.ENV_HEARTBEAT_ADDR: self.heartbeat_address,
@@ -116,7 +123,6 @@ class JobContext:
         if self.intervals is not None:  # the latest "auto" intervals
             env.update(self.intervals.rank_env(attempt, standby))
         env.update(memdir.rank_env(cfg.launch))
-        env.update(malloc_env.huge_pages_env(cfg.launch.huge_pages, cfg.launch.env, os.environ))
         world, ranks_per_node = self.resolved.world, cfg.launch.ranks_per_node
         if relays.relay_wanted(cfg.heartbeat.relay, world, ranks_per_node):
             env[env_names.ENV_HEARTBEAT_RELAY] = "1"

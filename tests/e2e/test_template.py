@@ -113,6 +113,11 @@ def test_a_rank_dies_with_its_client_and_a_refused_client_starts_cold(tmp_path, 
     )  # fmt: skip
     assert cold.returncode == 0, cold.stderr
     assert psutil.Process(proc.pid).children() == []  # it was never forked
+    with connected(env) as sock:  # another malloc than the template's: a cold start, not a fork
+        sock.sendall(request({**env, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}))
+        sock.settimeout(30)
+        answer, _ = template_msgs.receive(sock)
+    assert answer["refused"].startswith("GLIBC_TUNABLES is 'glibc.malloc.hugetlb=0' for the rank")
 
 
 def request(env, **fields) -> bytes:
@@ -347,6 +352,9 @@ def test_a_job_ends_its_templates_cleanly(tmp_path):
     assert (ended["reason"], ended["survivors"]) == ("job over", 0)
     log = next((tmp_path / "run" / "templates").glob("output-*.log")).read_text()
     assert "SIGTERM: ending" in log and "BAD TERMINATION" not in log  # no SIGKILL at the end
+    # Its ranks were forked: the template started with what the ranks read at their start (the
+    # malloc tunable of [launch] huge_pages, the default), else it refuses them.
+    assert "a client refused" not in log
 
 
 def test_a_forked_rank_that_rejects_its_input_ends_the_job_with_exit_2(tmp_path):

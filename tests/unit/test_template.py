@@ -66,6 +66,16 @@ def test_the_socket_is_per_user_job_and_node():
     assert template_msgs.socket_name({"ES_JOB_ID": "j-1"}, "host").endswith("-j-1-host")
 
 
+def test_a_rank_is_forked_only_with_the_start_time_environment_of_its_template():
+    own = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "PATH": "/bin", "ES_ATTEMPT": "0"}
+    same = {**own, "PATH": "/usr/bin", "ES_ATTEMPT": "3", "OMP_NUM_THREADS": "1"}
+    assert template_msgs.start_env_differs(own, same) is None  # read later: the rank's own
+    why = template_msgs.start_env_differs(own, {"PATH": "/bin"})
+    assert why.startswith("GLIBC_TUNABLES is None for the rank, 'glibc.malloc.hugetlb=1' for")
+    assert "MALLOC_ARENA_MAX" in template_msgs.start_env_differs({}, {"MALLOC_ARENA_MAX": "2"})
+    assert "LD_PRELOAD" in template_msgs.start_env_differs({"LD_PRELOAD": "x.so"}, {})
+
+
 def test_messages_round_trip_with_descriptors_and_bad_ones_are_refused():
     a, b = socket.socketpair()
     with a, b:
