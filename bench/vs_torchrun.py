@@ -39,6 +39,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from supervisor.launch.malloc_env import huge_pages_env  # noqa: E402
 from supervisor.log.events import read_events  # noqa: E402
 from supervisor.settings import config as config_mod  # noqa: E402
 
@@ -64,6 +65,9 @@ def env() -> dict[str, str]:
     e["PYTHONPATH"] = str(REPO)
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONUNBUFFERED"] = "1"
+    # The project's ranks ask for huge pages by default ([launch] huge_pages); torchrun's are
+    # given the same, so that what is compared is the handling of failures, not the allocator.
+    e.update(huge_pages_env(True, {}, e))
     return e
 
 
