@@ -34,8 +34,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 READY_LINE = "template: ready"
 # Names that the C library, the dynamic loader and the interpreter read once, as a process starts:
 # a forked rank runs with its template's, whatever its own environment says, so a template forks
-# only for a client whose are the same as its own (the ranks' malloc tunable was lost so once,
-# and every forked rank's step ran a quarter slower than a cold one's).
+# only for a client that has the same values as it has (the ranks' malloc tunable was lost so
+# once, and every forked rank's step ran a quarter slower than a cold one's). Not every name read
+# at the start (LD_LIBRARY_PATH, OMP_* are not here): what sets malloc, a preload or the hash.
 START_NAMES = ("GLIBC_TUNABLES", "LD_PRELOAD", "PYTHONHASHSEED", "PYTHONMALLOC")
 START_PREFIXES = ("MALLOC_",)
 

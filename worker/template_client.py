@@ -151,6 +151,9 @@ def ask(sock: socket.socket, module: str, flags: list[str], started: float) -> i
         reply = None
     pid = reply.get("pid") if reply else None
     if not isinstance(pid, int) or pid <= 0:
+        if reply and isinstance(why := reply.get("refused"), str):
+            print(f"template_client: the fork template refused the rank ({why[:300]}); starting "
+                  "it cold", file=sys.stderr, flush=True)  # fmt: skip
         sock.close()
         return None
     return pid

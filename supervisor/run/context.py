@@ -93,7 +93,7 @@ class JobContext:
     # (their imports take the node's cores: its ranks' straggler scores wait).
     starting: Callable[[], set[str]] = set
 
-    def launch_env(self) -> dict[str, str]:
+    def base_env(self) -> dict[str, str]:
         """[launch] env and what the supervisor adds to it that a process reads as it starts (the
         malloc tunable): a template's and its ranks' (a forked rank runs with its template's)."""
         launch = self.resolved.cfg.launch
@@ -101,10 +101,10 @@ class JobContext:
         return {**launch.env, **huge_pages}
 
     def rank_env(self, attempt: int, attempt_dir: Path, standby: bool) -> dict[str, str]:
-        """The environment of one attempt's ranks: `launch_env`, then the contract's names."""
+        """The environment of one attempt's ranks: `base_env`, then the contract's names."""
         cfg = self.resolved.cfg
         env = {
-            **self.launch_env(),
+            **self.base_env(),
             env_names.ENV_JOB_ID: self.job_id,
             env_names.ENV_ATTEMPT: str(attempt),
             env_names.ENV_HEARTBEAT_ADDR: self.heartbeat_address,

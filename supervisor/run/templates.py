@@ -60,10 +60,10 @@ class Templates:
 
     def env(self) -> dict[str, str]:
         """What a template needs of the job: its id and key (it serves only this job's clients)
-        and to die with its launcher; the ranks' `launch_env`, which the imports may read and
+        and to die with its launcher; the ranks' `base_env`, which the imports may read and
         the C library reads at the start (a forked rank keeps its template's malloc)."""
         return {
-            **self.job.launch_env(),
+            **self.job.base_env(),
             env_names.ENV_JOB_ID: self.job.job_id,
             env_names.ENV_HEARTBEAT_KEY: self.job.key,
             env_names.ENV_EXIT_WITH_PARENT: "1",

@@ -112,12 +112,14 @@ def test_a_rank_dies_with_its_client_and_a_refused_client_starts_cold(tmp_path, 
         env=other_key, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert cold.returncode == 0, cold.stderr
+    assert "template refused the rank (not this job's key); starting it cold" in cold.stderr
     assert psutil.Process(proc.pid).children() == []  # it was never forked
+    other = f"{env.get('GLIBC_TUNABLES', '')}:glibc.malloc.tcache_count=7"  # not the template's
     with connected(env) as sock:  # another malloc than the template's: a cold start, not a fork
-        sock.sendall(request({**env, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}))
+        sock.sendall(request({**env, "GLIBC_TUNABLES": other}))
         sock.settimeout(30)
         answer, _ = template_msgs.receive(sock)
-    assert answer["refused"].startswith("GLIBC_TUNABLES is 'glibc.malloc.hugetlb=0' for the rank")
+    assert answer["refused"].startswith(f"GLIBC_TUNABLES is {other!r} for the rank")
 
 
 def request(env, **fields) -> bytes:

@@ -12,7 +12,8 @@ import pytest
 from contracts import template_msgs
 from supervisor.launch.resolve import Resolved
 from supervisor.policy.prepared_rules import template_unavailable
-from supervisor.run.templates import MAX_LOST_IN_A_ROW, STEADY_S, lost_in_a_row
+from supervisor.run.context import JobContext
+from supervisor.run.templates import MAX_LOST_IN_A_ROW, STEADY_S, Templates, lost_in_a_row
 from supervisor.settings import loading
 
 
@@ -74,6 +75,30 @@ def test_a_rank_is_forked_only_with_the_start_time_environment_of_its_template()
     assert why.startswith("GLIBC_TUNABLES is None for the rank, 'glibc.malloc.hugetlb=1' for")
     assert "MALLOC_ARENA_MAX" in template_msgs.start_env_differs({}, {"MALLOC_ARENA_MAX": "2"})
     assert "LD_PRELOAD" in template_msgs.start_env_differs({"LD_PRELOAD": "x.so"}, {})
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+@pytest.mark.parametrize("yours", [None, "glibc.malloc.arena_max=2"])
+@pytest.mark.parametrize("in_launch_env", [False, True])
+def test_a_template_starts_with_what_its_ranks_read_at_their_start(
+    tmp_path, monkeypatch, huge_pages, yours, in_launch_env
+):
+    launch: dict = {"huge_pages": huge_pages}
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    if yours and in_launch_env:
+        launch["env"] = {"GLIBC_TUNABLES": yours}
+    elif yours:
+        monkeypatch.setenv("GLIBC_TUNABLES", yours)
+    cfg = loading.from_dict({"job": {"name": "t", "run_dir": str(tmp_path)}, "launch": launch})
+    job = JobContext(
+        Resolved(cfg, tmp_path, [socket.gethostname()], "python", "mpiexec"), "job", "00" * 32,
+        "tcp://127.0.0.1:1", None, None, print, lambda: None, None,
+    )  # fmt: skip
+    template = {**os.environ, **Templates(job).env()}  # as the launch gives each its environment
+    for standby in (False, True):
+        rank = {**os.environ, **job.rank_env(3, tmp_path, standby)}
+        assert template_msgs.start_env_differs(template, rank) is None
+    assert ("hugetlb=1" in template.get("GLIBC_TUNABLES", "")) == huge_pages
 
 
 def test_messages_round_trip_with_descriptors_and_bad_ones_are_refused():
