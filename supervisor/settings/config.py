@@ -136,7 +136,7 @@ class HeartbeatConfig:
     # Liveness: no message from a rank for this long means it is lost; "auto": learned from
     # the beats' own gaps while the ranks train (within [heartbeat.auto_max], its maximum until
     # learned and outside training). Beats come from a thread of their own, so a slow step does
-    # not delay them: a stopped rank is found in about 4 beat intervals instead of 10 s.
+    # not delay them: a stopped rank is found in about 3 beat intervals instead of 10 s.
     timeout_s: float | Literal["auto"] = AUTO
     # How often the supervisor judges liveness and progress.
     check_s: float = 0.1

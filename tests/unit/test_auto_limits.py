@@ -56,10 +56,11 @@ def test_train_limit_needs_samples_and_stays_between_its_floor_and_its_maximum()
 def test_timeout_is_a_multiple_of_the_p99_beat_gap_within_floor_and_maximum():
     assert limits.auto_timeout([0.5] * (limits.TIMEOUT_RULE.min_samples - 1), 0.5, 10) is None
     value, basis = limits.auto_timeout([0.5] * 100 + [0.7], 0.5, 10)
-    assert value == pytest.approx(4 * 0.5) and basis["p99_beat_gap_s"] == 0.5
-    assert limits.auto_timeout([0.5] * 99 + [0.9, 0.9], 0.5, 10)[0] == pytest.approx(3.6)
+    assert value == pytest.approx(2.0) and basis["p99_beat_gap_s"] == 0.5  # the 2 s floor
+    assert limits.auto_timeout([0.5] * 99 + [0.9, 0.9], 0.5, 10)[0] == pytest.approx(2.7)
     assert limits.auto_timeout([0.1] * 50, 0.1, 10)[0] == limits.TIMEOUT_RULE.floor_s
-    assert limits.auto_timeout([1.0] * 50, 1.0, 10)[0] == 4.0  # >= 3 intervals ... and 4 x p99
+    assert limits.auto_timeout([1.0] * 50, 1.0, 10)[0] == 3.0  # 3 x p99, and >= 3 intervals
+    assert limits.auto_timeout([1.1] * 50, 1.0, 10)[0] == pytest.approx(3.3)
     assert limits.auto_timeout([5.0] * 50, 1.0, 10)[0] == 10  # never above the maximum
 
 
