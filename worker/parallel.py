@@ -62,7 +62,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Meta-init: allocate only this rank's shards, then give them their initial values."""
+    """Allocate a model built on the meta device (whole, or only this rank's shards once
+    sharded), then give every parameter and buffer its initial value."""
     model.to_empty(device=device)
     model.init_weights()
 
