@@ -85,19 +85,23 @@ def auto_train_limit(
 
 
 def auto_timeout(
-    beat_gaps: Sequence[float], interval_s: float, max_s: float
+    beat_gaps: Sequence[float], interval_s: float, max_s: float, relayed: bool = False
 ) -> tuple[float, dict] | None:
     """Pure: the liveness timeout while training, learned from the gaps between consecutive
     beats of each rank: `multiple` x their p99, within [floor, max_s]; the floor is at least
-    three beat intervals. None until there are enough samples."""
+    three beat intervals. Under relays the gaps are a node's summaries', and a rank's own beat
+    in a summary may be up to one interval older than it: one interval more. None until there
+    are enough samples."""
     rule = TIMEOUT_RULE
     if len(beat_gaps) < rule.min_samples:
         return None
     p99 = quantile(beat_gaps, 0.99)
     floor = max(rule.floor_s, 3 * interval_s)
-    value = min(max_s, max(floor, rule.multiple * p99))
+    slack = interval_s if relayed else 0.0
+    value = min(max_s, max(floor, rule.multiple * p99 + slack))
     basis = {"p99_beat_gap_s": round(p99, 4), "samples": len(beat_gaps),
-             "multiple": rule.multiple, "floor_s": floor, "max_s": max_s}  # fmt: skip
+             "multiple": rule.multiple, "relay_slack_s": slack, "floor_s": floor,
+             "max_s": max_s}  # fmt: skip
     return value, basis
 
 

@@ -44,6 +44,7 @@ class Learner:
     last_beat: dict[int | tuple[str, str], tuple[float, str]] = field(default_factory=dict)
     save_started: float | None = None
     next_derive: float = 0.0
+    relayed: bool = False  # beats came as relays' summaries (the timeout's slack)
 
     @classmethod
     def wanted(cls, heartbeat: HeartbeatConfig | None) -> Learner | None:
@@ -53,6 +54,8 @@ class Learner:
         return cls(heartbeat, fixed_limits(heartbeat)) if auto else None
 
     def beat(self, rank: int | tuple[str, str], phase: str, now: float) -> None:
+        if rank.__class__ is tuple:
+            self.relayed = True
         last = self.last_beat.get(rank)
         self.last_beat[rank] = (now, phase)
         if last is not None and last[1] == "train" and phase == "train":
@@ -84,7 +87,7 @@ class Learner:
         if heartbeat.progress.save == AUTO:
             events += self._adopt("save", auto_save_limit(self.saves, cap.save))
         if heartbeat.timeout_s == AUTO:
-            got = auto_timeout(self.beat_gaps, heartbeat.interval_s, cap.timeout_s)
+            got = auto_timeout(self.beat_gaps, heartbeat.interval_s, cap.timeout_s, self.relayed)
             events += self._adopt("timeout_s", got)
         return events
 

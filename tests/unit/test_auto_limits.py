@@ -61,6 +61,9 @@ def test_timeout_is_a_multiple_of_the_p99_beat_gap_within_floor_and_maximum():
     assert limits.auto_timeout([0.1] * 50, 0.1, 10)[0] == limits.TIMEOUT_RULE.floor_s
     assert limits.auto_timeout([1.0] * 50, 1.0, 10)[0] == 3.0  # 3 x p99, and >= 3 intervals
     assert limits.auto_timeout([1.1] * 50, 1.0, 10)[0] == pytest.approx(3.3)
+    # Under relays a rank's own beat may be a summary interval older than the summary.
+    value, basis = limits.auto_timeout([1.1] * 50, 1.0, 10, relayed=True)
+    assert value == pytest.approx(4.3) and basis["relay_slack_s"] == 1.0
     assert limits.auto_timeout([5.0] * 50, 1.0, 10)[0] == 10  # never above the maximum
 
 
