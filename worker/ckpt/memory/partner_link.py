@@ -43,6 +43,7 @@ from worker.ckpt.fail_points import SaveFailPoints
 from worker.ckpt.memory.partner_copy import Incoming, PartnerStore
 from worker.ckpt.memory.partners import held_on, holders
 from worker.ckpt.memory.slot_file import MAX_RECORD_BYTES, Expect, SlotRefused
+from worker.ckpt.memory.thread_cpu import ThreadCpu
 
 MAC_BYTES = 64  # hex HMAC-SHA256
 POLL_MS = 200  # how often the receiver looks whether it is to stop
@@ -132,8 +133,15 @@ class PartnerLink:
     """This rank's two ends: a PULL socket its wards send to (a receiver thread holds what
     comes), and a PUSH socket to its holder (a sender thread, one copy on its way at a time)."""
 
-    def __init__(self, store: PartnerStore | None, bind_host: str | None, max_bytes: int):
+    def __init__(
+        self,
+        store: PartnerStore | None,
+        bind_host: str | None,
+        max_bytes: int,
+        cpu: ThreadCpu | None = None,
+    ):
         self.store = store
+        self.cpu = cpu if cpu is not None else ThreadCpu()  # its threads', ZeroMQ's included
         self.ctx = zmq.Context()
         self.max_bytes = max_bytes
         self._started = False  # the context's I/O thread: it starts with the first socket
@@ -194,7 +202,9 @@ class PartnerLink:
         sock = self.ctx.socket(kind)
         self._started = True
         if before:  # else no /proc: they run at the process's priority
-            _yield_cpu(_started_threads(before, prefix, self.ctx.get(zmq.IO_THREADS) + 1))
+            started = _started_threads(before, prefix, self.ctx.get(zmq.IO_THREADS) + 1)
+            _yield_cpu(started)
+            self.cpu.add(started)
         return sock
 
     def _spawn(self, target, name: str) -> None:
@@ -218,6 +228,7 @@ class PartnerLink:
         ).start()
 
     def _send(self, record: dict[str, Any], data: torch.Tensor) -> None:
+        self.cpu.add_current()
         try:
             started = time.perf_counter()
             self._seq += 1  # one sender thread at a time (`_busy`)
@@ -249,6 +260,7 @@ class PartnerLink:
                 self.nbytes += data.numel()
                 self.seconds += time.perf_counter() - started
         finally:
+            self.cpu.retire_current()
             self._busy.release()
 
     def _skip(self, record: dict[str, Any], why: str) -> None:
@@ -261,6 +273,7 @@ class PartnerLink:
         """Until `close`: hold what comes. This thread owns the receiving socket and the store
         (it closes both as it ends, a copy being held finished first)."""
         pull = self._pull
+        self.cpu.add_current()
         try:
             while not self._stop.is_set():
                 try:
@@ -398,7 +411,12 @@ def _route_to(host: str | None) -> str | None:
 
 
 def connect_partners(
-    job_dir: Path, expect: Expect, node: str, own_nbytes: int, hooks: SaveFailPoints
+    job_dir: Path,
+    expect: Expect,
+    node: str,
+    own_nbytes: int,
+    hooks: SaveFailPoints,
+    cpu: ThreadCpu | None = None,
 ) -> tuple[PartnerLink | None, int]:
     """Collective, at the memory tier's first copy: every rank's node; when the ranks span two
     nodes or more, each rank binds its receiver, rank 0 draws the run's key, and every rank
@@ -413,7 +431,7 @@ def connect_partners(
     wards = {r for r, h in enumerate(holder) if h == expect.rank}
     store = PartnerStore(job_dir, expect, expect.rank, node, hooks, wards) if wards else None
     address = bind_host([e["host"] for e in every], os.environ.get("MASTER_ADDR"))
-    link = PartnerLink(store, address, 2 * own_nbytes + (16 << 20))
+    link = PartnerLink(store, address, 2 * own_nbytes + (16 << 20), cpu)
     key = collectives.broadcast_json(secrets.token_hex(32) if expect.rank == 0 else None)
     endpoints = collectives.all_gather_json(link.endpoint)
     link.start(key.encode(), endpoints[holder[expect.rank]], holder[expect.rank])

@@ -45,6 +45,7 @@ from worker.ckpt.memory.slot_file import (
     slot_paths,
 )
 from worker.ckpt.memory.state_view import StateView
+from worker.ckpt.memory.thread_cpu import ThreadCpu
 from worker.ckpt.staging import Loan, bytes_needed
 
 # Free shared memory left after both slots of every rank on the node: a tmpfs filled to the
@@ -61,6 +62,9 @@ class CopyReport:
     nbytes: int
     sealed: int | None  # the newest step sealed so far (its checksum follows its copy)
     check_seconds: float | None  # that seal's checksum, on the copy thread
+    # The tier's threads' CPU since the copy before (copy, seal, partner sends and receipts):
+    # on CPU, taken from the steps beside them (`thread_cpu`); 0 when the state is on a device.
+    background_seconds: float = 0.0
 
 
 class MemoryTier:
@@ -101,14 +105,19 @@ class MemoryTier:
             self.broken = f"{directory} cannot be used ({exc.strerror or exc})"
         self.slots = [MappedSlot(*slot_paths(directory, expect.rank, s)) for s in range(SLOTS)]
         self.stagers = [SlotStager(allocate=slot.map) for slot in self.slots]
+        self.cpu = ThreadCpu()  # the tier's threads: what they take from training on CPU
+        self.cpu_charged = _on_cpu(model)
+        self._cpu_seen = 0.0
         self.view = StateView(model, optimizer)  # taken once, handed again while it is live
         held, _ = find(directory, expect) if self.broken is None else ([], [])
         self.gen = 1 + max((h.gen for h in held), default=0)
         self.target = (held[0].slot + 1) % SLOTS if held else 0  # never the newest complete
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem-ckpt")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mem-ckpt", initializer=self.cpu.add_current
+        )
         # The copy's pieces, on CPU time nothing else wants; the loop finishes what is left.
         self._worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="mem-copy", initializer=priority.lowest_priority
+            max_workers=1, thread_name_prefix="mem-copy", initializer=self._worker_started
         )
         self._job: CopyJob | None = None  # the copy in flight's pieces, once it has started
         self._published = threading.Event()  # set once they are (or the copy is over)
@@ -135,7 +144,7 @@ class MemoryTier:
         copies = self.local_world
         if self.partner_wanted:  # and the copies this node holds for other nodes' ranks
             self.link, held = connect_partners(
-                self.directory, self.expect, self.node, need, self.hooks
+                self.directory, self.expect, self.node, need, self.hooks, self.cpu
             )
             copies += held if self.link is not None else 0
         problem = self.broken or fit_problem(
@@ -151,6 +160,10 @@ class MemoryTier:
         self.off_reason = problem or "another node lacks the shared memory for both slots"
         self.close(remove=True)
         return self.off_reason
+
+    def _worker_started(self) -> None:
+        priority.lowest_priority()
+        self.cpu.add_current()
 
     def _reusable(self) -> int:
         """Bytes of slot files already there (this job's, on this node): reused, not added."""
@@ -273,6 +286,8 @@ class MemoryTier:
             )
             return None
         stager = self.stagers[(self.target - 1) % SLOTS]
+        spent = self.cpu.seconds()
+        background, self._cpu_seen = max(0.0, spent - self._cpu_seen), spent
         return CopyReport(
             self._copy_step,
             waited,
@@ -280,6 +295,7 @@ class MemoryTier:
             stager.nbytes,
             self.sealed,
             self.check_seconds,
+            background if self.cpu_charged else 0.0,
         )
 
     def _finish_copy(self) -> None:
@@ -369,3 +385,10 @@ def room_problem(need: int, total: int, free: int, reusable: int, where: Path) -
         f"{room / gib:.2f} GiB free (keeping {margin / gib:.2f} GiB spare); training without "
         "the memory tier (make room, or set ES_MEM_ROOT to a larger tmpfs)"
     )
+
+
+def _on_cpu(model: torch.nn.Module) -> bool:
+    """Whether the state lives on CPU: there the training keeps the cores busy, and what the
+    tier's threads run is taken from it (on a device, a copy is a transfer the cores wait on)."""
+    first = next(model.parameters(), None)
+    return first is None or first.device.type == "cpu"
