@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from contracts.intervals import AUTO, DURABLE, MEMORY
 from worker import guard
@@ -120,6 +121,7 @@ class State:
     source: SyntheticData | TokenFileData
     metrics: MetricsLog
     hooks: Hooks
+    drawn: bool = True  # the parameters hold their initial values (else zeros: `defers_init`)
 
 
 @dataclass
@@ -165,7 +167,7 @@ def build(setup: Setup) -> Training:
     built), the model and the rest, then the load."""
     group = join_group(setup)
     chosen = choose(setup, group)
-    state = build_state(setup, group)
+    state = build_state(setup, group, draw=chosen.source is None or not defers_init(group))
     return resume_from(setup, group, state, chosen)
 
 
@@ -204,11 +206,21 @@ def choose(setup: Setup, group: Group) -> resume.Chosen:
     return chosen
 
 
-def build_state(setup: Setup, group: Group) -> State:
-    """The model (seeded: every start builds the same one), optimizer, scheduler, data,
-    metrics and test hooks."""
+def defers_init(group: Group) -> bool:
+    """Whether a start that may resume leaves the initial values undrawn until it knows it does
+    not: on CPU, the dense build draws the whole model on every rank (0.06 s of a standby's
+    0.5 s of CPU on the debug preset, thrown away by every load). The meta build draws only
+    this rank's shards, and on an accelerator drawing is cheap."""
+    return group.device_type == "cpu" and not group.meta_init
+
+
+def build_state(setup: Setup, group: Group, draw: bool = True) -> State:
+    """The model (seeded: every start builds the same one; without `draw`, zeros until
+    `resume_from` finds nothing to load), optimizer, scheduler, data, metrics and test hooks."""
     args, info, cfg = setup.args, setup.info, setup.cfg
-    model = build_model(cfg, group.mesh, setup.layout, group.device, group.meta_init, args.seed)
+    model = build_model(
+        cfg, group.mesh, setup.layout, group.device, group.meta_init, args.seed, draw
+    )
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
     )
@@ -227,7 +239,7 @@ def build_state(setup: Setup, group: Group) -> State:
     # collection walked it all for 0.2-0.33 s here (once inside a checkpoint load, stalling
     # that rank and so every rank). Frozen, later collections skip it.
     gc.freeze()
-    return State(model, optimizer, scheduler, source, metrics, setup.hooks)
+    return State(model, optimizer, scheduler, source, metrics, setup.hooks, drawn=draw)
 
 
 def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen) -> Training:
@@ -249,6 +261,8 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
         data_check=guard.record_problem,  # the record is the loop's: its guard judges it
     )
     resumed = ckpt.load(chosen)
+    if resumed is None and not state.drawn:  # nothing loaded after all: a fresh start's values
+        draw_fresh(setup, group, state.model)
     setup.startup.mark("load")
     ckpt.start()
     return Training(
@@ -280,20 +294,37 @@ def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen)
     )
 
 
-def build_model(cfg, mesh, layout, device, meta_init: bool, seed: int) -> torch.nn.Module:
-    """Dense: allocate whole, initialise, shard (bit-exact with a one-process run). Meta: shard
-    first, then allocate and initialise just this rank's shards. Both build the shapes on the
-    meta device: `init_weights` sets every parameter, so the layers' own initialisation was
-    thrown away (a third of the build's CPU on the debug preset, in every start and standby)."""
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+def build_model(
+    cfg, mesh, layout, device, meta_init: bool, seed: int, draw: bool = True
+) -> torch.nn.Module:
+    """Dense: allocate whole, initialise (`draw`: else zeros), shard (bit-exact with a
+    one-process run). Meta: shard first, then allocate and initialise just this rank's shards.
+    Both build the shapes on the meta device: `init_weights` sets every parameter, so the
+    layers' own initialisation was thrown away (a third of the build's CPU on the debug preset,
+    in every start and standby)."""
+    model = shapes_on_meta(cfg, seed)
     if meta_init:
         parallelize(model, mesh, layout)
         materialize(model, device)
         return model
-    materialize(model, device)
+    materialize(model, device, draw)
     return parallelize(model, mesh, layout)
+
+
+def shapes_on_meta(cfg, seed: int) -> Transformer:
+    """The model's shapes, no memory; the seed set for the values drawn next."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def draw_fresh(setup: Setup, group: Group, model: torch.nn.Module) -> None:
+    """Collective: a dense model built without drawing, given the values a cold fresh start
+    draws (the same seed, the whole model drawn, then each rank's shards of it)."""
+    whole = shapes_on_meta(setup.cfg, setup.args.seed)
+    materialize(whole, group.device)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, whole.state_dict(), options=options)
 
 
 def lr_lambda(args: TrainArgs) -> Callable[[int], float]:

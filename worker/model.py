@@ -90,12 +90,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Deterministic under the caller's seed; also valid on sharded (DTensor) parameters,
-        which is how a meta-device model gets its values after `to_empty`."""
+    def init_buffers(self) -> None:
+        """The buffers no checkpoint holds (the RoPE tables): computed, not drawn."""
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic under the caller's seed; also valid on sharded (DTensor) parameters,
+        which is how a meta-device model gets its values after `to_empty`."""
+        self.init_buffers()
         depth_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         for layer in self.layers:

@@ -61,11 +61,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module
     return model
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, draw: bool = True) -> None:
     """Allocate a model built on the meta device (whole, or only this rank's shards once
-    sharded), then give every parameter and buffer its initial value."""
+    sharded), then give every parameter and buffer its initial value; without `draw`, the
+    parameters are zeros (a checkpoint's load is to set them: worker.build.defers_init)."""
     model.to_empty(device=device)
-    model.init_weights()
+    if draw:
+        model.init_weights()
+        return
+    model.init_buffers()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ from worker.build import (
     build,
     build_state,
     choose,
+    defers_init,
     join_group,
     resume_from,
 )
@@ -56,7 +57,7 @@ def build_after_go(setup: Setup, stop_requested: Callable[[], bool]) -> Training
         return build(setup)
     with priority.lowest_session():  # its CPU from what the training ranks leave idle
         group = join_group(setup)
-        state = build_state(setup, group)
+        state = build_state(setup, group, draw=not defers_init(group))  # drawn if fresh
         # In this thread: DTensor's sharding cache is per thread, a warm-up in another one
         # left the training thread's cold (the first step after `go` 0.1-0.15 s slower).
         warm_up(setup, group, state)

@@ -19,7 +19,14 @@ from supervisor.watch.control import ControlServer
 from worker import startup as S
 from worker.args import parse_args, plan_run
 from worker.beat import Beacon, ZmqBeacon
-from worker.build import Setup, build_state, intervals_of, join_group
+from worker.build import (
+    Setup,
+    build_state,
+    defers_init,
+    draw_fresh,
+    intervals_of,
+    join_group,
+)
 from worker.ckpt import rng
 from worker.dist import RankInfo
 from worker.errors import UsageError
@@ -100,6 +107,23 @@ def test_warm_up_changes_nothing_the_run_computes(one_rank):
         lc, lw = train_step(T(cold), step, False), train_step(T(warm), step, False)
         assert lc.loss == lw.loss and lc.verdict is None is lw.verdict, step
     assert same_params(cold.model, warm.model)
+
+
+def test_a_model_built_undrawn_gets_the_values_of_a_fresh_start(one_rank):
+    """A standby on CPU builds its model without drawing (a load will set it); when nothing is
+    loaded after all, it gets what a cold fresh start draws, and the generator where it left."""
+    setup, group = one_rank
+    assert defers_init(group)
+    cold = build_state(setup, group)
+    after_cold = torch.get_rng_state()
+    undrawn = build_state(setup, group, draw=False)
+    assert not undrawn.drawn
+    assert all(not bits(p).any() for p in undrawn.model.parameters())  # zeros until drawn
+    assert torch.equal(undrawn.model.rope_cos, cold.model.rope_cos)  # no checkpoint holds it
+    warm_up(setup, group, undrawn)
+    draw_fresh(setup, group, undrawn.model)
+    assert same_params(cold.model, undrawn.model)
+    assert torch.equal(torch.get_rng_state(), after_cold)
 
 
 def test_the_warm_update_copies_one_parameter_of_each_kind():
