@@ -239,7 +239,8 @@ def build_state(setup: Setup, group: Group, draw: bool = True) -> State:
     # collection walked it all for 0.2-0.33 s here (once inside a checkpoint load, stalling
     # that rank and so every rank). Frozen, later collections skip it.
     gc.freeze()
-    return State(model, optimizer, scheduler, source, metrics, setup.hooks, drawn=draw)
+    drawn = draw or not defers_init(group)  # the meta build always draws
+    return State(model, optimizer, scheduler, source, metrics, setup.hooks, drawn=drawn)
 
 
 def resume_from(setup: Setup, group: Group, state: State, chosen: resume.Chosen) -> Training:

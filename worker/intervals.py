@@ -14,7 +14,7 @@ What rank 0 holds, in order of authority:
 - until the supervisor speaks (a first attempt, a run without a supervisor): its own Young/Daly
   interval from the costs it measures, its step times and the prior MTBF (`--mtbf-prior-s`);
 - before any cost is measured: one copy or save at the run's first step, to measure it (the
-  memory tier: at its first three steps, the third the measure, `COLD_COPIES`).
+  memory tier: at its first four steps, the fourth the measure, `COLD_COPIES`).
 
 No torch here: the loop hands the values in and out as numbers.
 """
@@ -37,10 +37,12 @@ MIN_STEP_SAMPLES = 3  # step times before a rank tunes itself (the first step of
 # partner link), and each of its two slots (`slot_file.SLOTS`) is filled for the first time by
 # the first copy into it. Measured on the debug preset: the first stalled 0.16 s at a job's
 # first step and 0.026-0.053 s after a take-over, those after it 0.001-0.003 s; taken as C,
-# the first set the interval at 28 steps until the first failure, not 3-4. So "auto" copies at
-# the first three steps and measures from the third. A durable save's first is a sample:
-# another save to measure would cost a whole save.
-COLD_COPIES = {intervals.MEMORY: 2, intervals.DURABLE: 0}
+# the first set the interval at 28 steps until the first failure, not 3-4. One more: on CPU a
+# copy's cost counts the tier's threads' CPU since the copy before (its seal and partner send,
+# and a partner's first fills of its slots). So "auto" copies at the first four steps and
+# measures from the fourth. A durable save's first is a sample: another save to measure would
+# cost a whole save.
+COLD_COPIES = {intervals.MEMORY: 3, intervals.DURABLE: 0}
 
 
 @dataclass

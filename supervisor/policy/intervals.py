@@ -29,7 +29,7 @@ HYSTERESIS = intervals.HYSTERESIS  # the dead band around the interval in force,
 class IntervalInputs:
     """What one tier's decision is made from (seconds; times since the job's first step)."""
 
-    cost_s: float  # what one copy or save costs the steps (the stall, the hand-over)
+    cost_s: float  # what one copy or save costs the steps (the stall, the hand-over, CPU beside)
     step_s: float  # a step's seconds (rank 0's recent median)
     failures_s: Sequence[float]  # when each failure of this job was seen, oldest first
     elapsed_s: float  # now

@@ -2,7 +2,8 @@
 measures an "auto" checkpoint interval is decided from (supervisor.policy.intervals).
 
 Rank 0's `step` messages carry its step's seconds (`dt`) and, after a copy or a save, what it
-cost the loop (`cost`, by tier: the stall and the hand-over). Medians of the recent ones, so that
+cost the loop (`cost`, by tier: the stall and the hand-over, and on CPU the memory tier's
+threads' CPU beside the steps). Medians of the recent ones, so that
 one slow step or save does not move the interval; an attempt's first step (its start-up) is not
 a step time.
 """

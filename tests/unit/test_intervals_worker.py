@@ -50,9 +50,9 @@ def test_a_fixed_interval_is_a_multiple_and_0_is_off():
 def test_auto_copies_at_the_first_steps_to_measure_then_waits_for_a_tuned_interval():
     (r,) = ranks(world=1, durable=AUTO)
     r.begin(11)  # resumed from step 10
-    # The memory tier's first copies are cold (its set-up, each slot's first fill): its third
-    # is the measure, one for each slot.
-    assert [s for s in range(11, 30) if r.due(MEMORY, s)] == [11, 12, 13]
+    # The memory tier's first copies are cold (its set-up, each slot's first fill, the CPU of
+    # the one before counted with the next): its fourth is the measure.
+    assert [s for s in range(11, 30) if r.due(MEMORY, s)] == [11, 12, 13, 14]
     assert [s for s in range(11, 30) if r.due(DURABLE, s)] == [11]
     (off,) = ranks(world=1, memory_on=False)  # "auto" without --ckpt-dir: no memory tier
     assert not any(off.due(MEMORY, s) for s in range(1, 30))
@@ -72,7 +72,7 @@ def test_auto_counts_from_the_last_copy_so_a_change_leaves_no_longer_gap():
         said = [r.due(MEMORY, step) for r in world]
         assert said[0] == said[1], step
         due += [step] if said[0] else []
-    assert due == [1, 2, 3, 8, 13, 20, 27]  # 13 + 7, not 14 (the next multiple of 7)
+    assert due == [1, 2, 3, 4, 9, 14, 21, 28]  # 14 + 7, not the next multiple of 7
     for r in world:  # the guard rolled back to step 12: counted from the step before it
         assert not r.due(MEMORY, 12) and [s for s in range(13, 21) if r.due(MEMORY, s)] == [18]
     resumed = ranks(env={ENV_MEM_CKPT_INTERVAL: "7"})
@@ -86,16 +86,16 @@ def test_rank_0_tunes_itself_from_the_prior_and_every_rank_adopts_it_at_the_same
     for r in world:
         r.begin(1)
     agree(world, 1)
-    costs = {2: {MEMORY: 0.3}, 3: {MEMORY: 0.1}, 4: {MEMORY: 0.02}}  # two cold, then 0.02 s
-    for step in range(1, 6):  # 0.1 s steps
+    costs = {2: {MEMORY: 0.3}, 3: {MEMORY: 0.1}, 4: {MEMORY: 0.05}, 5: {MEMORY: 0.02}}  # cold x3
+    for step in range(1, 7):  # 0.1 s steps
         for r in world:
             sampled = r.after_step(step, 0.1, costs.get(step, {}))
-            assert sampled == ({MEMORY: 0.02} if step == 4 else {})  # what rank 0 tells
+            assert sampled == ({MEMORY: 0.02} if step == 5 else {})  # what rank 0 tells
     want = intervals.interval_steps(0.02, 0.1, 100.0, 1000)
     assert world[0].tiers[MEMORY].proposed == want
     assert world[1].tiers[MEMORY].proposed is None  # only rank 0's word counts
     assert [r.every(MEMORY) for r in world] == [None, None]  # not before the agreement
-    agree(world, 6)
+    agree(world, 7)
     assert [r.every(MEMORY) for r in world] == [want, want]
     assert world[0].take_changed() == {MEMORY: want} == world[1].take_changed()
     assert all(r.due(MEMORY, want * 3) and not r.due(MEMORY, want * 3 + 1) for r in world)
@@ -131,7 +131,9 @@ def test_a_cold_copy_for_each_memory_slot():
     from worker.ckpt.memory.slot_file import SLOTS
     from worker.intervals import COLD_COPIES
 
-    assert COLD_COPIES[MEMORY] == SLOTS and COLD_COPIES[DURABLE] == 0
+    # One for each slot's first fill, and one more: the next copy's figure carries the seal and
+    # partner send of the one before (the tier's threads' CPU, counted since the copy before).
+    assert COLD_COPIES[MEMORY] == SLOTS + 1 and COLD_COPIES[DURABLE] == 0
 
 
 def test_the_flags_take_auto_and_numbers():

@@ -56,7 +56,8 @@ class CheckpointManager:
 
     def take_costs(self) -> dict[str, float]:
         """What the copies and saves cost the loop since the last call, by tier (`memory`,
-        `durable`: seconds it was blocked), for the intervals' tuning."""
+        `durable`: seconds it was blocked, and on CPU the memory tier's threads' CPU beside it),
+        for the intervals' tuning."""
         return {}
 
     def before_update(self) -> None:

@@ -289,6 +289,7 @@ class PartnerLink:
                     else:
                         self.received += 1
         finally:
+            self.cpu.retire_current()
             pull.close(linger=0)
             if self.store is not None:
                 self.store.close()

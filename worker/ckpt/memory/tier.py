@@ -62,8 +62,9 @@ class CopyReport:
     nbytes: int
     sealed: int | None  # the newest step sealed so far (its checksum follows its copy)
     check_seconds: float | None  # that seal's checksum, on the copy thread
-    # The tier's threads' CPU since the copy before (copy, seal, partner sends and receipts):
-    # on CPU, taken from the steps beside them (`thread_cpu`); 0 when the state is on a device.
+    # The tier's threads' CPU since the report before (the copy, the seal and partner send of
+    # the copy before, partner receipts) but while the loop waited: on CPU, taken from the
+    # steps beside them (`thread_cpu`); 0 when the state is on a device.
     background_seconds: float = 0.0
 
 
@@ -275,6 +276,7 @@ class MemoryTier:
         if job is None:
             return None
         started = time.perf_counter()
+        before = self.cpu.seconds() if self.cpu_charged else 0.0
         self._finish_copy()
         waited = time.perf_counter() - started
         self._copy = None
@@ -286,8 +288,9 @@ class MemoryTier:
             )
             return None
         stager = self.stagers[(self.target - 1) % SLOTS]
-        spent = self.cpu.seconds()
-        background, self._cpu_seen = max(0.0, spent - self._cpu_seen), spent
+        # Not what the threads ran while the loop waited for them: that is in the stall.
+        background = max(0.0, before - self._cpu_seen)
+        self._cpu_seen = self.cpu.seconds() if self.cpu_charged else 0.0
         return CopyReport(
             self._copy_step,
             waited,
