@@ -16,12 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.ckpt import memory, rng
-from worker.hooks import Hooks
+from tests.unit.tier_support import EXPECT, Scheduler, cpu_tier, trained_linear
+from worker.ckpt import memory
 
-EXPECT = memory.Expect(
-    job="j1", rank=0, world=1, mesh="dp_shard=1", model_fingerprint="abc", host="node0"
-)
 # Two tensors: "a" half a chunk, "b" a chunk and a bit more, its last page partial; then the
 # stager's padding to the next page.
 HALF = memory.CHECK_CHUNK // 2
@@ -281,29 +278,9 @@ def test_a_crafted_checksum_that_passes_its_crc_is_still_checked_for_shape(tmp_p
 
 
 # ---- the copy thread ----------------------------------------------------------------------------
-def tier(directory: Path, model: torch.nn.Module, optimizer) -> memory.MemoryTier:
-    def describe(step, tokens, data, gather=False):
-        return {"step": step, "tokens_seen": tokens, "data": data,
-                "scheduler": {"last_epoch": step}, "rng": rng.capture("cpu")}  # fmt: skip
-
-    t = memory.MemoryTier(directory, EXPECT, interval=1, local_world=1, model=model,
-                          optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
-    t.fit_checked = True  # the collective fit check needs a process group
-    return t
-
-
-class Scheduler:
-    def load_state_dict(self, state):
-        self.state = state
-
-
 def test_the_copy_thread_checksums_and_seals_after_the_loop_is_released(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(300, 700)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 300)).sum().backward()
-    optimizer.step()
-    t = tier(tmp_path, model, optimizer)
+    model, optimizer = trained_linear()
+    t = cpu_tier(tmp_path, model, optimizer)
     t.save(5, 10, {"kind": "x"})
     copied = t.wait_copied()
     assert copied is not None and copied.step == 5
@@ -320,7 +297,7 @@ def test_the_copy_thread_checksums_and_seals_after_the_loop_is_released(tmp_path
 
     fresh = torch.nn.Linear(300, 700)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
-    loader = tier(tmp_path, fresh, fresh_opt)
+    loader = cpu_tier(tmp_path, fresh, fresh_opt)
     assert loader.load(held[0], Scheduler())["step"] == 6
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
@@ -363,7 +340,7 @@ def test_the_copy_thread_never_writes_through_a_planted_link(tmp_path):
     bin_path, json_path = memory.slot_paths(tmp_path / "mem", 0, 0)
     bin_path.parent.mkdir(parents=True)
     bin_path.symlink_to(precious)
-    t = tier(tmp_path / "mem", model, optimizer)
+    t = cpu_tier(tmp_path / "mem", model, optimizer)
     t.save(1, 2, {})
     assert t.wait_copied() is None and "copy failed" in t.off_reason, t.off_reason
     t.close(remove=False)

@@ -12,12 +12,12 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from worker.ckpt import memory, rng
+from tests.unit.tier_support import Scheduler, cpu_tier, trained_linear
+from worker.ckpt import memory
 from worker.ckpt.memory import slot_copy
 from worker.ckpt.memory.slot_copy import SlotStager
 from worker.ckpt.memory.state_view import StateView
 from worker.ckpt.storage import aligned_zeros
-from worker.hooks import Hooks
 
 
 def state(seed: int = 0) -> dict:
@@ -210,20 +210,9 @@ def test_a_piece_that_fails_fails_the_copy():
 def test_the_loop_finishes_a_copy_its_worker_has_not_started(tmp_path):
     """The copy worker busy (or starved): `wait_copied` does every piece itself, and the slot
     is sealed and loads as it should."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(300, 700)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 300)).sum().backward()
-    optimizer.step()
+    model, optimizer = trained_linear()
     expect = memory.Expect("j", 0, 1, "m", "f", "node0")
-
-    def describe(step, tokens, data, gather=False):
-        return {"step": step, "tokens_seen": tokens, "data": data, "scheduler": {},
-                "rng": rng.capture("cpu")}  # fmt: skip
-
-    t = memory.MemoryTier(tmp_path, expect, interval=1, local_world=1, model=model,
-                          optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
-    t.fit_checked = True  # the collective fit check needs a process group
+    t = cpu_tier(tmp_path, model, optimizer, expect)
     release = threading.Event()
     t._worker.submit(release.wait)  # the worker stuck behind something else
     t.save(3, 6, {})
@@ -239,14 +228,8 @@ def test_the_loop_finishes_a_copy_its_worker_has_not_started(tmp_path):
     want = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         model.weight.zero_()
-    loader = memory.MemoryTier(tmp_path, expect, interval=1, local_world=1, model=model,
-                               optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
+    loader = cpu_tier(tmp_path, model, optimizer, expect)
     loader.load(held, Scheduler())
     loader.close(remove=False)
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
-
-
-class Scheduler:
-    def load_state_dict(self, state):
-        self.state = state

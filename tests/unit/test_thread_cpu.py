@@ -8,10 +8,9 @@ import time
 
 import torch
 
-from worker.ckpt import memory, rng
+from tests.unit.tier_support import cpu_tier, trained_linear
 from worker.ckpt.memory import tier
 from worker.ckpt.memory.thread_cpu import ThreadCpu, runtime_s
-from worker.hooks import Hooks
 
 SPIN_S = 0.05
 
@@ -46,20 +45,7 @@ def test_a_thread_s_cpu_counts_and_stays_counted_once_it_ended():
 
 
 def test_a_copy_on_cpu_reports_what_the_tier_s_threads_ran(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(300, 700)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 300)).sum().backward()
-    optimizer.step()
-    expect = memory.Expect("j", 0, 1, "m", "f", "node0")
-
-    def describe(step, tokens, data, gather=False):
-        return {"step": step, "tokens_seen": tokens, "data": data, "scheduler": {},
-                "rng": rng.capture("cpu")}  # fmt: skip
-
-    t = memory.MemoryTier(tmp_path, expect, interval=1, local_world=1, model=model,
-                          optimizer=optimizer, describe=describe, hooks=Hooks())  # fmt: skip
-    t.fit_checked = True  # the collective fit check needs a process group
+    t = cpu_tier(tmp_path, *trained_linear())
     assert t.cpu_charged
     spent = []
     for step in (1, 2):
