@@ -71,9 +71,10 @@ KIND_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "fault_ack": {"fault": int, "step": int, "action": str, "applied": bool, "at": int},
 }  # fmt: skip
 NUMERIC_FAULTS = frozenset({"nan", "inf", "spike"})
-# An `error`'s optional `cause`: "diverged", the numerical guard gave up (the worker's exit 3;
-# the supervisor ends the job at once: a relaunch would diverge the same way).
-ERROR_CAUSES = frozenset({"diverged"})
+# An `error`'s optional `cause`: "diverged", the numerical guard gave up (the worker's exit 3);
+# "usage", the rank refused its flags or inputs (exit 2). Either way the supervisor ends the job
+# at once: a relaunch would fail the same way.
+ERROR_CAUSES = frozenset({"diverged", "usage"})
 ACKED_ACTIONS = frozenset({"nan", "spike"})  # the control actions a rank says the fate of
 # Stragglers (worker.step_clock): a `beat` and a `step` may carry the latest step's `compute` and
 # `wait` (seconds in collectives); a `summary` may carry `compute`, one per rank in its rank

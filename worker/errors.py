@@ -7,7 +7,9 @@ class UsageError(Exception):
     """Bad flags, impossible layout, missing or unwritable paths: one line, exit 2."""
 
     exit_code = WORKER_USAGE  # the supervisor does not relaunch on it
-    cause: str | None = None  # the `error` message's `cause` (contracts.messages.ERROR_CAUSES)
+    # The `error` message's `cause` (contracts.messages.ERROR_CAUSES): the supervisor ends the
+    # job on the rank's word, whichever of its end or the launcher's status it sees first.
+    cause: str | None = "usage"
 
 
 class Diverged(UsageError):

@@ -81,14 +81,19 @@ def attempt_outcome(
     stepped: bool,
     diverged: str | None = None,
     said_hello: bool = True,
+    refused: str | None = None,
 ) -> Outcome:
-    """The ranks' word that their guard gave up (`diverged`: its line) decides first: the rank
-    ends right after, and whichever of its exit or the finding it leads to is seen first (a
-    rank gone, the launcher's status) says less. Else a finding (a rank gone, a hang, no
-    progress) makes the attempt a failure, and else its exit status decides (None: no status
-    was collected, as for a process killed in teardown). `said_hello`: some rank did."""
+    """The ranks' word decides first: that their guard gave up (`diverged`: its line), or, before
+    any step, that one refused its input (`refused`: its line). The rank ends right after, and
+    whichever of its exit or the finding it leads to is seen first (a rank gone, the launcher's
+    status) says less: a peer still in its grace keeps the launcher from ending. Else a finding
+    (a rank gone, a hang, no progress) makes the attempt a failure, and else its exit status
+    decides (None: no status was collected, as for a process killed in teardown).
+    `said_hello`: some rank did."""
     if diverged is not None and not done:
         return Outcome("diverged", diverged)
+    if refused is not None and not done and not stopping and not stepped:
+        return Outcome("bad_input", f"the worker rejected its input: {refused}")
     if finding is not None:
         return Outcome("failure", f"{finding.kind}: {finding.reason}")
     rc = -signal.SIGKILL if returncode is None else returncode

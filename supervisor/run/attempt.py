@@ -34,9 +34,10 @@ from supervisor.run.teardown import WatchEnd
 from supervisor.watch.rank_table import AttemptTable
 
 EXIT_FOLLOW_S = 0.1  # after a rank's process ended, how long to wait for the launcher's exit
-# ... when that rank said why before any step: the launcher's exit status tells bad input (2) from
-# a failure. Ranks forked from templates start no MPI, so no MPI_Abort ends the job at once: its
-# launcher exits once every rank has said the usage error and ended (the others wait 5 s first).
+# ... when that rank said why before any step without a `cause` (a worker other than ours): the
+# launcher's exit status tells bad input (2) from a failure. Ranks forked from templates start no
+# MPI, so no MPI_Abort ends the job at once: its launcher exits once every rank has ended. Our
+# worker's `error` says `cause` `usage` with its exit 2, which decides without this wait.
 EXIT_FOLLOW_SAID_S = 8.0
 ABORT_GRACE_S = 0.5  # teardown grace when the supervisor itself fails mid-attempt
 OUTPUT_READ_S = 1.0  # after teardown, how long to wait for the ranks' last output lines
@@ -320,8 +321,8 @@ class Attempt:
 
     async def _judged(self, finding: Finding, exit_task: asyncio.Task) -> WatchEnd:
         """A finding ended the watch; for a rank gone, the launcher usually follows at once, and
-        its exit status says more: prefer it."""
-        if finding.kind == "rank_exit":
+        its exit status says more: prefer it, unless a rank already said it refused its input."""
+        if finding.kind == "rank_exit" and (self.table.refused is None or self.table.stepped):
             follow = exit_follow_s(finding, self.table.stepped, self.watch.error_at)
             with contextlib.suppress(TimeoutError):
                 info = await asyncio.wait_for(asyncio.shield(exit_task), follow)
@@ -374,6 +375,7 @@ def end_outcome(end: WatchEnd, t: AttemptTable) -> Outcome:
     return exits.attempt_outcome(
         end.finding, rc, done=done, stopping=stepping, stepped=t.stepped, diverged=t.diverged,
         said_hello=any(st.pid for st in t.ranks.values()),  # a hello gives a rank its pid
+        refused=t.refused,
     )  # fmt: skip
 
 

@@ -170,6 +170,29 @@ def test_the_guards_give_up_is_the_outcome_whatever_was_seen_first(stepped, rc):
     assert done.kind == "success"
 
 
+@pytest.mark.parametrize("rc", [2, 1, -9, None])
+def test_a_ranks_refusal_before_any_step_is_bad_input_whatever_was_seen_first(rc):
+    """A rank that refuses its input (another model's checkpoint) says so (`cause` usage) and
+    exits 2; its peers say it only after a grace, so the launcher's status can come after the
+    rank's end was judged, or never before the teardown. The rank's word decides: bad input,
+    the job ends with exit 2 and the rank's line, not a relaunch that would refuse again."""
+    why = "checkpoint ck/step-2 is of another model"
+    finding = Finding("rank_exit", (0,), "rank 0 ended in phase 'load'", "load", 0, 1.0)
+    for seen in (finding, None):
+        out = attempt_outcome(seen, rc, done=False, stopping=False, stepped=False, refused=why)
+        assert out == Outcome("bad_input", f"the worker rejected its input: {why}")
+        d = decide(out, [rec(0, 0, 0)], 0, CFG)
+        assert (d.action, d.exit_code) == ("stop", ExitCode.USAGE)
+    # After a step, under a stop, or once done, the word does not decide (as for exit 2).
+    for stepped, stopping, done in (
+        (True, False, False),
+        (False, True, False),
+        (False, False, True),
+    ):
+        out = attempt_outcome(None, 0, done=done, stopping=stopping, stepped=stepped, refused=why)
+        assert out.kind != "bad_input"
+
+
 def test_describe_returncode():
     assert describe_returncode(-9) == "killed by SIGKILL"
     assert describe_returncode(137) == "exit 137 (SIGKILL)"

@@ -80,6 +80,8 @@ def test_an_error_may_say_its_cause():
     assert "cause" not in messages.decode(KEY, frames("error", message="boom"), job="j")
     msg = messages.decode(KEY, frames("error", message="gave up", cause="diverged"), job="j")
     assert msg["cause"] == "diverged"
+    msg = messages.decode(KEY, frames("error", message="other model", cause="usage"), job="j")
+    assert msg["cause"] == "usage"  # a refused input (exit 2)
     for bad in ("tired", "", 1, None, True, ["diverged"], {"diverged": 1}):
         with pytest.raises(messages.BadMessage) as err:
             messages.decode(KEY, frames("error", message="x", cause=bad), job="j")
