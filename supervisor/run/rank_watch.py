@@ -22,7 +22,11 @@ from supervisor.settings.config import HeartbeatConfig
 from supervisor.watch.rank_table import AttemptTable
 
 PROGRESS_EVERY_S = 5.0  # a `progress` event at most this often
-REFRESH_TREE_S = 2.0  # how often the attempt's process tree is re-read (for teardown)
+# How often the attempt's process tree is re-read (for teardown). Seldom: the teardown reads it
+# again, and what a dying parent orphans comes back to the supervisor (a subreaper); each read
+# walks the host's process table once per root, which beside the ranks was most of the
+# supervisor's CPU at a read every 2 s.
+REFRESH_TREE_S = 10.0
 
 
 class RankWatch:
