@@ -30,9 +30,9 @@ from pathlib import Path
 import psutil
 
 from supervisor.launch.plan import LaunchPlan
+from supervisor.launch.subreaper import become_subreaper
 
 PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 
 
 class ProcessLauncher:
@@ -51,15 +51,6 @@ class ProcessLauncher:
         on_rank_exit: Callable[[int, int], None],
     ) -> Launched:
         return await Launched.start(plan, output, cwd, on_rank_exit)
-
-
-def become_subreaper() -> bool:
-    """Orphaned descendants (ranks whose launcher died) become our children, so we find them."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def child_setup() -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from contracts.exit_codes import WORKER_DIVERGED, WORKER_USAGE
+from supervisor.policy.error_lines import MAX_ERROR_CHARS
 from supervisor.policy.liveness import Finding
 
 FAILED = ("failure", "bad_input", "diverged")  # the outcomes that are failures
@@ -93,7 +94,8 @@ def attempt_outcome(
     if diverged is not None and not done:
         return Outcome("diverged", diverged)
     if refused is not None and not done and not stopping and not stepped:
-        return Outcome("bad_input", f"the worker rejected its input: {refused}")
+        line = (refused.strip().splitlines() or [""])[-1][:MAX_ERROR_CHARS]
+        return Outcome("bad_input", f"the worker rejected its input: {line}")
     if finding is not None:
         return Outcome("failure", f"{finding.kind}: {finding.reason}")
     rc = -signal.SIGKILL if returncode is None else returncode

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from supervisor.launch import hosts
+from supervisor.launch import hosts, subreaper
 from supervisor.policy import exits, liveness, standby_rules
 from supervisor.policy.liveness import Finding
 from supervisor.run import attempt_events
@@ -22,11 +22,6 @@ from supervisor.settings.config import HeartbeatConfig
 from supervisor.watch.rank_table import AttemptTable
 
 PROGRESS_EVERY_S = 5.0  # a `progress` event at most this often
-# How often the attempt's process tree is re-read (for teardown). Seldom: the teardown reads it
-# again, and what a dying parent orphans comes back to the supervisor (a subreaper); each read
-# walks the host's process table once per root, which beside the ranks was most of the
-# supervisor's CPU at a read every 2 s.
-REFRESH_TREE_S = 10.0
 
 
 class RankWatch:
@@ -68,7 +63,7 @@ class RankWatch:
         the stacks are in). `on_quiet_check(now)` after each check that found nothing."""
         heartbeat, table = self.heartbeat, self.table
         period = liveness.judge_period(table.world, heartbeat.check_s)
-        last_refresh = 0.0
+        last_refresh, refresh_every = 0.0, subreaper.tree_refresh_s()
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
@@ -81,7 +76,7 @@ class RankWatch:
                     self.emit(finding.kind, **attempt_events.finding_fields(finding, now))
                 return finding, now
             on_quiet_check(now)
-            if now - last_refresh > REFRESH_TREE_S:
+            if now - last_refresh > refresh_every:
                 last_refresh = now
                 running.refresh(self.exits.pids())
             self._maybe_progress(now)
@@ -92,7 +87,7 @@ class RankWatch:
         heartbeat, table = self.heartbeat, self.table
         exit_task = asyncio.create_task(running.wait())
         period = liveness.judge_period(table.world, heartbeat.check_s)
-        last_refresh = 0.0
+        last_refresh, refresh_every = 0.0, subreaper.tree_refresh_s()
         try:
             while True:
                 await asyncio.wait({exit_task}, timeout=period)
@@ -112,7 +107,7 @@ class RankWatch:
                         prepared=self.prepared,
                         cpu_s=max(self.cpu_s.values(), default=None),
                     )
-                if now - last_refresh > REFRESH_TREE_S:
+                if now - last_refresh > refresh_every:
                     last_refresh = now
                     running.refresh(self.exits.pids())
         finally:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from contracts import messages
@@ -76,13 +75,27 @@ class HeartbeatServer:
 
     async def serve(self, handle: Callable[[dict[str, Any], float], None]) -> None:
         """Call `handle(message, monotonic_now)` for every good message, forever."""
-        readable = zmq.asyncio.Socket.from_socket(self._sock)  # its wait only; reads stay here
         while True:
             n = self.drain(handle)
             if n == 0:
-                await readable.poll(flags=zmq.POLLIN)
+                await self._readable()
             else:
                 await asyncio.sleep(DRAIN_BUSY_EVERY_S if n >= BUSY_BATCH else DRAIN_EVERY_S)
+
+    async def _readable(self) -> None:
+        """Until a message waits. The socket's descriptor is watched only during this wait: a
+        watch left on the loop would wake it at every message of a busy socket, batching timer
+        or not. ZeroMQ's descriptor signals edges, so its events are read first (which also
+        re-arms it): a message that came since the drain is seen without a wake-up."""
+        loop = asyncio.get_running_loop()
+        fd = self._sock.getsockopt(zmq.FD)
+        while not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            woken = loop.create_future()
+            loop.add_reader(fd, _wake, woken)
+            try:
+                await woken
+            finally:
+                loop.remove_reader(fd)
 
     def drain(self, handle: Callable[[dict[str, Any], float], None]) -> int:
         """Handle up to BATCH waiting messages without blocking; return how many."""
@@ -110,6 +123,11 @@ class HeartbeatServer:
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
+
+
+def _wake(woken: asyncio.Future) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 def node_addresses(nodes: Sequence[str]) -> list[str]:

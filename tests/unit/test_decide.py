@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contracts.exit_codes import ExitCode
-from supervisor.policy.error_lines import error_of, is_warning
+from supervisor.policy.error_lines import MAX_ERROR_CHARS, error_of, is_warning
 from supervisor.policy.exits import (
     Outcome,
     attempt_outcome,
@@ -183,6 +183,10 @@ def test_a_ranks_refusal_before_any_step_is_bad_input_whatever_was_seen_first(rc
         assert out == Outcome("bad_input", f"the worker rejected its input: {why}")
         d = decide(out, [rec(0, 0, 0)], 0, CFG)
         assert (d.action, d.exit_code) == ("stop", ExitCode.USAGE)
+    # The give-up reason is the message's last line, cut as an attempt's error line is.
+    long = attempt_outcome(None, 2, done=False, stopping=False, stepped=False,
+                           refused="Traceback\n" + "x" * 5000)  # fmt: skip
+    assert long.detail == "the worker rejected its input: " + "x" * MAX_ERROR_CHARS
     # After a step, under a stop, or once done, the word does not decide (as for exit 2).
     for stepped, stopping, done in (
         (True, False, False),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -211,3 +212,42 @@ def test_node_addresses_has_loopback_and_the_nodes():
     from supervisor.watch.heartbeat import node_addresses
 
     assert {"127.0.0.1", "::1"} <= set(node_addresses(["localhost", "no-such-host.invalid"]))
+
+
+def test_a_quiet_intake_wakes_for_each_message_and_leaves_no_watch_behind():
+    """A drain that found nothing waits on the socket (no timer): every message sent while it
+    waits is handled at once, and the wait leaves nothing on the event loop, so a later server
+    in the same loop (given the same descriptor number) still hears its ranks."""
+
+    async def one_server() -> list[float]:
+        server = HeartbeatServer(KEY.encode(), JOB)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(server.address)
+        ident = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
+        handled: list[float] = []
+        task = asyncio.create_task(server.serve(lambda m, now: handled.append(time.monotonic())))
+        delays = []
+        for step in range(5):
+            await asyncio.sleep(0.05)  # the intake is parked on its socket by now
+            sent = time.monotonic()
+            beat = ident.message("beat", time.time(), phase="train", step=step)
+            push.send(messages.encode(KEY.encode(), beat))
+            deadline = sent + 5.0
+            while len(handled) <= step and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+            delays.append(handled[step] - sent if len(handled) > step else float("inf"))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        push.close()
+        ctx.term()
+        server.close()
+        return delays
+
+    async def main():
+        return await one_server(), await one_server()
+
+    first, second = asyncio.run(main())
+    assert max(first) < 1.0 and max(second) < 1.0, (first, second)  # none left waiting

@@ -77,7 +77,7 @@ class FakeRunning:
         try:
             for kind, fields in self.script.says:
                 sock.send(messages.encode(key, ident.message(kind, time.time(), **fields)))
-            await asyncio.sleep(0.2)  # the supervisor drains its socket every 10 ms
+            await asyncio.sleep(0.2)  # the supervisor reads them within 10 ms of their coming
             if self.script.rc is not None:
                 self._end(self.script.rc)
         finally:
