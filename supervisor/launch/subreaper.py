@@ -19,21 +19,19 @@ REFRESH_TREE_NO_REAPER_S = 2.0
 
 def become_subreaper() -> bool:
     """Orphaned descendants (ranks whose launcher died) become our children, so we find them."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def is_subreaper() -> bool:
     """Whether this process is a child subreaper (become_subreaper took)."""
+    flag = ctypes.c_int(0)
+    return _prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag)) and bool(flag.value)
+
+
+def _prctl(option: int, arg) -> bool:
+    """Linux's prctl(option, arg); False where it fails or there is none."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        flag = ctypes.c_int(0)
-        return libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and bool(
-            flag.value
-        )
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

@@ -322,7 +322,7 @@ class Attempt:
     async def _judged(self, finding: Finding, exit_task: asyncio.Task) -> WatchEnd:
         """A finding ended the watch; for a rank gone, the launcher usually follows at once, and
         its exit status says more: prefer it, unless a rank already said it refused its input."""
-        if finding.kind == "rank_exit" and (self.table.refused is None or self.table.stepped):
+        if finding.kind == "rank_exit" and ("usage" not in self.table.causes or self.table.stepped):
             follow = exit_follow_s(finding, self.table.stepped, self.watch.error_at)
             with contextlib.suppress(TimeoutError):
                 info = await asyncio.wait_for(asyncio.shield(exit_task), follow)
@@ -373,9 +373,9 @@ def end_outcome(end: WatchEnd, t: AttemptTable) -> Outcome:
     rc = end.exit.returncode if end.exit else None
     done, stepping = bool(t.done_ranks), end.stopping
     return exits.attempt_outcome(
-        end.finding, rc, done=done, stopping=stepping, stepped=t.stepped, diverged=t.diverged,
+        end.finding, rc, done=done, stopping=stepping, stepped=t.stepped,
+        diverged=t.causes.get("diverged"), refused=t.causes.get("usage"),
         said_hello=any(st.pid for st in t.ranks.values()),  # a hello gives a rank its pid
-        refused=t.refused,
     )  # fmt: skip
 
 

@@ -43,8 +43,9 @@ class AttemptTable:
     ckpt_complete: int | None = None
     mem_steps: dict[int, int] = field(default_factory=dict)  # rank -> newest memory copy said
     errors: dict[int, str] = field(default_factory=dict)
-    diverged: str | None = None  # the guard's line, once a rank said it gave up (`cause`)
-    refused: str | None = None  # a rank's line, once it said it refused its input (`cause`)
+    # Each `cause` a rank's error said (diverged: its guard gave up; usage: it refused its
+    # input), with the first line that said it.
+    causes: dict[str, str] = field(default_factory=dict)
     stale: int = 0
     # Per-node relays by node name; the ranks they speak for; every other rank (judged one by
     # one); ranks with a pid by host (a check looks at this host's only).
@@ -259,10 +260,8 @@ class AttemptTable:
         elif kind == "error":
             self.errors[rank] = msg["message"]
             st.said_error_at = now
-            if msg.get("cause") == "diverged" and self.diverged is None:
-                self.diverged = msg["message"]
-            if msg.get("cause") == "usage" and self.refused is None:
-                self.refused = msg["message"]
+            if "cause" in msg:
+                self.causes.setdefault(msg["cause"], msg["message"])
             # A survivor's word that a peer is gone is the other rank's failure, not its own.
             said = "rank_peer_lost" if error_lines.peer_lost(msg["message"]) else "rank_error"
             events.append(EventToEmit(said, {"rank": rank, "message": msg["message"]}))

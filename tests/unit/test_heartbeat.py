@@ -32,6 +32,23 @@ async def collect(server, until, timeout=10.0):
     return got
 
 
+@contextlib.contextmanager
+def pushing_to(server):
+    """A rank's PUSH socket connected to `server` (no linger), closed with its context after."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(server.address)
+    try:
+        yield push
+    finally:
+        push.close()
+        ctx.term()
+
+
+RANK0 = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
+
+
 def test_no_address_means_a_silent_beacon(monkeypatch):
     monkeypatch.delenv(env_names.ENV_HEARTBEAT_ADDR, raising=False)
     b = Beacon.from_env(0, 1)
@@ -83,37 +100,27 @@ def test_beacon_to_server_in_order_with_beats(monkeypatch):
 def test_bad_messages_dropped_counted_and_server_keeps_working(monkeypatch):
     async def main():
         server = HeartbeatServer(KEY.encode(), JOB)
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(server.address)
-        ident = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
-        good = ident.message("beat", time.time(), phase="train", step=1)
-        body = json.dumps(good).encode()
-        push.send(body)  # unsigned
-        push.send(messages.sign(b"wrong key", body) + body)  # wrongly signed
-        bad_json = b'{"v": 1, "kind":'
-        push.send(messages.sign(KEY.encode(), bad_json) + bad_json)  # malformed
         # Oversized: ZeroMQ itself refuses it (MAXMSGSIZE) and cuts that peer off, before
         # a byte of it is queued for us; sent from a socket of its own.
-        big_sender = ctx.socket(zmq.PUSH)
-        big_sender.setsockopt(zmq.LINGER, 0)
-        big_sender.connect(server.address)
-        big = json.dumps({**good, "pad": "x" * (messages.MAX_MESSAGE_BYTES + 10)}).encode()
-        big_sender.send(messages.sign(KEY.encode(), big) + big)
-        push.send(b"short")  # not even a signature's length
-        other = messages.RankIdentity("other-job", 0, 0, 1, "h", 1).message(
-            "beat", time.time(), phase="train", step=1
-        )
-        push.send(messages.encode(KEY.encode(), other))  # replayed from another job
-        push.send(messages.encode(b"other job key", other))  # another job's own key
-        push.send(messages.encode(KEY.encode(), good))  # and one good one
-        got = await collect(server, lambda g: len(g) >= 1 and sum(server.dropped.values()) >= 6)
-        await asyncio.sleep(0.2)  # had the oversized frame got through, it would be counted
-        server.drain(lambda m, now: got.append(m))
-        big_sender.close()
-        push.close()
-        ctx.term()
+        with pushing_to(server) as push, pushing_to(server) as big_sender:
+            good = RANK0.message("beat", time.time(), phase="train", step=1)
+            body = json.dumps(good).encode()
+            push.send(body)  # unsigned
+            push.send(messages.sign(b"wrong key", body) + body)  # wrongly signed
+            bad_json = b'{"v": 1, "kind":'
+            push.send(messages.sign(KEY.encode(), bad_json) + bad_json)  # malformed
+            big = json.dumps({**good, "pad": "x" * (messages.MAX_MESSAGE_BYTES + 10)}).encode()
+            big_sender.send(messages.sign(KEY.encode(), big) + big)
+            push.send(b"short")  # not even a signature's length
+            other = messages.RankIdentity("other-job", 0, 0, 1, "h", 1).message(
+                "beat", time.time(), phase="train", step=1
+            )
+            push.send(messages.encode(KEY.encode(), other))  # replayed from another job
+            push.send(messages.encode(b"other job key", other))  # another job's own key
+            push.send(messages.encode(KEY.encode(), good))  # and one good one
+            got = await collect(server, lambda g: len(g) >= 1 and sum(server.dropped.values()) >= 6)
+            await asyncio.sleep(0.2)  # had the oversized frame got through, it would be counted
+            server.drain(lambda m, now: got.append(m))
         server.close()
         return got, dict(server.dropped)
 
@@ -190,17 +197,11 @@ def test_a_memory_copy_counts_once_every_rank_holds_it():
 def test_an_allow_list_keeps_other_hosts_from_connecting():
     async def main(allow):
         server = HeartbeatServer(KEY.encode(), JOB, allow=allow)
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(server.address)
-        ident = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
-        for _ in range(3):
-            beat = ident.message("beat", time.time(), phase="train", step=1)
-            push.send(messages.encode(KEY.encode(), beat), zmq.NOBLOCK)
-        got = await collect(server, lambda g: len(g) >= 3, timeout=1.5)
-        push.close()
-        ctx.term()
+        with pushing_to(server) as push:
+            for _ in range(3):
+                beat = RANK0.message("beat", time.time(), phase="train", step=1)
+                push.send(messages.encode(KEY.encode(), beat), zmq.NOBLOCK)
+            got = await collect(server, lambda g: len(g) >= 3, timeout=1.5)
         server.close()
         return got
 
@@ -221,28 +222,22 @@ def test_a_quiet_intake_wakes_for_each_message_and_leaves_no_watch_behind():
 
     async def one_server() -> list[float]:
         server = HeartbeatServer(KEY.encode(), JOB)
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(server.address)
-        ident = messages.RankIdentity(JOB, 0, 0, 1, "h", 1)
         handled: list[float] = []
         task = asyncio.create_task(server.serve(lambda m, now: handled.append(time.monotonic())))
         delays = []
-        for step in range(5):
-            await asyncio.sleep(0.05)  # the intake is parked on its socket by now
-            sent = time.monotonic()
-            beat = ident.message("beat", time.time(), phase="train", step=step)
-            push.send(messages.encode(KEY.encode(), beat))
-            deadline = sent + 5.0
-            while len(handled) <= step and time.monotonic() < deadline:
-                await asyncio.sleep(0.001)
-            delays.append(handled[step] - sent if len(handled) > step else float("inf"))
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        push.close()
-        ctx.term()
+        with pushing_to(server) as push:
+            for step in range(5):
+                await asyncio.sleep(0.05)  # the intake is parked on its socket by now
+                sent = time.monotonic()
+                beat = RANK0.message("beat", time.time(), phase="train", step=step)
+                push.send(messages.encode(KEY.encode(), beat))
+                deadline = sent + 5.0
+                while len(handled) <= step and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+                delays.append(handled[step] - sent if len(handled) > step else float("inf"))
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         server.close()
         return delays
 
