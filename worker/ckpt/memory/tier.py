@@ -288,7 +288,8 @@ class MemoryTier:
             )
             return None
         stager = self.stagers[(self.target - 1) % SLOTS]
-        # Not what the threads ran while the loop waited for them: that is in the stall.
+        # Not what the threads ran while the loop waited for them: that is in the stall (0 where
+        # the CPU is not charged: both reads are 0).
         background = max(0.0, before - self._cpu_seen)
         self._cpu_seen = self.cpu.seconds() if self.cpu_charged else 0.0
         return CopyReport(
@@ -298,7 +299,7 @@ class MemoryTier:
             stager.nbytes,
             self.sealed,
             self.check_seconds,
-            background if self.cpu_charged else 0.0,
+            background,
         )
 
     def _finish_copy(self) -> None:
