@@ -29,7 +29,10 @@ the seconds from it to the next failure (or the window's end) less the clean tim
 gained meanwhile (the costs add up to the whole deficit). Bit-exactness: every record's loss
 against the clean run's at the same step (same system); after a `nan` against the worker run
 alone with the skipped data positions (soak_reference). Then the ratio project / torchrun.
-`--runs N` repeats everything and gives medians. The last line is JSON.
+`--runs N` repeats everything and gives medians. In each run the two clean windows come one
+right after the other, then the two traced ones in the reverse order, and the next run starts
+with the other system; the ratio is the median of the runs' paired ratios (the ratio of the
+medians beside it). The last line is JSON.
 
 Usage: python bench/soak.py [--kills | --mixed] [--rate S] [--duration 150] [--seed 0]
            [--runs 1] [--systems project,torchrun] [--set KEY=VALUE ...]
@@ -61,7 +64,9 @@ from soak_figures import (  # noqa: E402
     numerics,
     pace,
     progress,
+    run_ratios,
     skip_positions,
+    window_order,
 )
 from soak_run import Outcome  # noqa: E402
 from soak_trace import KILLS, MIXED, TORCHRUN_GIVEN, Shape, make_trace  # noqa: E402
@@ -87,14 +92,19 @@ def main() -> None:
         if "torchrun" in args.systems and kind not in ("kill", "kill_rank", "hang"):
             print(f"  torchrun, {kind}: {TORCHRUN_GIVEN[kind]}")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="es-soak-"))
-    results: dict[str, list[dict]] = {s: [] for s in args.systems}
+    results: dict[str, list] = {s: [None] * args.runs for s in args.systems}
+    cleans: dict[tuple[int, str], Outcome] = {}
     try:
-        for i in range(args.runs):
-            order = args.systems if i % 2 == 0 else list(reversed(args.systems))
-            for system in order:
-                figures = one_run(args, system, trace, shape, root / f"{i}-{system}")
-                results[system].append(figures)
-                show_run(system, i, figures)
+        for i, system, traced in window_order(args.systems, args.runs, not args.no_clean):
+            tmp = root / f"{i}-{system}"
+            if not traced:
+                cleans[i, system] = window(args, system, [], shape, tmp / "clean", None)
+                continue
+            clean = cleans.pop((i, system), None)
+            startup = args.startup_s or (clean.startup_s if clean else None) or STARTUP_GUESS_S
+            outcome = window(args, system, trace, shape, tmp / "trace", startup)
+            results[system][i] = figures(args, outcome, clean, tmp)
+            show_run(system, i, results[system][i])
     finally:
         if args.keep:
             print(f"kept {root}", file=sys.stderr)
@@ -103,10 +113,13 @@ def main() -> None:
     summary = {s: summarize(rs) for s, rs in results.items()}
     for s, sm in summary.items():
         show_summary(s, sm)
-    ratio = ratios(summary)
+    ratio = ratios(results, summary)
     if ratio:
-        print(f"\nproject / torchrun: progress under the trace {fmt(ratio.get('trace'))}x, "
-              f"clean {fmt(ratio.get('clean'))}x")  # fmt: skip
+        medians = ratio["of_medians"]
+        print(f"\nproject / torchrun (the median of the runs' paired ratios): progress under "
+              f"the trace {fmt(ratio.get('trace'))}x, clean {fmt(ratio.get('clean'))}x; the "
+              f"ratio of the medians {fmt(medians.get('trace'))}x, "
+              f"{fmt(medians.get('clean'))}x")  # fmt: skip
     print(json.dumps({
         "trace": {"kind": which, "rate_s": rate, "duration_s": args.duration, "seed": args.seed,
                   "nodes": shape.nodes, "ranks_per_node": shape.ranks_per_node,
@@ -172,16 +185,6 @@ def torchrun_flags(args) -> dict:
         except tomllib.TOMLDecodeError:
             flags[key] = value
     return flags
-
-
-def one_run(args, system: str, trace, shape: Shape, tmp: Path) -> dict:
-    """A clean window (unless --no-clean), then one under the trace; their figures."""
-    clean = None
-    if not args.no_clean:
-        clean = window(args, system, [], shape, tmp / "clean", None)
-    startup = args.startup_s or (clean.startup_s if clean else None) or STARTUP_GUESS_S
-    traced = window(args, system, trace, shape, tmp / "trace", startup)
-    return figures(args, traced, clean, tmp)
 
 
 def window(args, system: str, trace, shape: Shape, tmp: Path, startup: float | None) -> Outcome:
@@ -268,14 +271,21 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def ratios(summary: dict) -> dict:
+def ratios(results: dict[str, list[dict]], summary: dict) -> dict:
+    """Project / torchrun, clean and under the trace: the median of the runs' paired ratios
+    (each run's windows of the two systems ran side by side), and beside it the ratio of the
+    two systems' medians."""
     if not {"project", "torchrun"} <= set(summary):
         return {}
-    p, t = summary["project"], summary["torchrun"]
-    out = {}
+    p, t = results["project"], results["torchrun"]
+    out: dict = {"of_medians": {}}
     for k, name in (("trace_steps", "trace"), ("clean_steps", "clean")):
-        if p[k] and t[k]:
-            out[name] = round(p[k] / t[k], 3)
+        runs = run_ratios([r[k] for r in p], [r[k] for r in t])
+        if (paired := median(runs)) is not None:
+            out[name] = round(paired, 3)
+            out[f"{name}_runs"] = [None if r is None else round(r, 3) for r in runs]
+        if summary["project"][k] and summary["torchrun"][k]:
+            out["of_medians"][name] = round(summary["project"][k] / summary["torchrun"][k], 3)
     return out
 
 

@@ -166,3 +166,27 @@ def exactness(
 def median(values: Iterable[float | int | None]) -> float | None:
     got = [v for v in values if v is not None]
     return statistics.median(got) if got else None
+
+
+def window_order(systems: Sequence[str], runs: int, clean: bool) -> list[tuple[int, str, bool]]:
+    """The windows, in the order they run: (run, system, traced). In each run the systems'
+    clean windows come one right after the other, then their traced windows in the reverse
+    order (A B B A), and the next run starts with the other system: the host's speed drifts
+    over minutes, so each pair compared (clean with clean, traced with traced) is as close in
+    time as it can be, and neither system always goes first."""
+    out: list[tuple[int, str, bool]] = []
+    for i in range(runs):
+        order = list(systems) if i % 2 == 0 else list(reversed(systems))
+        if clean:
+            out += [(i, s, False) for s in order]
+            order.reverse()
+        out += [(i, s, True) for s in order]
+    return out
+
+
+def run_ratios(mine: Sequence[int | None], theirs: Sequence[int | None]) -> list[float | None]:
+    """Each run's ratio: run i's figure over the other system's figure of run i (None where
+    either has none). The pairs ran side by side (`window_order`), so a slow spell of the host
+    weighs on both sides of a ratio rather than on one system's median; the summary takes the
+    median of these."""
+    return [a / b if a and b else None for a, b in zip(mine, theirs, strict=True)]

@@ -140,3 +140,29 @@ def test_after_failures_reads_each_restart_from_the_records_alone():
     assert got[0] == {"downtime_s": 11.5, "resumed": 0, "lost": 8}
     assert got[1] == {"downtime_s": 8.5, "resumed": 6, "lost": 0}  # newest before: step 2
     assert got[2] == {}  # no start after it
+
+
+def test_windows_run_in_pairs_clean_side_by_side_then_traced_in_reverse():
+    got = fig.window_order(["project", "torchrun"], 2, clean=True)
+    assert got == [
+        (0, "project", False), (0, "torchrun", False), (0, "torchrun", True),
+        (0, "project", True),
+        (1, "torchrun", False), (1, "project", False), (1, "project", True),
+        (1, "torchrun", True),
+    ]  # fmt: skip
+    # Each system's clean window comes before its traced one (whose start-up it gives).
+    for i, system, traced in got:
+        if traced:
+            assert got.index((i, system, False)) < got.index((i, system, True))
+    assert fig.window_order(["torchrun"], 2, clean=False) == [(0, "torchrun", True),
+                                                              (1, "torchrun", True)]  # fmt: skip
+
+
+def test_the_ratio_is_the_median_of_each_run_s_pair():
+    runs = fig.run_ratios([90, 200, 100], [100, 100, 100])
+    assert runs == [0.9, 2.0, 1.0]
+    assert fig.median(runs) == 1.0
+    # A slow spell in the third pair weighs on both of its sides; the ratio of the medians
+    # (100 / 100) would not see that the project made fewer steps in two pairs of three.
+    assert fig.median(fig.run_ratios([90, 100, 110], [100, 110, 90])) == 100 / 110
+    assert fig.run_ratios([None, 5, 0], [3, None, 4]) == [None, None, None]
