@@ -171,6 +171,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--keep", metavar="DIR", help="keep every run's directory here")  # fmt: skip
     args = p.parse_args()
     args.systems = [s for s in args.systems.split(",") if s]
+    if args.runs < 1:
+        p.error("--runs: at least 1")
+    if args.duration <= 0 or (args.rate is not None and args.rate <= 0):
+        p.error("--duration and --rate: seconds, more than 0")
     if not set(args.systems) <= {"project", "torchrun"} or not args.systems:
         p.error("--systems: project and/or torchrun")
     return args
