@@ -29,10 +29,10 @@ the seconds from it to the next failure (or the window's end) less the clean tim
 gained meanwhile (the costs add up to the whole deficit). Bit-exactness: every record's loss
 against the clean run's at the same step (same system); after a `nan` against the worker run
 alone with the skipped data positions (soak_reference). Then the ratio project / torchrun.
-`--runs N` repeats everything and gives medians. In each run the two clean windows come one
-right after the other, then the two traced ones in the reverse order, and the next run starts
-with the other system; the ratio is the median of the runs' paired ratios (the ratio of the
-medians beside it). The last line is JSON.
+`--runs N` repeats everything and gives medians. Each run is A's traced window, A's clean,
+B's clean and B's traced (soak_figures.window_order), the next run with A and B swapped; the
+ratio is the median of the runs' paired ratios (the ratio of the medians beside it). The last
+line is JSON.
 
 Usage: python bench/soak.py [--kills | --mixed] [--rate S] [--duration 150] [--seed 0]
            [--runs 1] [--systems project,torchrun] [--set KEY=VALUE ...]
@@ -93,18 +93,22 @@ def main() -> None:
             print(f"  torchrun, {kind}: {TORCHRUN_GIVEN[kind]}")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="es-soak-"))
     results: dict[str, list] = {s: [None] * args.runs for s in args.systems}
-    cleans: dict[tuple[int, str], Outcome] = {}
+    done: dict[tuple[int, str, bool], Outcome] = {}
+    start_ups: dict[str, float] = {}  # each system's newest clean start-up
     try:
         for i, system, traced in window_order(args.systems, args.runs, not args.no_clean):
             tmp = root / f"{i}-{system}"
-            if not traced:
-                cleans[i, system] = window(args, system, [], shape, tmp / "clean", None)
-                continue
-            clean = cleans.pop((i, system), None)
-            startup = args.startup_s or (clean.startup_s if clean else None) or STARTUP_GUESS_S
-            outcome = window(args, system, trace, shape, tmp / "trace", startup)
-            results[system][i] = figures(args, outcome, clean, tmp)
-            show_run(system, i, results[system][i])
+            if traced:
+                startup = args.startup_s or start_ups.get(system) or STARTUP_GUESS_S
+                done[i, system, True] = window(args, system, trace, shape, tmp / "trace", startup)
+            else:
+                done[i, system, False] = window(args, system, [], shape, tmp / "clean", None)
+                if done[i, system, False].startup_s:
+                    start_ups[system] = done[i, system, False].startup_s
+            if (i, system, True) in done and (args.no_clean or (i, system, False) in done):
+                clean = done.pop((i, system, False), None)
+                results[system][i] = figures(args, done.pop((i, system, True)), clean, tmp)
+                show_run(system, i, results[system][i])
     finally:
         if args.keep:
             print(f"kept {root}", file=sys.stderr)

@@ -169,18 +169,22 @@ def median(values: Iterable[float | int | None]) -> float | None:
 
 
 def window_order(systems: Sequence[str], runs: int, clean: bool) -> list[tuple[int, str, bool]]:
-    """The windows, in the order they run: (run, system, traced). In each run the systems'
-    clean windows come one right after the other, then their traced windows in the reverse
-    order (A B B A), and the next run starts with the other system: the host's speed drifts
-    over minutes, so each pair compared (clean with clean, traced with traced) is as close in
-    time as it can be, and neither system always goes first."""
+    """The windows, in the order they run: (run, system, traced). The host's speed drifts over
+    minutes, so the windows compared against the goals that leave little margin come side by
+    side: each run is A's traced window, A's clean, B's clean, B's traced (a system's goodput
+    is its traced window over its clean one; the clean ratio is clean over clean). The two
+    traced windows, compared for the ratio under the trace, are the furthest apart. The next
+    run swaps A and B, so that neither system always goes first; the first run begins with the
+    last of `systems` (the default, project,torchrun, with torchrun's traced window: the
+    project's faults are timed from a start-up its clean window measured, here the run
+    before's)."""
     out: list[tuple[int, str, bool]] = []
     for i in range(runs):
-        order = list(systems) if i % 2 == 0 else list(reversed(systems))
+        first, *rest = list(systems) if i % 2 else list(reversed(systems))
+        out.append((i, first, True))
         if clean:
-            out += [(i, s, False) for s in order]
-            order.reverse()
-        out += [(i, s, True) for s in order]
+            out += [(i, first, False)] + [(i, s, False) for s in rest]
+        out += [(i, s, True) for s in rest]
     return out
 
 

@@ -142,18 +142,24 @@ def test_after_failures_reads_each_restart_from_the_records_alone():
     assert got[2] == {}  # no start after it
 
 
-def test_windows_run_in_pairs_clean_side_by_side_then_traced_in_reverse():
-    got = fig.window_order(["project", "torchrun"], 2, clean=True)
+def test_the_windows_each_goal_compares_closely_run_side_by_side():
+    got = fig.window_order(["project", "torchrun"], 3, clean=True)
     assert got == [
-        (0, "project", False), (0, "torchrun", False), (0, "torchrun", True),
+        (0, "torchrun", True), (0, "torchrun", False), (0, "project", False),
         (0, "project", True),
-        (1, "torchrun", False), (1, "project", False), (1, "project", True),
+        (1, "project", True), (1, "project", False), (1, "torchrun", False),
         (1, "torchrun", True),
+        (2, "torchrun", True), (2, "torchrun", False), (2, "project", False),
+        (2, "project", True),
     ]  # fmt: skip
-    # Each system's clean window comes before its traced one (whose start-up it gives).
-    for i, system, traced in got:
-        if traced:
-            assert got.index((i, system, False)) < got.index((i, system, True))
+    for i in range(3):
+        at = {(s, traced): got.index((i, s, traced)) for _, s, traced in got if _ == i}
+        # Goodput (each system's traced over its clean) and the clean ratio: side by side.
+        for system in ("project", "torchrun"):
+            assert abs(at[system, True] - at[system, False]) == 1
+        assert abs(at["project", False] - at["torchrun", False]) == 1
+    # The project's first traced window comes after a clean one of its own (its start-up).
+    assert got.index((0, "project", False)) < got.index((0, "project", True))
     assert fig.window_order(["torchrun"], 2, clean=False) == [(0, "torchrun", True),
                                                               (1, "torchrun", True)]  # fmt: skip
 
