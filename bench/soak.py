@@ -7,7 +7,8 @@ seconds of wall time counted from rank 0's first step, once clean and once under
   project   `python -m supervisor run` on a generated config: everything else its defaults
             (warm standby, prepared ranks with a spare, ...), plus `--set KEY=VALUE` (TOML
             values, passed as given: `--set worker.mem_ckpt_interval=1`); the trace given by
-            its own fault engine (`at_s`: the clean run's start-up plus the trace time)
+            its own fault engine (`at_s`: its newest clean window's start-up plus the trace
+            time)
   torchrun  `torchrun --standalone --max-restarts` with the same worker flags, plus
             `--pg-timeout` (it notices a stopped rank only when a collective times out) and
             `--torchrun-set KEY=VALUE` (`--torchrun-set mem_ckpt_interval=1`: the memory tier);
@@ -96,7 +97,8 @@ def main() -> None:
     done: dict[tuple[int, str, bool], Outcome] = {}
     start_ups: dict[str, float] = {}  # each system's newest clean start-up
     try:
-        for i, system, traced in window_order(args.systems, args.runs, not args.no_clean):
+        order = window_order(args.systems, args.runs, not args.no_clean, timed="project")
+        for i, system, traced in order:
             tmp = root / f"{i}-{system}"
             if traced:
                 startup = args.startup_s or start_ups.get(system) or STARTUP_GUESS_S
@@ -164,7 +166,7 @@ def parse() -> argparse.Namespace:
         "--startup-s",
         type=float,
         help="the project's launch -> first step, for "
-        "its faults' at_s (default: its clean run's, else 5)",
+        "its faults' at_s (default: its newest clean window's, else 5)",
     )
     p.add_argument("--pg-timeout", type=float, default=45.0, help="torchrun's worker flag")
     p.add_argument(
@@ -174,11 +176,12 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--keep", metavar="DIR", help="keep every run's directory here")  # fmt: skip
     args = p.parse_args()
-    args.systems = [s for s in args.systems.split(",") if s]
+    args.systems = list(dict.fromkeys(s for s in args.systems.split(",") if s))
     if args.runs < 1:
         p.error("--runs: at least 1")
-    if args.duration <= 0 or (args.rate is not None and args.rate <= 0):
-        p.error("--duration and --rate: seconds, more than 0")
+    given = [v for v in (args.duration, args.rate, args.startup_s) if v is not None]
+    if not all(v > 0 for v in given):  # nan too
+        p.error("--duration, --rate and --startup-s: seconds, more than 0")
     if not set(args.systems) <= {"project", "torchrun"} or not args.systems:
         p.error("--systems: project and/or torchrun")
     return args
@@ -327,7 +330,7 @@ def show_run(system: str, i: int, f: dict) -> None:
         print(
             f"  given {min(f['late_s']):+.2f} to {max(f['late_s']):+.2f} s from their trace "
             "times (later: waiting for the job to train again; the project's also moved by "
-            "its start-up, guessed from the clean run's)"
+            "its start-up, guessed from its newest clean window's)"
         )
     e = f["exact"]
     if e:

@@ -168,29 +168,31 @@ def median(values: Iterable[float | int | None]) -> float | None:
     return statistics.median(got) if got else None
 
 
-def window_order(systems: Sequence[str], runs: int, clean: bool) -> list[tuple[int, str, bool]]:
+def window_order(
+    systems: Sequence[str], runs: int, clean: bool, timed: str | None = None
+) -> list[tuple[int, str, bool]]:
     """The windows, in the order they run: (run, system, traced). The host's speed drifts over
     minutes, so the windows compared against the goals that leave little margin come side by
     side: each run is A's traced window, A's clean, B's clean, B's traced (a system's goodput
     is its traced window over its clean one; the clean ratio is clean over clean). The two
     traced windows, compared for the ratio under the trace, are the furthest apart. The next
-    run swaps A and B, so that neither system always goes first; the first run begins with the
-    last of `systems` (the default, project,torchrun, with torchrun's traced window: the
-    project's faults are timed from a start-up its clean window measured, here the run
-    before's)."""
+    run swaps A and B, so that neither system always goes first. `timed` is the system whose
+    faults are timed from a start-up its clean window measured (the project): the first run
+    begins with the other, and where there is none, with its clean window."""
+    base = sorted(systems, key=lambda s: s == timed)  # stable: `timed` last
     out: list[tuple[int, str, bool]] = []
     for i in range(runs):
-        first, *rest = list(systems) if i % 2 else list(reversed(systems))
-        out.append((i, first, True))
-        if clean:
-            out += [(i, first, False)] + [(i, s, False) for s in rest]
-        out += [(i, s, True) for s in rest]
+        first, *rest = base if i % 2 == 0 else base[::-1]
+        lead = [(i, first, True)] + ([(i, first, False)] if clean else [])
+        if i == 0 and first == timed:
+            lead.reverse()
+        out += lead + [(i, s, False) for s in rest if clean] + [(i, s, True) for s in rest]
     return out
 
 
 def run_ratios(mine: Sequence[int | None], theirs: Sequence[int | None]) -> list[float | None]:
     """Each run's ratio: run i's figure over the other system's figure of run i (None where
-    either has none). The pairs ran side by side (`window_order`), so a slow spell of the host
-    weighs on both sides of a ratio rather than on one system's median; the summary takes the
-    median of these."""
-    return [a / b if a and b else None for a, b in zip(mine, theirs, strict=True)]
+    either has none, or the other's is 0). A slow spell of the host then weighs on both sides
+    of a ratio rather than on one system's median (`window_order` puts the clean windows side
+    by side); the summary takes the median of these."""
+    return [a / b if a is not None and b else None for a, b in zip(mine, theirs, strict=True)]

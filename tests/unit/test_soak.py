@@ -143,7 +143,7 @@ def test_after_failures_reads_each_restart_from_the_records_alone():
 
 
 def test_the_windows_each_goal_compares_closely_run_side_by_side():
-    got = fig.window_order(["project", "torchrun"], 3, clean=True)
+    got = fig.window_order(["project", "torchrun"], 3, clean=True, timed="project")
     assert got == [
         (0, "torchrun", True), (0, "torchrun", False), (0, "project", False),
         (0, "project", True),
@@ -158,8 +158,13 @@ def test_the_windows_each_goal_compares_closely_run_side_by_side():
         for system in ("project", "torchrun"):
             assert abs(at[system, True] - at[system, False]) == 1
         assert abs(at["project", False] - at["torchrun", False]) == 1
-    # The project's first traced window comes after a clean one of its own (its start-up).
-    assert got.index((0, "project", False)) < got.index((0, "project", True))
+    # The project's first traced window comes after a clean one of its own (its start-up),
+    # whatever the systems' order, and when it runs alone.
+    assert fig.window_order(["torchrun", "project"], 3, True, timed="project") == got
+    assert fig.window_order(["project"], 2, True, timed="project") == [
+        (0, "project", False), (0, "project", True), (1, "project", True),
+        (1, "project", False),
+    ]  # fmt: skip
     assert fig.window_order(["torchrun"], 2, clean=False) == [(0, "torchrun", True),
                                                               (1, "torchrun", True)]  # fmt: skip
 
@@ -171,4 +176,5 @@ def test_the_ratio_is_the_median_of_each_run_s_pair():
     # A slow spell in the third pair weighs on both of its sides; the ratio of the medians
     # (100 / 100) would not see that the project made fewer steps in two pairs of three.
     assert fig.median(fig.run_ratios([90, 100, 110], [100, 110, 90])) == 100 / 110
-    assert fig.run_ratios([None, 5, 0], [3, None, 4]) == [None, None, None]
+    # No figure on either side, or none to divide by: no ratio; a project that made no step: 0.
+    assert fig.run_ratios([None, 5, 0, 7], [3, None, 4, 0]) == [None, None, 0.0, None]
