@@ -2,8 +2,8 @@
 
 While another attempt trains, the supervisor starts the next one as a standby. It prepares all
 that no checkpoint decides (interpreter and imports, its own process group, the mesh, model,
-optimizer, scheduler, data, metrics, one warm-up forward, backward and update of copies), says
-phase `standby` and blocks until the supervisor's signed `go` or `exit`. On `go` it resumes
+optimizer, scheduler, data, metrics, a warm-up of the gradient clip and of an update of copies),
+says phase `standby` and blocks until the supervisor's signed `go` or `exit`. On `go` it resumes
 exactly as a cold start does from the choice of checkpoint on, so the run computes bit for bit
 the same; its restart (`train/restart_seconds`) counts from `go`. On `exit`, or SIGTERM/SIGUSR1,
 it ends with 0 having trained nothing and touched no checkpoint.
@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from worker import priority
 from worker.build import (
@@ -40,11 +39,7 @@ from worker.dist import select_device
 from worker.parallel import clip_grad_norm
 
 ACCELERATORS = ("cuda", "xpu")
-# The warm-up batch: one sequence of this many tokens (at most the model's). What the first step
-# sets up (FSDP's lazy state and its collectives, autograd, the optimizer's ops) does not depend
-# on the batch; a full batch doubled a new standby's CPU, taken from the ranks training beside it.
-WARMUP_TOKENS = 16
-PREPARED_ON_CPU = "imports, process group, mesh, model, optimizer, warm-up step"
+PREPARED_ON_CPU = "imports, process group, mesh, model, optimizer, warm-up of clip and update"
 
 
 def build_after_go(setup: Setup, stop_requested: Callable[[], bool]) -> Training | None:
@@ -87,26 +82,25 @@ def wait(setup: Setup, stop_requested: Callable[[], bool], prepared: str) -> boo
 
 
 def warm_up(setup: Setup, group: Group, state: State) -> None:
-    """One forward and backward on a short sequence of zeros (not drawn from the data;
-    `WARMUP_TOKENS`), an update of copies (`warm_update`), gradients discarded, every random
-    generator as it was: the first real step runs warm (autograd, FSDP's lazy set-up and its
-    collectives, the optimizer's ops) and computes what it would have computed cold. The loop's
-    per-step all-reduce is warmed too. Caches keyed by activation shapes (DTensor's sharding
-    under tensor parallelism) fill on the first real step."""
+    """The clip and an update of copies (`warm_update`) on zero gradients, then the gradients
+    dropped and every random generator as it was: the first real step's clip and update run
+    warm and compute what they would have computed cold. The loop's per-step all-reduce is warmed
+    too. What DTensor works out the first time it meets an op of a kind (0.2-0.3 s of CPU per rank
+    on the debug preset) is most of what a first step has beyond a steady one; no forward or
+    backward: one on a short throwaway batch (FSDP's lazy set-up, autograd, the all-gathers) took
+    0.3 s of a standby's CPU, from the ranks training beside it, and left the first real step no
+    faster, measured here (`docs/benchmarks.md`)."""
     saved = rng.states(group.device_type)
-    length = min(setup.cfg.seq_len, WARMUP_TOKENS)
-    tokens = torch.zeros((1, length), dtype=torch.int64, device=group.device)
-    logits = state.model(tokens)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-    loss.backward()
+    for param in state.model.parameters():
+        if param.requires_grad:  # shaped, strided and sharded as the reduce-scatter leaves one
+            param.grad = torch.zeros_like(param)
     clip_grad_norm(state.model.parameters(), setup.args.grad_clip)
     warm_update(state.optimizer)
     state.optimizer.zero_grad(set_to_none=True)  # as a cold start has them: none
     dist.all_reduce(torch.zeros(2, dtype=torch.float64))  # as `loop.agree` does each step
-    del logits, loss, tokens
     rng.set_states(saved)
     setup.startup.mark("warmup")
-    gc.freeze()  # what the warm-up left for good (FSDP's lazy state): outside later collections
+    gc.freeze()  # what the warm-up left for good (DTensor's caches): outside later collections
 
 
 def warm_update(optimizer: torch.optim.Optimizer) -> None:
