@@ -23,9 +23,10 @@ ENV_HEARTBEAT_INTERVAL = "ES_HEARTBEAT_INTERVAL"
 # in the beat thread), so that a supervisor killed with SIGKILL leaves no rank behind.
 ENV_EXIT_WITH_PARENT = "ES_EXIT_WITH_PARENT"
 # Optional: "1" starts the ranks as a warm standby ([restart] standby): they prepare everything a
-# resume does not need (imports, process group, model, optimizer, a warm-up of the clip and of an
-# update of copies), say phase `standby`, and wait for a signed `go` (resume and train as
-# attempt ES_ATTEMPT) or `exit` on the control channel, which is then always set.
+# resume does not need (on CPU: imports, process group, model, optimizer, a warm-up of the clip and
+# of an update of copies; on an accelerator only the imports), say phase `standby`, and wait for a
+# signed `go` (resume and train as attempt ES_ATTEMPT) or `exit` on the control channel, which is
+# then always set.
 ENV_STANDBY = "ES_STANDBY"
 # Optional: where the memory checkpoint tier keeps its node-local directories (default /dev/shm).
 ENV_MEM_ROOT = "ES_MEM_ROOT"

@@ -85,18 +85,21 @@ def warm_up(setup: Setup, group: Group, state: State) -> None:
     """The clip and an update of copies (`warm_update`) on zero gradients, then the gradients
     dropped and every random generator as it was: the first real step's clip and update run
     warm and compute what they would have computed cold. The loop's per-step all-reduce is warmed
-    too. What DTensor works out the first time it meets an op of a kind (0.2-0.3 s of CPU per rank
-    on the debug preset) is most of what a first step has beyond a steady one; no forward or
-    backward: one on a short throwaway batch (FSDP's lazy set-up, autograd, the all-gathers) took
-    0.3 s of a standby's CPU, from the ranks training beside it, and left the first real step no
-    faster, measured here (`docs/benchmarks.md`)."""
+    too. Without tensor parallelism, what DTensor works out the first time it meets an op of a
+    kind (0.2-0.3 s of CPU per rank on the debug preset) is most of what a first step has beyond
+    a steady one. No forward or backward: one on a short throwaway batch (FSDP's lazy set-up,
+    autograd, the all-gathers) took 0.3 s of a standby's CPU, from the ranks training beside it,
+    and left the first real step no faster (`docs/benchmarks.md`, soak.py). Under tensor
+    parallelism the activations are DTensors too, and what DTensor works out for their shapes
+    fills on the first real step, with or without such a batch."""
     saved = rng.states(group.device_type)
-    for param in state.model.parameters():
-        if param.requires_grad:  # shaped, strided and sharded as the reduce-scatter leaves one
-            param.grad = torch.zeros_like(param)
-    clip_grad_norm(state.model.parameters(), setup.args.grad_clip)
+    trained = [param for param in state.model.parameters() if param.requires_grad]
+    for param in trained:  # shaped, strided and sharded as the reduce-scatter leaves a gradient
+        param.grad = torch.zeros_like(param)
+    clip_grad_norm(trained, setup.args.grad_clip)
     warm_update(state.optimizer)
-    state.optimizer.zero_grad(set_to_none=True)  # as a cold start has them: none
+    for param in trained:  # as a cold start has them: none (whether the optimizer holds it or not)
+        param.grad = None
     dist.all_reduce(torch.zeros(2, dtype=torch.float64))  # as `loop.agree` does each step
     rng.set_states(saved)
     setup.startup.mark("warmup")
