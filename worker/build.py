@@ -208,8 +208,8 @@ def choose(setup: Setup, group: Group) -> resume.Chosen:
 
 def defers_init(group: Group) -> bool:
     """Whether a start that may resume leaves the initial values undrawn until it knows it does
-    not: on CPU, the dense build draws the whole model on every rank (0.06 s of a standby's
-    0.5 s of CPU on the debug preset, thrown away by every load). The meta build draws only
+    not: on CPU, the dense build draws the whole model on every rank (0.06 s of CPU per rank on
+    the debug preset, thrown away by every load). The meta build draws only
     this rank's shards, and on an accelerator drawing is cheap."""
     return group.device_type == "cpu" and not group.meta_init
 
