@@ -72,6 +72,7 @@ class PreparedRanks:
         self._endings: set[asyncio.Future] = set()
         self.over = False
         self.ready_said = False
+        self.launching = False  # its nodes' launches are still being started
 
     def ensure(self) -> None:
         """Keep prepared ranks from now on (launched once the standby is ready)."""
@@ -88,7 +89,7 @@ class PreparedRanks:
         number = self.number = self.next_number()
         self.table = AttemptTable(number, per_node * len(nodes), time.monotonic())
         self.overrides = dict(resolved.worker_overrides)
-        self.ready_said = False
+        self.ready_said, self.launching = False, True
         folder = resolved.run_dir / "attempts" / f"{number:03d}"
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,9 @@ class PreparedRanks:
             watch = asyncio.ensure_future(self._watch(node, run))
             self._watches.add(watch)
             watch.add_done_callback(self._watches.discard)
+        self.launching = False
         self.job.emit("prepared_launch", attempt=number, nodes=nodes, world=self.table.world)
+        self._say_if_ready(time.monotonic())  # a forked rank may wait before the last launch
 
     async def _watch(self, node: str, run: Launched) -> None:
         """A kept node's prepared ranks that end while they wait are said at once (the node
@@ -127,7 +130,13 @@ class PreparedRanks:
         if table is None or msg["attempt"] != table.attempt:
             return
         table.update(msg, now)
-        if self.ready_said or msg["kind"] != "phase":  # only a phase moves one to waiting
+        if msg["kind"] == "phase":  # only a phase moves one to waiting
+            self._say_if_ready(now)
+
+    def _say_if_ready(self, now: float) -> None:
+        """`prepared_ready` once every node's launch is started and all its ranks wait."""
+        table = self.table
+        if table is None or self.ready_said or self.launching:
             return
         waiting, per_node = self.ready(), self.job.resolved.cfg.launch.ranks_per_node
         if waiting and all(len(w) == per_node for w in waiting.values()):
