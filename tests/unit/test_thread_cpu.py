@@ -10,7 +10,7 @@ import torch
 
 from tests.unit.tier_support import cpu_tier, trained_linear
 from worker.ckpt.memory import tier
-from worker.ckpt.memory.thread_cpu import ThreadCpu, runtime_s
+from worker.ckpt.memory.thread_cpu import ThreadCpu, cpu_sharers, runtime_s
 
 SPIN_S = 0.05
 
@@ -54,9 +54,22 @@ def test_a_copy_on_cpu_reports_what_the_tier_s_threads_ran(tmp_path):
         deadline = time.monotonic() + 30
         while t.sealed != step and time.monotonic() < deadline:
             time.sleep(0.01)
-        spent.append(t.wait_copied().background_seconds)
+        report = t.wait_copied()
+        spent.append(report.background_seconds)
+        assert report.cpu_sharers == 1  # the one rank of its group on this host
     t.close(remove=False)
     assert all(s > 0 for s in spent), spent
+
+
+def test_the_ranks_that_keep_a_host_s_cores_busy_all_count():
+    """Ranks that fill the cores: each one's tier CPU holds all of them up (the ranks on the
+    host count); cores to spare: one rank's CPU stands for the copy."""
+    assert cpu_sharers(3, 1, 2) == 3  # the mixed soak's 3 ranks on 2 cores
+    assert cpu_sharers(2, 1, 2) == 2
+    assert cpu_sharers(4, 8, 32) == 4  # 4 ranks of 8 threads: every core
+    assert cpu_sharers(1, 2, 2) == 1  # one rank alone: its own CPU
+    assert cpu_sharers(2, 1, 8) == 1  # cores to spare
+    assert cpu_sharers(0, 1, 1) == 1
 
 
 def test_a_state_on_a_device_is_not_charged():

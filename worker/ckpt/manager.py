@@ -284,7 +284,7 @@ class SyncManager(CheckpointManager):
             stall = self.memory_handover + copied.wait_seconds
             self.metrics.add_to_next("train/mem_ckpt_stall_seconds", stall)
             self.metrics.add_to_next("train/mem_ckpt_cpu_seconds", copied.background_seconds)
-            self.costs[MEMORY] += stall + copied.background_seconds  # what the steps lost
+            self.costs[MEMORY] += stall + copied.background_seconds * copied.cpu_sharers
             self.metrics.add_to_next("train/mem_ckpt_copy_seconds", copied.copy_seconds)
             if copied.sealed is not None and copied.sealed > self.memory_said:
                 # Sealed (checksummed, on the copy thread after the copy): a relaunch may

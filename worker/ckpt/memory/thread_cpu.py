@@ -1,7 +1,8 @@
 """The CPU time of some of this process's threads: the memory tier's (its copy thread and copy
 worker, the partner link's sender, receiver and ZeroMQ I/O threads). Where the training keeps
 every core busy (a job on CPU), what they run is taken from the steps beside them without
-stalling the loop, so a copy's cost is its stall plus this (`tier.CopyReport.background_seconds`).
+stalling the loop, so a copy's cost is its stall plus this (`tier.CopyReport.background_seconds`)
+times the ranks whose threads do the same on this host's cores (`cpu_sharers`).
 
 Read from `/proc/self/task/<tid>/schedstat` (the time on a CPU, in ns): any thread, ours or
 libzmq's, at full resolution. Where there is no /proc, nothing is counted.
@@ -56,3 +57,13 @@ class ThreadCpu:
                 else:
                     self._live[tid] = max(last, spent)
             return self._gone + sum(self._live.values())
+
+
+def cpu_sharers(host_ranks: int, threads: int, cores: int) -> int:
+    """Pure: how many ranks' tier CPU one rank's stands for in what a copy costs the steps.
+    Where the job's ranks on this host keep its cores busy (`host_ranks` x `threads` >= `cores`),
+    every rank's tier threads take their CPU from its own steps, and the ranks step together:
+    each one's delay holds all of them up at the next collective (3 ranks on 2 cores, a copy
+    every step: the steps lost about 3 times rank 0's stall and CPU). With cores to spare the
+    threads run there, and one rank's CPU is already more than the steps lose."""
+    return max(1, host_ranks) if host_ranks * threads >= cores else 1

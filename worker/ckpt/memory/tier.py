@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from worker.ckpt.memory.slot_file import (
     slot_paths,
 )
 from worker.ckpt.memory.state_view import StateView
-from worker.ckpt.memory.thread_cpu import ThreadCpu
+from worker.ckpt.memory.thread_cpu import ThreadCpu, cpu_sharers
 from worker.ckpt.staging import Loan, bytes_needed
 
 # Free shared memory left after both slots of every rank on the node: a tmpfs filled to the
@@ -66,6 +67,7 @@ class CopyReport:
     # the copy before, partner receipts) but while the loop waited: on CPU, taken from the
     # steps beside them (`thread_cpu`); 0 when the state is on a device.
     background_seconds: float = 0.0
+    cpu_sharers: int = 1  # the ranks whose threads' CPU this rank's stands for (`thread_cpu`)
 
 
 class MemoryTier:
@@ -109,6 +111,7 @@ class MemoryTier:
         self.cpu = ThreadCpu()  # the tier's threads: what they take from training on CPU
         self.cpu_charged = _on_cpu(model)
         self._cpu_seen = 0.0
+        self.cpu_sharers = 1  # counted at the first copy (`check_fit`)
         self.view = StateView(model, optimizer)  # taken once, handed again while it is live
         held, _ = find(directory, expect) if self.broken is None else ([], [])
         self.gen = 1 + max((h.gen for h in held), default=0)
@@ -155,6 +158,7 @@ class MemoryTier:
             [0 if problem else 1], dtype=torch.int64, device=collectives.group_device()
         )
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        self.cpu_sharers = host_sharers() if self.cpu_charged else 1  # alike on every rank
         if int(ok[0]):
             return None
         self.enabled = False
@@ -293,14 +297,9 @@ class MemoryTier:
         background = max(0.0, before - self._cpu_seen)
         self._cpu_seen = self.cpu.seconds() if self.cpu_charged else 0.0
         return CopyReport(
-            self._copy_step,
-            waited,
-            stager.copy_seconds,
-            stager.nbytes,
-            self.sealed,
-            self.check_seconds,
-            background,
-        )
+            self._copy_step, waited, stager.copy_seconds, stager.nbytes, self.sealed,
+            self.check_seconds, background, self.cpu_sharers,
+        )  # fmt: skip
 
     def _finish_copy(self) -> None:
         """Block until the copy in flight is done, doing what is left of it on this thread."""
@@ -389,6 +388,13 @@ def room_problem(need: int, total: int, free: int, reusable: int, where: Path) -
         f"{room / gib:.2f} GiB free (keeping {margin / gib:.2f} GiB spare); training without "
         "the memory tier (make room, or set ES_MEM_ROOT to a larger tmpfs)"
     )
+
+
+def host_sharers() -> int:
+    """Collective: `cpu_sharers` for this rank, the job's ranks on its host counted by name."""
+    here = socket.gethostname()
+    hosts = collectives.all_gather_json(here)
+    return cpu_sharers(hosts.count(here), torch.get_num_threads(), len(os.sched_getaffinity(0)))
 
 
 def _on_cpu(model: torch.nn.Module) -> bool:
