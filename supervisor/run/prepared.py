@@ -134,12 +134,14 @@ class PreparedRanks:
             self._say_if_ready(now)
 
     def _say_if_ready(self, now: float) -> None:
-        """`prepared_ready` once every node's launch is started and all its ranks wait."""
+        """`prepared_ready` once every node's launch is started and all its ranks wait (never
+        where a node's launch ended first: `prepared_lost` said so)."""
         table = self.table
         if table is None or self.ready_said or self.launching:
             return
         waiting, per_node = self.ready(), self.job.resolved.cfg.launch.ranks_per_node
-        if waiting and all(len(w) == per_node for w in waiting.values()):
+        every = bool(waiting) and len(waiting) == len(self.launches)
+        if every and all(len(w) == per_node for w in waiting.values()):
             self.ready_said = True
             self.job.emit(
                 "prepared_ready",

@@ -182,6 +182,34 @@ def test_the_keeper_gives_the_new_node_list_its_ranks_and_ends_the_rest(tmp_path
     assert not [p for p in adopted.group.pids if psutil.pid_exists(p)]
 
 
+def test_ready_is_said_once_every_node_s_ranks_wait_and_never_with_a_launch_ended(tmp_path):
+    """`prepared_ready` says every prepared rank waits: not while one node's still starts, and
+    not at all once a node's launch ended first (`prepared_lost` said that one)."""
+
+    async def scenario(lose: bool) -> list[str]:
+        emitted: list = []
+        job, _ = fake_job(tmp_path, ["n0", "n1"], ["n2"], emitted)
+        keeper = PreparedRanks(job, lambda: 5, lambda: True)
+        keeper.ensure()
+        await keeper._task
+        say_waiting(keeper, [0, 2])
+        assert "prepared_ready" not in [e for e, _ in emitted]  # n1's not yet
+        if lose:
+            run = keeper.launches["n1"]
+            for pid in run.pids:
+                os.kill(pid, 9)
+            await run.wait()
+            await asyncio.sleep(0.05)  # its watch says it lost
+        say_waiting(keeper, [1])
+        await keeper.close("job over")
+        return [e for e, _ in emitted]
+
+    said = asyncio.run(scenario(lose=False))
+    assert said.count("prepared_ready") == 1
+    said = asyncio.run(scenario(lose=True))
+    assert "prepared_lost" in said and "prepared_ready" not in said
+
+
 def test_a_node_not_all_waiting_sends_the_relaunch_cold_and_ends_every_one(tmp_path):
     emitted: list = []
 
