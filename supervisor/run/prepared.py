@@ -72,7 +72,7 @@ class PreparedRanks:
         self._endings: set[asyncio.Future] = set()
         self.over = False
         self.ready_said = False
-        self.launching = False  # its nodes' launches are still being started
+        self.nodes: list[str] = []  # the nodes the set is launched on
 
     def ensure(self) -> None:
         """Keep prepared ranks from now on (launched once the standby is ready)."""
@@ -89,7 +89,7 @@ class PreparedRanks:
         number = self.number = self.next_number()
         self.table = AttemptTable(number, per_node * len(nodes), time.monotonic())
         self.overrides = dict(resolved.worker_overrides)
-        self.ready_said, self.launching = False, True
+        self.ready_said, self.nodes = False, nodes
         folder = resolved.run_dir / "attempts" / f"{number:03d}"
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
@@ -110,9 +110,7 @@ class PreparedRanks:
             watch = asyncio.ensure_future(self._watch(node, run))
             self._watches.add(watch)
             watch.add_done_callback(self._watches.discard)
-        self.launching = False
         self.job.emit("prepared_launch", attempt=number, nodes=nodes, world=self.table.world)
-        self._say_if_ready(time.monotonic())  # a forked rank may wait before the last launch
 
     async def _watch(self, node: str, run: Launched) -> None:
         """A kept node's prepared ranks that end while they wait are said at once (the node
@@ -134,13 +132,13 @@ class PreparedRanks:
             self._say_if_ready(now)
 
     def _say_if_ready(self, now: float) -> None:
-        """`prepared_ready` once every node's launch is started and all its ranks wait (never
-        where a node's launch ended first: `prepared_lost` said so)."""
+        """`prepared_ready` once all the ranks of every node of the set wait (never where a
+        node's launch could not start or ended first: `prepared_failed`, `prepared_lost`)."""
         table = self.table
-        if table is None or self.ready_said or self.launching:
+        if table is None or self.ready_said:
             return
         waiting, per_node = self.ready(), self.job.resolved.cfg.launch.ranks_per_node
-        every = bool(waiting) and len(waiting) == len(self.launches)
+        every = bool(waiting) and sorted(waiting) == sorted(self.nodes)
         if every and all(len(w) == per_node for w in waiting.values()):
             self.ready_said = True
             self.job.emit(

@@ -99,7 +99,8 @@ def wait_in_allocation(bed: testbed.Bed, proc: subprocess.Popen, run: Path, what
     except subprocess.TimeoutExpired:
         proc.kill()
         out = ""
-    pytest.fail(f"rc {proc.returncode}; events {events(run)[-5:]}\nnodes "
+    kept = [e for e in events(run) if e["event"].startswith(("prepared_", "standby_"))]
+    pytest.fail(f"rc {proc.returncode}; events {events(run)[-5:]}\nkept {kept}\nnodes "
                 f"{nodes}\nqueue {queue}\nslurmctld:\n"
                 + "\n".join(tail) + f"\noutput:\n{(out or '')[-4000:]}")  # fmt: skip
 

@@ -7,6 +7,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from tests.unit.tier_support import cpu_tier, trained_linear
 from worker.ckpt.memory import tier
@@ -61,15 +62,30 @@ def test_a_copy_on_cpu_reports_what_the_tier_s_threads_ran(tmp_path):
     assert all(s > 0 for s in spent), spent
 
 
-def test_the_ranks_that_keep_a_host_s_cores_busy_all_count():
-    """Ranks that fill the cores: each one's tier CPU holds all of them up (the ranks on the
-    host count); cores to spare: one rank's CPU stands for the copy."""
-    assert cpu_sharers(3, 1, 2) == 3  # the mixed soak's 3 ranks on 2 cores
-    assert cpu_sharers(2, 1, 2) == 2
-    assert cpu_sharers(4, 8, 32) == 4  # 4 ranks of 8 threads: every core
-    assert cpu_sharers(1, 2, 2) == 1  # one rank alone: its own CPU
-    assert cpu_sharers(2, 1, 8) == 1  # cores to spare
-    assert cpu_sharers(0, 1, 1) == 1
+def test_the_ranks_that_want_more_of_the_same_cores_than_there_are_all_count():
+    """Ranks that want more of the cores they share than there are: each one's tier CPU holds
+    all of them up; ranks that just fill them, cores to spare, or each rank pinned to cores of
+    its own: one rank's CPU stands for the copy."""
+    two, all64 = 0b11, (1 << 64) - 1
+    assert cpu_sharers(two, 1, [two, two, two]) == 3  # the mixed soak's 3 ranks on 2 cores
+    assert cpu_sharers(all64, 32, [all64] * 4) == 4  # 4 ranks of 32 threads on 64 cores
+    assert cpu_sharers(two, 1, [two, two]) == 1  # the kills soak's 2 ranks on 2 cores
+    assert cpu_sharers(all64, 16, [all64] * 4) == 1  # 4 ranks of 16 threads: just every core
+    pinned = [((1 << 16) - 1) << (16 * k) for k in range(4)]  # each its own 16 cores
+    assert cpu_sharers(pinned[1], 32, pinned) == 1
+    assert cpu_sharers(two, 2, [two]) == 1  # one rank alone: its own CPU
+    assert cpu_sharers((1 << 8) - 1, 1, [(1 << 8) - 1] * 2) == 1  # cores to spare
+    assert cpu_sharers(two, 1, []) == 1
+
+
+def test_a_rank_alone_in_its_group_counts_itself():
+    """The collective that counts them (the job's ranks on the host, their cores), in a group
+    of one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert tier.host_sharers() == 1
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_state_on_a_device_is_not_charged():

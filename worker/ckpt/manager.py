@@ -239,7 +239,7 @@ class SyncManager(CheckpointManager):
         the previous run's step 6 and went on from there)."""
         self.drain()
         memory_at = None
-        if self.memory is not None and self.memory.enabled:
+        if self.memory is not None and memory.on_everywhere(self.memory):
             memory_at = (self.memory.directory, self.memory.expect)
         chosen = resume.choose_tiers(
             self.base.root,

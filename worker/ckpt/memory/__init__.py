@@ -58,7 +58,7 @@ from worker.ckpt.memory.slot_file import (
     read_into,
     slot_paths,
 )
-from worker.ckpt.memory.tier import MemoryTier, room_problem
+from worker.ckpt.memory.tier import MemoryTier, on_everywhere, room_problem
 
 __all__ = [
     "CHECK_CHUNK",
@@ -86,6 +86,7 @@ __all__ = [
     "inspect",
     "job_dir",
     "newest_common",
+    "on_everywhere",
     "page_sums_crc",
     "read_header",
     "read_into",

@@ -2,7 +2,7 @@
 worker, the partner link's sender, receiver and ZeroMQ I/O threads). Where the training keeps
 every core busy (a job on CPU), what they run is taken from the steps beside them without
 stalling the loop, so a copy's cost is its stall plus this (`tier.CopyReport.background_seconds`)
-times the ranks whose threads do the same on this host's cores (`cpu_sharers`).
+times the ranks whose threads do the same on the same cores (`cpu_sharers`).
 
 Read from `/proc/self/task/<tid>/schedstat` (the time on a CPU, in ns): any thread, ours or
 libzmq's, at full resolution. Where there is no /proc, nothing is counted.
@@ -10,8 +10,10 @@ libzmq's, at full resolution. Where there is no /proc, nothing is counted.
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def runtime_s(tid: int) -> float | None:
@@ -59,11 +61,18 @@ class ThreadCpu:
             return self._gone + sum(self._live.values())
 
 
-def cpu_sharers(host_ranks: int, threads: int, cores: int) -> int:
+def cpu_sharers(affinity: int, threads: int, host_affinities: Sequence[int]) -> int:
     """Pure: how many ranks' tier CPU one rank's stands for in what a copy costs the steps.
-    Where the job's ranks on this host keep its cores busy (`host_ranks` x `threads` >= `cores`),
-    every rank's tier threads take their CPU from its own steps, and the ranks step together:
-    each one's delay holds all of them up at the next collective (3 ranks on 2 cores, a copy
-    every step: the steps lost about 3 times rank 0's stall and CPU). With cores to spare the
-    threads run there, and one rank's CPU is already more than the steps lose."""
-    return max(1, host_ranks) if host_ranks * threads >= cores else 1
+    `affinity`: the cores this rank may run on, as a bit mask; `host_affinities`: those of the
+    job's ranks on its host, its own included. The ranks whose cores overlap its own share them;
+    where they want more of those cores than there are (ranks x `threads` > cores), a rank's tier
+    threads, while their own rank waits in a collective, take a core another rank's training
+    wanted, and the ranks step together: each one's delay holds all of them up at the next
+    collective (3 ranks on 2 cores, a copy every step: the steps lost about 3 times rank 0's
+    stall and CPU, the stall a few ms of it; the stall is a wait they share, counted once).
+    Where they just fill them (2 ranks on 2 cores) the threads run on the core their waiting rank
+    leaves idle, with cores to spare they run there, and with its cores its own (pinned) a rank's
+    threads delay only its steps: its own CPU stands for the copy."""
+    sharing = [a for a in host_affinities if a & affinity] or [affinity]
+    cores = bin(functools.reduce(operator.or_, sharing, affinity)).count("1")
+    return len(sharing) if len(sharing) * threads > cores else 1

@@ -158,7 +158,7 @@ class MemoryTier:
             [0 if problem else 1], dtype=torch.int64, device=collectives.group_device()
         )
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        self.cpu_sharers = host_sharers() if self.cpu_charged else 1  # alike on every rank
+        self.cpu_sharers = host_sharers() if self.cpu_charged else 1  # every rank joins
         if int(ok[0]):
             return None
         self.enabled = False
@@ -391,10 +391,20 @@ def room_problem(need: int, total: int, free: int, reusable: int, where: Path) -
 
 
 def host_sharers() -> int:
-    """Collective: `cpu_sharers` for this rank, the job's ranks on its host counted by name."""
-    here = socket.gethostname()
-    hosts = collectives.all_gather_json(here)
-    return cpu_sharers(hosts.count(here), torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    """Collective: `cpu_sharers` for this rank, from the job's ranks on its host (by host name)
+    and the cores each may run on."""
+    here, mask = socket.gethostname(), sum(1 << core for core in os.sched_getaffinity(0))
+    every = collectives.all_gather_json([here, hex(mask)])
+    host = [int(theirs, 16) for name, theirs in every if name == here]
+    return cpu_sharers(mask, torch.get_num_threads(), host)
+
+
+def on_everywhere(tier: MemoryTier) -> bool:
+    """Collective: whether the tier is on at every rank (a copy or seal that failed turns it off
+    at that rank alone; a choice among its slots is a collective of all or none)."""
+    on = torch.tensor([int(tier.enabled)], dtype=torch.int64, device=collectives.group_device())
+    dist.all_reduce(on, op=dist.ReduceOp.MIN)
+    return bool(on[0])
 
 
 def _on_cpu(model: torch.nn.Module) -> bool:
