@@ -70,9 +70,10 @@ def cpu_sharers(affinity: int, threads: int, host_affinities: Sequence[int]) -> 
     wanted, and the ranks step together: each one's delay holds all of them up at the next
     collective (3 ranks on 2 cores, a copy every step: the steps lost about 3 times rank 0's
     stall and CPU, the stall a few ms of it; the stall is a wait they share, counted once).
-    Where they just fill them (2 ranks on 2 cores) the threads run on the core their waiting rank
-    leaves idle, with cores to spare they run there, and with its cores its own (pinned) a rank's
-    threads delay only its steps: its own CPU stands for the copy."""
+    With cores to spare the threads run there, and with its cores its own (pinned) a rank's
+    threads delay only its steps: its own CPU stands for the copy. So it does where the ranks
+    just fill the cores (2 ranks on 2 cores), as before: counted twice there, the kills soak did
+    no better, within the host's swings (docs/benchmarks.md, soak.py)."""
     sharing = [a for a in host_affinities if a & affinity] or [affinity]
     cores = bin(functools.reduce(operator.or_, sharing, affinity)).count("1")
     return len(sharing) if len(sharing) * threads > cores else 1
