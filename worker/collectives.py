@@ -25,6 +25,13 @@ def group_device() -> torch.device:
     return torch.device("cpu")
 
 
+def all_true(flag: bool) -> bool:
+    """Whether `flag` holds on every rank (one all-reduce of a number)."""
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=group_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value[0])
+
+
 def broadcast_json(value: Any, src: int = 0) -> Any:
     """`value` of rank `src`, on every rank."""
     device = group_device()

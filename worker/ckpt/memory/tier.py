@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
@@ -154,12 +153,9 @@ class MemoryTier:
         problem = self.broken or fit_problem(
             self.directory, need * SLOTS * copies, self._reusable()
         )
-        ok = torch.tensor(
-            [0 if problem else 1], dtype=torch.int64, device=collectives.group_device()
-        )
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        ok = collectives.all_true(not problem)
         self.cpu_sharers = host_sharers() if self.cpu_charged else 1  # every rank joins
-        if int(ok[0]):
+        if ok:
             return None
         self.enabled = False
         self.off_reason = problem or "another node lacks the shared memory for both slots"
@@ -402,9 +398,7 @@ def host_sharers() -> int:
 def on_everywhere(tier: MemoryTier) -> bool:
     """Collective: whether the tier is on at every rank (a copy or seal that failed turns it off
     at that rank alone; a choice among its slots is a collective of all or none)."""
-    on = torch.tensor([int(tier.enabled)], dtype=torch.int64, device=collectives.group_device())
-    dist.all_reduce(on, op=dist.ReduceOp.MIN)
-    return bool(on[0])
+    return collectives.all_true(tier.enabled)
 
 
 def _on_cpu(model: torch.nn.Module) -> bool:
