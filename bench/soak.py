@@ -27,7 +27,10 @@ Figures, per system: progress (the highest step rank 0 recorded by the window's 
 detection, downtime (failure -> the next attempt's first step), steps lost, the relaunch (warm,
 prepared or cold) and where the resume came from (memory, partner or durable), and its cost:
 the seconds from it to the next failure (or the window's end) less the clean time of the steps
-gained meanwhile (the costs add up to the whole deficit). Bit-exactness: every record's loss
+gained meanwhile (the costs add up to the whole deficit). The work redone: the steps in flight
+at the failures that ended an attempt and the steps they lost, in seconds, and the goodput a
+window whose only loss that was would have (its ceiling: no relaunch however quick does better;
+soak_figures.redone). Bit-exactness: every record's loss
 against the clean run's at the same step (same system); after a `nan` against the worker run
 alone with the skipped data positions (soak_reference). Then the ratio project / torchrun.
 `--runs N` repeats everything and gives medians. Each run is A's traced window, A's clean,
@@ -58,6 +61,7 @@ import soak_reference  # noqa: E402
 import soak_torchrun  # noqa: E402
 from soak_figures import (  # noqa: E402
     Numeric,
+    ceiling_over,
     exactness,
     goodput,
     interval_costs,
@@ -65,6 +69,7 @@ from soak_figures import (  # noqa: E402
     numerics,
     pace,
     progress,
+    redone,
     run_ratios,
     skip_positions,
     window_order,
@@ -222,6 +227,10 @@ def figures(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict:
     cost = {x.fault.index: c for x, c in zip(given, spent, strict=True)}
     for row in traced.rows:
         row["cost_s"] = cost.get(row["index"])
+    at = {x.fault.index: x.wall for x in given}
+    ended = [(at[r["index"]], r["lost"]) for r in traced.rows
+             if r.get("lost") is not None and at.get(r["index"]) is not None]  # fmt: skip
+    thrown = redone(traced.records, ended, per_step) if per_step else None
     shifts = [x.wall - traced.t0 - x.fault.at_s for x in traced.fired if x.wall is not None]
     out = {
         "clean_steps": clean_steps, "trace_steps": steps, "goodput": goodput(steps, clean_steps),
@@ -230,6 +239,7 @@ def figures(args, traced: Outcome, clean: Outcome | None, tmp: Path) -> dict:
         "given": [[x.fault.index, x.fault.kind, x.how] for x in traced.fired],
         "late_s": [round(s, 2) for s in shifts], "rows": traced.rows, "notes": traced.notes,
         "standby_cpu_s": median(traced.standby_cpu_s),
+        "redone_s": thrown, "ceiling": ceiling_over(thrown, args.duration) if thrown else None,
     }  # fmt: skip
     out["exact"] = check(args, traced, clean, tmp)
     return out
@@ -273,6 +283,7 @@ def summarize(runs: list[dict]) -> dict:
         "clean_steps": median(r["clean_steps"] for r in runs),
         "trace_steps": median(r["trace_steps"] for r in runs),
         "goodput": median(r["goodput"] for r in runs),
+        "ceiling": median(r.get("ceiling") for r in runs),
         "by_kind": kinds,
         "relaunch": dict(Counter(r["relaunch"] for r in rows if r.get("relaunch"))),
         "source": dict(Counter(r["source"] for r in rows if r.get("source"))),
@@ -323,6 +334,11 @@ def show_run(system: str, i: int, f: dict) -> None:
               f"{fmt(r.get('downtime_s')):>7} {fmt(r.get('lost')):>5} "
               f"{fmt(r.get('relaunch')):>9} {fmt(r.get('source')):>8} "
               f"{fmt(r.get('cost_s')):>7}")  # fmt: skip
+    if f.get("redone_s"):
+        r = f["redone_s"]
+        print(f"  redone: the steps in flight at the failures {r['in_flight_s']:.1f} s, the "
+              f"steps lost {r['lost_s']:.1f} s; with nothing else lost, goodput "
+              f"{f['ceiling']:.3f}")  # fmt: skip
     not_given = [g for g in f["given"] if g[2].startswith("not given")]
     for idx, kind, how in not_given:
         print(f"  {idx:>3} {kind:<9} {how}")
@@ -344,7 +360,8 @@ def show_run(system: str, i: int, f: dict) -> None:
 
 def show_summary(system: str, s: dict) -> None:
     print(f"\n== {system}: clean {fmt(s['clean_steps'])} steps, trace {fmt(s['trace_steps'])} "
-          f"steps, goodput {fmt(s['goodput'], 3)} (medians)")  # fmt: skip
+          f"steps, goodput {fmt(s['goodput'], 3)} (medians); with nothing lost but the steps "
+          f"redone, {fmt(s['ceiling'], 3)}")  # fmt: skip
     print(f"  {'kind':<9} {'n':>3} {'detect':>7} {'down':>7} {'lost':>5} {'cost':>7}")
     for kind, k in s["by_kind"].items():
         print(f"  {kind:<9} {k['n']:>3} {fmt(k['detection_s']):>7} {fmt(k['downtime_s']):>7} "

@@ -44,6 +44,22 @@ def interval_costs(
     return out
 
 
+def redone(records: Sequence[dict], lost: Sequence[tuple[float, int]], pace_s: float) -> dict:
+    """The work the failures threw away, which a relaunch however quick must do again: per
+    failure that ended an attempt (`lost`: its wall time and the steps it lost), the step in
+    flight (from the newest step done before it to the failure) and the steps done since the
+    checkpoint resumed from (at `pace_s` each). `ceiling`: the goodput of a window whose only
+    loss that was (1 - the seconds over the window: `ceiling_over`)."""
+    flight = sum(t - max((r["t"] for r in records if r["t"] <= t), default=t) for t, _ in lost)
+    steps = sum(n for _, n in lost) * pace_s
+    return {"in_flight_s": flight, "lost_s": steps}
+
+
+def ceiling_over(redone_s: dict, duration_s: float) -> float:
+    """Goodput with nothing lost but `redone` (`redone`'s dict): 1 - its seconds / the window."""
+    return 1.0 - (redone_s["in_flight_s"] + redone_s["lost_s"]) / duration_s
+
+
 def after_failures(records: Sequence[dict], fired: Sequence[float]) -> list[dict]:
     """Per failure that ended an attempt (`fired`: sorted wall times), from rank 0's records of
     a launcher that says nothing else: the next start's first step (the first record after it

@@ -92,6 +92,16 @@ def test_interval_costs_add_up_to_the_deficit():
     assert sum(costs) == pytest.approx((30.0 - 10.0) - (26 - 10) * 1.0)
 
 
+def test_the_work_redone_is_the_step_in_flight_and_the_steps_lost():
+    # 1 s a step; killed 0.4 s into step 11 (lost 2: resumed from 8), then 0.9 s into step 21
+    # (lost 0); a failure before any step throws no step in flight away.
+    records = [rec(s, float(s)) for s in range(1, 11)] + [rec(s, s + 3.0) for s in range(9, 18)]
+    records += [rec(s, s + 5.0) for s in range(18, 25)]
+    got = fig.redone(records, [(10.4, 2), (20.9, 0), (0.5, 0)], pace_s=1.0)
+    assert got == pytest.approx({"in_flight_s": 1.3, "lost_s": 2.0})
+    assert fig.ceiling_over(got, duration_s=100.0) == pytest.approx(0.967)
+
+
 def test_a_nan_s_skip_stays_unless_a_later_resume_goes_back_before_it():
     found = fig.numerics(bad=[(0, 20), (2, 50)], resumes=[(1, 30), (2, 40), (3, 45)])
     assert [(n.step, n.stayed) for n in found] == [(20, True), (50, False)]
