@@ -48,8 +48,8 @@ def redone(records: Sequence[dict], lost: Sequence[tuple[float, int]], pace_s: f
     """The work the failures threw away, which a relaunch however quick must do again: per
     failure that ended an attempt (`lost`: its wall time and the steps it lost), the step in
     flight (from the newest step done before it to the failure) and the steps done since the
-    checkpoint resumed from (at `pace_s` each). `ceiling`: the goodput of a window whose only
-    loss that was (1 - the seconds over the window: `ceiling_over`)."""
+    checkpoint resumed from (at `pace_s` each), in seconds. The goodput of a window whose only
+    loss that was, its ceiling, is `ceiling_over`."""
     flight = sum(t - max((r["t"] for r in records if r["t"] <= t), default=t) for t, _ in lost)
     steps = sum(n for _, n in lost) * pace_s
     return {"in_flight_s": flight, "lost_s": steps}
